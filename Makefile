@@ -1,0 +1,32 @@
+# Each target sets up what it needs from nothing: a .venv with the package and its dependencies.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SRC := pyproject.toml setup.py native/kvindex.c
+
+.PHONY: serve test stress bench lint clean
+
+$(STAMP): $(SRC)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/kvstore serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/test_keytable.py tests/test_index.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvstore tests bench
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_pool.py
+	$(BIN)/python bench/bench_index.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info kvstore/*.so

@@ -1,0 +1,163 @@
+"""`kvstore serve | stats | ls | resize | evict | ping` — human tables by default, `--json` for scripts."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any, Sequence
+
+from kvstore.units import format_size, parse_size
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConnectionError as e:
+        print(f"kvstore: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from kvstore.client import KVStoreError
+        from kvstore.config import ConfigError
+
+        if isinstance(e, (KVStoreError, ConfigError, ValueError)):
+            print(f"kvstore: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstore", description="Per-node KV-cache daemon for LLM inference engines.")
+    p.add_argument("--socket", help="daemon socket (default: the configured one)")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the daemon in the foreground")
+    s.add_argument("--config", help="YAML file over the embedded default (configs/default.yaml)")
+    s.add_argument("--capacity", help="host pool size, e.g. 8GiB (overrides the configuration)")
+    s.set_defaults(func=cmd_serve)
+    for name, func, text in (("stats", cmd_stats, "capacity, use and counters per tier"),
+                             ("ping", cmd_ping, "check that the daemon answers")):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("--json", action="store_true")
+        c.set_defaults(func=func)
+    c = sub.add_parser("ls", help="namespaces and their blocks")
+    c.add_argument("--ns", type=int, help="also list this namespace's block hashes")
+    c.add_argument("--limit", type=int, default=20)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_ls)
+    c = sub.add_parser("resize", help="grow or shrink the host pool online")
+    c.add_argument("size", help="new capacity, e.g. 16GiB")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_resize)
+    c = sub.add_parser("evict", help="evict unpinned blocks")
+    g = c.add_mutually_exclusive_group(required=True)
+    g.add_argument("--all", action="store_true")
+    g.add_argument("--bytes", help="free at least this much, e.g. 1GiB")
+    c.add_argument("--ns", type=int, help="only this namespace")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_evict)
+    return p
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from kvstore.client import Client
+
+    if args.socket:
+        return Client(args.socket)
+    from kvstore.config import load_config
+
+    return Client(load_config().server.socket)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _out(args: argparse.Namespace, data: Any, human: str) -> None:
+    print(json.dumps(data, indent=2, default=str) if args.json else human)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from kvstore.config import load_config
+    from kvstore.server import Daemon, SocketInUse
+
+    if args.socket:
+        os.environ["KVSTORE_SERVER_SOCKET"] = args.socket
+    if args.capacity:
+        os.environ["KVSTORE_POOL_CAPACITY"] = args.capacity
+    cfg = load_config(args.config or os.environ.get("KVSTORE_CONFIG"))
+    logging.basicConfig(level=cfg.log.level.upper(), format="%(asctime)s kvstore %(levelname)s %(message)s")
+    try:
+        Daemon(cfg).serve()
+    except SocketInUse as e:
+        print(f"kvstore: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        t0 = time.perf_counter()
+        c.ping()
+        rtt = time.perf_counter() - t0
+    _out(args, {"ok": True, "rtt_us": rtt * 1e6}, f"pong from {c.path} in {rtt * 1e6:.0f} µs")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        s = c.stats()
+    tiers = _table(["tier", "capacity", "mapped", "used", "resident", "blocks", "segments"],
+                   [[t["tier"], format_size(t["capacity_bytes"]), format_size(t["mapped_bytes"]),
+                     format_size(t["used_bytes"]), format_size(t["resident_bytes"]), t["blocks"], t["segments"]]
+                    for t in s["tiers"]])
+    counters = _table(["counter", "value"], [[k, v] for k, v in s["counters"].items()]
+                      + [["errors." + k, v] for k, v in sorted(s["errors"].items())])
+    lat = _table(["op", "count", "p50", "p99", "mean"],
+                 [[op, h["count"], _us(h["p50"]), _us(h["p99"]), _us(h["sum"] / max(h["count"], 1))]
+                  for op, h in sorted(s["latency"].items())])
+    head = (f"kvstore {s['version']} pid {s['pid']} up {s['uptime_s']:.0f} s — {s['connections']} connection(s), "
+            f"{s['namespaces']} namespace(s), {s['pinned']} pinned, {s['reserved']} reserved")
+    _out(args, s, f"{head}\n\n{tiers}\n\n{counters}\n\n{lat}")
+    return 0
+
+
+def _us(seconds: float) -> str:
+    return "inf" if seconds == float("inf") else f"≤{seconds * 1e6:.0f} µs"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        data = c.list(args.ns, args.limit)
+    rows = [[n["id"], n["model"], n["group"], n["adapter"] or "-", n["tp"], n["role"], n["digest"][:12],
+             n["blocks"], format_size(n["bytes"]), format_size(n["slot_bytes"])] for n in data["namespaces"]]
+    text = _table(["ns", "model", "group", "adapter", "tp", "role", "digest", "blocks", "bytes", "block"], rows)
+    if "keys" in data:
+        text += "\n\n" + _table(["hash", "slot"], [[k.hex(), f"{gid >> 32}:{gid & 0xFFFFFFFF}"]
+                                                   for k, gid in data["keys"]])
+        data["keys"] = [[k.hex(), gid] for k, gid in data["keys"]]
+    _out(args, data, text)
+    return 0
+
+
+def cmd_resize(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        r = c.resize(parse_size(args.size))
+    _out(args, r, f"host pool capacity {format_size(r['capacity'])} (mapped {format_size(r['mapped_bytes'])}): "
+                  f"released {r['released_segments']} segment(s), evicted {r['evicted']} block(s), "
+                  f"{format_size(r['draining_bytes'])} draining behind pins, in {r['seconds'] * 1e3:.2f} ms")
+    return 0
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        r = c.evict(parse_size(args.bytes) if args.bytes else 0, args.all, args.ns)
+    _out(args, r, f"evicted {r['blocks']} block(s), {format_size(r['bytes'])}")
+    return 0

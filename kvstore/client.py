@@ -1,0 +1,359 @@
+"""The client library: talks to the local daemon over its Unix socket and maps the host pool's segments, so a
+block moves with one copy between the caller's buffer and a shared slot. Sync; `kvstore.aio` wraps it for asyncio.
+
+    with Client() as c:
+        ns = c.namespace(NamespaceSpec("llama-8b", Geometry(layers=32, tokens=16, kv_heads=8, head_dim=128)))
+        ns.put(hashes, blocks)           # reserve → copy → commit, in batches
+        n = ns.lookup(hashes)            # longest stored prefix
+        ns.get(hashes[:n], outs)         # acquire → copy → release
+
+Layer by layer: `ns.reserve(hashes)` gives a Reservation whose `write_layer(i, srcs)` fills layer i of every
+block (engines save as each layer finishes) and `commit()` publishes the Full Blocks; `ns.acquire(hashes)` gives a
+Lease whose `read_layer(i, dsts)` loads layer i of the prefix, and `release()` unpins it.
+
+A Client is not thread-safe: use one per thread (they are cheap), or the asyncio flavour.
+"""
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import socket
+from array import array
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from kvstore.config import default_socket_path
+from kvstore.copy import Copier, as_bytes
+from kvstore.geometry import Geometry
+from kvstore.keys import NamespaceSpec, pack_keys
+from kvstore.protocol import HASH_BYTES, HEADER, VERSION, decode, encode
+
+MAX_FDS = 253
+
+
+class KVStoreError(Exception):
+    """The daemon refused a request: `code` is one of kvstore.protocol.Code, `message` says why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class _Mapped:
+    __slots__ = ("mm", "arr", "slot_bytes", "nslots")
+
+    def __init__(self, fd: int, slot_bytes: int, nslots: int) -> None:
+        self.mm = mmap.mmap(fd, slot_bytes * nslots, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
+        self.slot_bytes = slot_bytes
+        self.nslots = nslots
+
+    def close(self) -> None:
+        self.arr = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the daemon already returned the pages
+
+
+class Client:
+    def __init__(self, path: str | None = None, copy_threads: int = 1, timeout: float | None = 30.0) -> None:
+        self.path = path or os.environ.get("KVSTORE_SERVER_SOCKET") or default_socket_path()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            self.sock.close()
+            raise ConnectionError(f"no kvstore daemon at {self.path} ({e.strerror}); start one with "
+                                  f"`kvstore serve` or `make serve`") from None
+        self._ids = itertools.count(1)
+        self._segments: dict[int, _Mapped] = {}
+        self.copier = Copier(copy_threads)
+        self.max_keys = 1024
+        self.generation = -1
+
+    # ----- plumbing -----
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one request, wait for its reply; raise KVStoreError on a refusal."""
+        reply, _ = self._roundtrip(op, fields, want_fds=False)
+        return reply
+
+    def _roundtrip(self, op: str, fields: dict[str, Any], want_fds: bool) -> tuple[dict[str, Any], list[int]]:
+        rid = next(self._ids)
+        self.sock.sendall(encode({"v": VERSION, "op": op, "id": rid, **fields}))
+        body, fds = self._recv_frame(want_fds)
+        reply = decode(body)
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            err = reply.get("error") or {}
+            raise KVStoreError(err.get("code", "?"), err.get("message", "?"))
+        return reply, fds
+
+    def _recv_frame(self, want_fds: bool) -> tuple[bytes, list[int]]:
+        buf, fds = bytearray(), []
+        need = HEADER.size
+        while len(buf) < need:
+            if want_fds:
+                data, anc, _, _ = self.sock.recvmsg(need - len(buf), socket.CMSG_SPACE(MAX_FDS * 4))
+                for level, kind, payload in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
+            else:
+                data = self.sock.recv(need - len(buf))
+            if not data:
+                raise ConnectionError(f"the kvstore daemon at {self.path} closed the connection")
+            buf += data
+            if len(buf) == HEADER.size and need == HEADER.size:
+                need += HEADER.unpack(buf)[0]
+        return bytes(buf[HEADER.size:]), fds
+
+    def _map(self, seg_ids: Iterable[int]) -> None:
+        wanted = sorted(set(seg_ids) - set(self._segments))
+        for start in range(0, len(wanted), 200):
+            reply, fds = self._roundtrip("segments", {"ids": wanted[start:start + 200]}, want_fds=True)
+            try:
+                for (sid, slot_bytes, nslots), fd in zip(reply["segments"], fds):
+                    self._segments[sid] = _Mapped(fd, slot_bytes, nslots)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            for sid in set(self._segments) - set(reply["live"]):
+                self._segments.pop(sid).close()   # released by a shrink
+            self.generation = reply["generation"]
+
+    def slot(self, gid: int) -> np.ndarray:
+        """The shared bytes of one slot (writable uint8 view)."""
+        seg = self._segments.get(gid >> 32)
+        if seg is None:
+            self._map([gid >> 32])
+            seg = self._segments[gid >> 32]
+        i = gid & 0xFFFFFFFF
+        return seg.arr[i * seg.slot_bytes:(i + 1) * seg.slot_bytes]
+
+    def _views(self, gids: Sequence[int]) -> list[np.ndarray]:
+        self._map(g >> 32 for g in gids if g and (g >> 32) not in self._segments)
+        return [self.slot(g) for g in gids]
+
+    # ----- namespaces and admin -----
+    def namespace(self, spec: NamespaceSpec) -> "Namespace":
+        reply = self.call("hello", namespace=spec.to_dict(), client=f"pid {os.getpid()}")
+        self.max_keys = reply["max_keys"]
+        return Namespace(self, reply["ns"], spec)
+
+    def ping(self) -> dict[str, Any]:
+        return self.call("ping")
+
+    def stats(self) -> dict[str, Any]:
+        return self.call("stats")
+
+    def list(self, ns: int | None = None, limit: int = 100) -> dict[str, Any]:
+        return self.call("list", **({"ns": ns, "limit": limit} if ns is not None else {}))
+
+    def resize(self, nbytes: int) -> dict[str, Any]:
+        return self.call("resize", bytes=nbytes)
+
+    def evict(self, nbytes: int = 0, everything: bool = False, ns: int | None = None) -> dict[str, Any]:
+        fields: dict[str, Any] = {"all": everything} if everything else {"bytes": nbytes}
+        if ns is not None:
+            fields["ns"] = ns
+        return self.call("evict", **fields)
+
+    def close(self) -> None:
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
+        self.copier.close()
+        self.sock.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Namespace:
+    """Blocks of one namespace: its geometry fixes every block's size."""
+
+    def __init__(self, client: Client, nid: int, spec: NamespaceSpec) -> None:
+        self.client = client
+        self.id = nid
+        self.spec = spec
+        self.geometry: Geometry = spec.geometry
+        self.block_bytes = spec.geometry.full_bytes
+
+    def _batches(self, hashes: Sequence[bytes]) -> Iterable[bytes]:
+        blob = pack_keys(hashes)
+        step = self.client.max_keys * HASH_BYTES
+        for i in range(0, len(blob), step):
+            yield blob[i:i + step]
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of `hashes` the daemon holds."""
+        total = 0
+        for blob in self._batches(hashes):
+            n = self.client.call("lookup", ns=self.id, keys=blob)["n"]
+            total += n
+            if n < len(blob) // HASH_BYTES:
+                break
+        return total
+
+    def reserve(self, hashes: Sequence[bytes]) -> "Reservation":
+        keys = pack_keys(hashes)
+        if len(keys) > self.client.max_keys * HASH_BYTES:
+            raise ValueError(f"reserve takes at most {self.client.max_keys} blocks at a time")
+        reply = self.client.call("reserve", ns=self.id, keys=keys)
+        return Reservation(self, keys, reply["slots"], reply["status"])
+
+    def acquire(self, hashes: Sequence[bytes]) -> "Lease":
+        keys = pack_keys(hashes)
+        if len(keys) > self.client.max_keys * HASH_BYTES:
+            raise ValueError(f"acquire takes at most {self.client.max_keys} blocks at a time")
+        reply = self.client.call("acquire", ns=self.id, keys=keys)
+        return Lease(self, reply["slots"])
+
+    def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32) -> "PutResult":
+        """Store whole blocks: reserve → copy → commit, `batch` blocks per message."""
+        if len(hashes) != len(blocks):
+            raise ValueError(f"{len(hashes)} hashes but {len(blocks)} blocks")
+        result = PutResult()
+        for i in range(0, len(hashes), batch):
+            with self.reserve(hashes[i:i + batch]) as r:
+                r.write_blocks(blocks[i:i + batch])
+                r.commit()
+            result.add(r)
+        return result
+
+    def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32) -> int:
+        """Load the longest stored prefix into `outs`; returns how many blocks were loaded."""
+        if len(hashes) != len(outs):
+            raise ValueError(f"{len(hashes)} hashes but {len(outs)} output buffers")
+        done = 0
+        for i in range(0, len(hashes), batch):
+            with self.acquire(hashes[i:i + batch]) as lease:
+                lease.read_blocks(outs[i:i + len(lease)])
+            done += len(lease)
+            if len(lease) < len(hashes[i:i + batch]):
+                break
+        return done
+
+    def delete(self, hashes: Sequence[bytes]) -> int:
+        return sum(self.client.call("delete", ns=self.id, keys=b)["n"] for b in self._batches(hashes))
+
+    def _check(self, bufs: Sequence[Any], nbytes: int, what: str, writable: bool) -> list[np.ndarray]:
+        arrs = [as_bytes(b, writable) for b in bufs]
+        for i, a in enumerate(arrs):
+            if a.nbytes != nbytes:
+                raise ValueError(f"wrong geometry: {what} {i} is {a.nbytes} bytes, namespace {self.id} "
+                                 f"({self.spec.model}) expects {nbytes}")
+        return arrs
+
+
+class PutResult:
+    def __init__(self) -> None:
+        self.stored = self.existed = self.busy = self.no_space = 0
+
+    def add(self, r: "Reservation") -> None:
+        for s in r.status:
+            if s == 0:
+                self.stored += 1
+            elif s == 1:
+                self.existed += 1
+            elif s == 2:
+                self.busy += 1
+            else:
+                self.no_space += 1
+
+    def __repr__(self) -> str:
+        return f"PutResult(stored={self.stored}, existed={self.existed}, busy={self.busy}, no_space={self.no_space})"
+
+
+class Reservation:
+    """Slots reserved for blocks being stored. Invisible to everyone until `commit()`; `abort()` (or leaving the
+    `with` block on an exception, or the connection ending) frees them. `status[i]`: 0 reserved, 1 already stored,
+    2 being stored by another client, 3 no space."""
+
+    def __init__(self, ns: Namespace, keys: bytes, gids: list[int], status: list[int]) -> None:
+        self.ns = ns
+        self.keys = keys
+        self.gids = gids
+        self.status = status
+        self.views = ns.client._views([g for g in gids if g])
+        self.done = False
+
+    @property
+    def reserved(self) -> list[int]:
+        """Positions (in the hashes asked) that got a slot and must be written."""
+        return [i for i, s in enumerate(self.status) if s == 0]
+
+    def _keys_at(self, positions: list[int]) -> bytes:
+        return b"".join(self.keys[i * HASH_BYTES:(i + 1) * HASH_BYTES] for i in positions)
+
+    def write_blocks(self, blocks: Sequence[Any]) -> None:
+        """Copy whole blocks, one per hash asked (blocks for positions not reserved are skipped)."""
+        srcs = self.ns._check([blocks[i] for i in self.reserved], self.ns.block_bytes, "block", False)
+        self.ns.client.copier.copy(list(zip(self.views, srcs)))
+
+    def write_layer(self, layer: int, srcs: Sequence[Any]) -> None:
+        """Copy Layer Block `layer` of every reserved block (one source per hash asked)."""
+        a, b = self.ns.geometry.layer_range(layer)
+        arrs = self.ns._check([srcs[i] for i in self.reserved], b - a, "layer block", False)
+        self.ns.client.copier.copy([(v[a:b], s) for v, s in zip(self.views, arrs)])
+
+    def commit(self) -> int:
+        self.done = True
+        pos = self.reserved
+        if not pos:
+            return 0
+        return int(self.ns.client.call("commit", ns=self.ns.id, keys=self._keys_at(pos))["n"])
+
+    def abort(self) -> None:
+        self.done = True
+        pos = self.reserved
+        if pos:
+            self.ns.client.call("abort", ns=self.ns.id, keys=self._keys_at(pos))
+
+    def __enter__(self) -> "Reservation":
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if not self.done:
+            self.abort()
+
+
+class Lease:
+    """Pinned blocks (the longest stored prefix of the hashes asked): readable until `release()`."""
+
+    def __init__(self, ns: Namespace, gids: list[int]) -> None:
+        self.ns = ns
+        self.gids = gids
+        self.views = ns.client._views(gids)
+        self.released = False
+
+    def __len__(self) -> int:
+        return len(self.gids)
+
+    def read_blocks(self, outs: Sequence[Any]) -> None:
+        dsts = self.ns._check(list(outs)[: len(self)], self.ns.block_bytes, "output block", True)
+        self.ns.client.copier.copy(list(zip(dsts, self.views)))
+
+    def read_layer(self, layer: int, outs: Sequence[Any]) -> None:
+        a, b = self.ns.geometry.layer_range(layer)
+        dsts = self.ns._check(list(outs)[: len(self)], b - a, "output layer block", True)
+        self.ns.client.copier.copy([(d, v[a:b]) for d, v in zip(dsts, self.views)])
+
+    def release(self) -> None:
+        if not self.released and self.gids:
+            self.ns.client.call("release", slots=self.gids)
+        self.released = True
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,55 @@
+"""The client's copy engine: the one copy of each transfer, between a caller's buffer and a shared slot.
+
+numpy's copy releases the GIL, so two threads really copy in parallel; below ~1 MiB per batch a second thread costs
+more than it gives, so small batches stay on the calling thread.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+
+PARALLEL_MIN_BYTES = 1 << 20
+
+
+def as_bytes(buf: Any, writable: bool = False) -> np.ndarray:
+    """A flat uint8 view of a contiguous buffer (bytes, bytearray, memoryview, numpy array, CPU tensor's numpy)."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError("buffers must be C-contiguous (the copy never reorders bytes)")
+        arr = buf.reshape(-1).view(np.uint8)
+    else:
+        arr = np.frombuffer(buf, dtype=np.uint8)
+    if writable and not arr.flags.writeable:
+        raise ValueError("destination buffer is read-only")
+    return arr
+
+
+class Copier:
+    def __init__(self, threads: int = 1) -> None:
+        if threads not in (1, 2, 3, 4):
+            raise ValueError(f"copy_threads must be 1..4, got {threads}")
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvstore-copy") if threads > 1 else None
+
+    def copy(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Copy each (dst, src) pair; all of them have been copied when this returns."""
+        total = sum(src.nbytes for _, src in pairs)
+        if self._pool is None or total < PARALLEL_MIN_BYTES or len(pairs) < 2:
+            _copy_all(pairs)
+            return
+        shares = [pairs[i::self.threads] for i in range(self.threads)]
+        futures = [self._pool.submit(_copy_all, s) for s in shares[1:]]
+        _copy_all(shares[0])
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pairs:
+        np.copyto(dst, src)

@@ -1,0 +1,351 @@
+"""The index: which key lives in which slot, who holds it, and what to evict. It keeps the books; it never moves
+a byte (clients copy into and out of the slots it hands out).
+
+Guarantees
+- Two-phase store: `reserve` hands out slots; the client copies; `commit` makes the blocks visible. Until then no
+  lookup or acquire sees them; `abort` — or the client's connection ending — frees them.
+- `lookup` and `acquire` answer the longest contiguous prefix of the keys asked: a load takes only that prefix.
+- A pinned block (acquired and not yet released) is never evicted, overwritten or freed; a delete of a pinned
+  block hides it at once and frees its slot at the last release. Pins and reservations belong to a connection and
+  are dropped with it.
+- Keys carry their namespace id, so namespaces never see each other's blocks.
+- Allocation never exceeds the pool's cap: a full size class evicts its least valuable unpinned block (the policy
+  decides), or reclaims an idle segment of another size, or answers "no space".
+
+All methods run under the daemon's state lock.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from kvstore.keys import NamespaceSpec
+from kvstore.keytable import KeyTable
+from kvstore.policy import make_policy
+from kvstore.pool import HostPool, Segment, gid_of, split_gid
+from kvstore.protocol import Code, ProtocolError
+
+# Per-key outcome of a reserve.
+RESERVED, EXISTS, IN_PROGRESS, NO_SPACE = 0, 1, 2, 3
+
+
+@dataclass(slots=True)
+class Namespace:
+    id: int
+    spec: NamespaceSpec
+    digest: bytes
+    prefix: bytes               # the 4 bytes that start each of its keys in the table
+    slot_bytes: int
+    blocks: int = 0
+
+
+@dataclass(slots=True)
+class Holdings:
+    """What one connection holds: released when it ends."""
+    reserved: dict[bytes, int] = field(default_factory=dict)   # key → gid
+    pins: Counter[int] = field(default_factory=Counter)        # gid → count
+    namespaces: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class ResizeResult:
+    capacity: int
+    released_segments: int
+    evicted: int
+    draining_bytes: int
+    seconds: float
+
+
+class Index:
+    def __init__(self, pool: HostPool, policy: str = "lru") -> None:
+        self.pool = pool
+        self.table = KeyTable()
+        self.policy = make_policy(policy, self.table)
+        self.namespaces: dict[int, Namespace] = {}
+        self._by_digest: dict[bytes, Namespace] = {}
+        self._class_ids: dict[int, int] = {}        # slot bytes → policy class id
+        self.pending: dict[bytes, int] = {}         # reserved keys (any connection) → gid
+        self.pins: Counter[int] = Counter()         # gid → pins across connections
+        self.zombies: dict[int, bytes] = {}         # deleted while pinned: gid → key, freed at last release
+        self.counters: Counter[str] = Counter()
+
+    # ----- namespaces -----
+    def register(self, spec: NamespaceSpec, holder: Holdings) -> Namespace:
+        digest = spec.digest()
+        ns = self._by_digest.get(digest)
+        if ns is None:
+            slot = spec.geometry.full_bytes
+            if slot > self.pool.capacity:
+                raise ProtocolError(Code.WRONG_GEOMETRY, f"a block of this geometry is {slot} bytes, larger than "
+                                                         f"the whole pool ({self.pool.capacity} bytes)")
+            nid = len(self.namespaces) + 1
+            ns = Namespace(nid, spec, digest, nid.to_bytes(4, "big"), slot)
+            self.namespaces[nid] = ns
+            self._by_digest[digest] = ns
+            self._class_ids.setdefault(slot, len(self._class_ids))
+        holder.namespaces.add(ns.id)
+        return ns
+
+    def namespace(self, nid: int, holder: Holdings) -> Namespace:
+        if nid not in holder.namespaces:
+            raise ProtocolError(Code.UNKNOWN_NAMESPACE, f"namespace {nid} was not registered on this connection "
+                                                        "(send hello with its spec first)")
+        return self.namespaces[nid]
+
+    # ----- reads -----
+    def lookup(self, ns: Namespace, hashes: bytes) -> int:
+        n = self.table.prefix_len(ns.prefix, hashes)
+        asked = len(hashes) // 16
+        self.counters["lookups"] += 1
+        self.counters["hits"] += n
+        self.counters["misses"] += asked - n
+        return n
+
+    def acquire(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> list[int]:
+        """Pin the longest present prefix; returns its slots."""
+        gids = []
+        for h in keys:
+            key = ns.prefix + h
+            gid = self.table.get(key)
+            if gid is None:
+                break
+            self._pin(key, gid)
+            holder.pins[gid] += 1
+            gids.append(gid)
+        self.counters["gets"] += len(gids)
+        return gids
+
+    def release(self, gids: list[int], holder: Holdings) -> None:
+        need = Counter(gids)
+        for gid, n in need.items():
+            if holder.pins[gid] < n:
+                raise ProtocolError(Code.NOT_FOUND, f"slot {gid:#x} is not held {n} time(s) by this connection")
+        for gid, n in need.items():
+            holder.pins[gid] -= n
+            if holder.pins[gid] == 0:
+                del holder.pins[gid]
+            for _ in range(n):
+                self._unpin(gid)
+
+    # ----- two-phase store -----
+    def reserve(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> tuple[list[int], list[int]]:
+        """Slots for the keys not stored yet. Returns (gids, status) per key; gid 0 unless status is RESERVED."""
+        gids, status = [], []
+        cls = self._class_ids[ns.slot_bytes]
+        for h in keys:
+            key = ns.prefix + h
+            if key in self.table:
+                self.policy.accessed(key)
+                gids.append(0), status.append(EXISTS)
+            elif key in self.pending:
+                gids.append(0), status.append(IN_PROGRESS)
+            else:
+                gid = self._allocate(ns.slot_bytes, cls)
+                if gid is None:
+                    gids.append(0), status.append(NO_SPACE)
+                    continue
+                self.pending[key] = gid
+                holder.reserved[key] = gid
+                self.pool.segment_of(gid).busy += 1
+                gids.append(gid), status.append(RESERVED)
+        return gids, status
+
+    def commit(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> int:
+        full = [ns.prefix + h for h in keys]
+        missing = [i for i, k in enumerate(full) if k not in holder.reserved]
+        if missing:
+            raise ProtocolError(Code.NOT_FOUND, f"commit: {len(missing)} key(s) not reserved by this connection "
+                                                f"(first at position {missing[0]}); nothing was committed")
+        cls = self._class_ids[ns.slot_bytes]
+        for key in full:
+            gid = holder.reserved.pop(key)
+            del self.pending[key]
+            seg, slot = self._seg_slot(gid)
+            seg.keys[slot] = key
+            self.table.insert(key, gid, cls)
+            self._unbusy(seg)
+            ns.blocks += 1
+        self.counters["puts"] += len(full)
+        return len(full)
+
+    def abort(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> int:
+        n = 0
+        for h in keys:
+            gid = holder.reserved.pop(ns.prefix + h, None)
+            if gid is not None:
+                self._drop_reservation(ns.prefix + h, gid)
+                n += 1
+        self.counters["aborts"] += n
+        return n
+
+    def delete(self, ns: Namespace, keys: list[bytes]) -> int:
+        n = 0
+        for h in keys:
+            if self._remove(ns.prefix + h):
+                n += 1
+        self.counters["deletes"] += n
+        return n
+
+    def disconnect(self, holder: Holdings) -> None:
+        """A connection ended: its reservations are freed and its pins released."""
+        for key, gid in list(holder.reserved.items()):
+            self._drop_reservation(key, gid)
+        self.counters["aborts"] += len(holder.reserved)
+        holder.reserved.clear()
+        for gid, n in holder.pins.items():
+            for _ in range(n):
+                self._unpin(gid)
+        holder.pins.clear()
+
+    # ----- capacity -----
+    def evict(self, ns: Namespace | None = None, nbytes: int = 0, everything: bool = False) -> tuple[int, int]:
+        """Evict unpinned blocks (of one namespace, or any), oldest first per size class, until `nbytes` are freed
+        or, with `everything`, all of them. Returns (blocks, bytes)."""
+        blocks = freed = 0
+        if ns is not None:
+            for key, gid in [(k, g) for k, g in self.table.items() if k[:4] == ns.prefix]:
+                if (everything or freed < nbytes) and self.pins[gid] == 0 and self._remove(key, evicted=True):
+                    blocks, freed = blocks + 1, freed + ns.slot_bytes
+            return blocks, freed
+        for slot_bytes, cls in list(self._class_ids.items()):
+            while everything or freed < nbytes:
+                key = self.policy.victim(cls)
+                if key is None:
+                    break
+                self._remove(key, evicted=True)
+                blocks, freed = blocks + 1, freed + slot_bytes
+        return blocks, freed
+
+    def resize(self, capacity: int) -> ResizeResult:
+        """Grow: raise the cap (segments come when needed). Shrink: release whole segments — idle ones with the
+        fewest blocks first, evicting only their unpinned blocks; segments with pins drain and go at the last
+        release. Cost: the blocks in the released segments, never the pool's size."""
+        t0 = time.perf_counter()
+        self.pool.capacity = capacity
+        released = evicted = 0
+        over = self.pool.mapped_bytes - capacity - self._draining_bytes()
+        if over > 0:
+            for seg in sorted(self.pool.segments.values(), key=lambda s: (s.busy > 0, s.live)):
+                if over <= 0:
+                    break
+                if seg.draining:
+                    continue
+                self.pool.drain(seg)
+                evicted += self._empty(seg)
+                over -= seg.size
+                if seg.live == 0:
+                    self.pool.release(seg)
+                    released += 1
+        return ResizeResult(capacity, released, evicted, self._draining_bytes(), time.perf_counter() - t0)
+
+    def _draining_bytes(self) -> int:
+        return sum(s.size for s in self.pool.segments.values() if s.draining)
+
+    # ----- internals -----
+    def _seg_slot(self, gid: int) -> tuple[Segment, int]:
+        seg_id, slot = split_gid(gid)
+        return self.pool.segments[seg_id], slot
+
+    def _allocate(self, slot_bytes: int, cls: int) -> int | None:
+        while True:
+            gid = self.pool.allocate(slot_bytes)
+            if gid is not None:
+                return gid
+            key = self.policy.victim(cls)
+            if key is not None:
+                self._remove(key, evicted=True)
+            elif not self._reclaim_other(slot_bytes):
+                return None
+
+    def _reclaim_other(self, slot_bytes: int) -> bool:
+        """Free a whole idle segment of another block size (fewest blocks first) so this size can grow."""
+        idle = [s for s in self.pool.segments.values()
+                if s.slot_bytes != slot_bytes and s.busy == 0 and not s.draining]
+        while idle and not self.pool.fits(slot_bytes):
+            seg = min(idle, key=lambda s: s.live)
+            idle.remove(seg)
+            self.pool.drain(seg)
+            self._empty(seg)
+            self.pool.release(seg)
+        return self.pool.fits(slot_bytes)
+
+    def _empty(self, seg: Segment) -> int:
+        """Evict every unpinned block of a segment; returns how many."""
+        n = 0
+        for slot, key in enumerate(seg.keys):
+            # the key may since live elsewhere (deleted while pinned here, then stored again): check the slot
+            if key is not None and self.table.get(key) == gid_of(seg.id, slot) and self.pins[gid_of(seg.id, slot)] == 0:
+                self._remove(key, evicted=True)
+                n += 1
+        return n
+
+    def _remove(self, key: bytes, evicted: bool = False) -> bool:
+        gid = self.table.remove(key)
+        if gid is None:
+            return False
+        self.namespaces[int.from_bytes(key[:4], "big")].blocks -= 1
+        if evicted:
+            self.counters["evictions"] += 1
+        if self.pins[gid]:
+            self.zombies[gid] = key
+        else:
+            self.pins.pop(gid, None)
+            self._free(gid)
+        return True
+
+    def _free(self, gid: int) -> None:
+        seg = self.pool.segment_of(gid)
+        self.pool.free(gid)
+        if seg.draining and seg.live == 0:
+            self.pool.release(seg)
+
+    def _drop_reservation(self, key: bytes, gid: int) -> None:
+        del self.pending[key]
+        seg = self.pool.segment_of(gid)
+        self._unbusy(seg)
+        self._free(gid)
+
+    def _unbusy(self, seg: Segment) -> None:
+        seg.busy -= 1
+        if seg.draining and seg.busy == 0:
+            self._empty(seg)
+
+    def _pin(self, key: bytes, gid: int) -> None:
+        if self.pins[gid] == 0:
+            self.policy.pinned(key)
+            self.pool.segment_of(gid).busy += 1
+        else:
+            self.policy.accessed(key)
+        self.pins[gid] += 1
+
+    def _unpin(self, gid: int) -> None:
+        self.pins[gid] -= 1
+        if self.pins[gid] > 0:
+            return
+        del self.pins[gid]
+        seg = self.pool.segment_of(gid)
+        key = self.zombies.pop(gid, None)
+        if key is not None:
+            self._unbusy(seg)
+            self._free(gid)
+            return
+        key = seg.keys[gid & 0xFFFFFFFF]
+        if key is not None:
+            self.policy.unpinned(key)
+        self._unbusy(seg)
+
+    # ----- inspection -----
+    def stats(self) -> dict[str, int]:
+        return {"blocks": len(self.table), "reserved": len(self.pending), "pinned": len(self.pins),
+                "zombies": len(self.zombies), "namespaces": len(self.namespaces)}
+
+    def keys_of(self, ns: Namespace, limit: int) -> Iterator[tuple[bytes, int]]:
+        n = 0
+        for key, gid in self.table.items():
+            if key[:4] == ns.prefix:
+                yield key[4:], gid
+                n += 1
+                if n >= limit:
+                    return

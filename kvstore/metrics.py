@@ -1,0 +1,88 @@
+"""Numbers the daemon keeps about itself: op latency histograms and errors by code, plus a Prometheus endpoint that
+serves exactly what `kvstore stats` shows (the same snapshot function feeds both)."""
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from typing import Any, Callable
+
+# Upper bounds in seconds; the last bucket is +Inf.
+BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+
+
+class Histogram:
+    __slots__ = ("counts", "total", "count")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
+        self.total += seconds
+        self.count += 1
+
+    def quantile(self, q: float) -> float:
+        """Upper bound of the bucket holding the q-quantile (what a histogram can honestly say)."""
+        if not self.count:
+            return 0.0
+        rank, seen = q * self.count, 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if seen >= rank:
+                return BUCKETS[i] if i < len(BUCKETS) else float("inf")
+        return float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "sum": self.total, "buckets": list(self.counts),
+                "p50": self.quantile(0.5), "p99": self.quantile(0.99)}
+
+
+class OpMetrics:
+    def __init__(self) -> None:
+        self.latency: dict[str, Histogram] = {}
+        self.errors: Counter[str] = Counter()
+        self.refused_connections = 0
+
+    def observe(self, op: str, seconds: float) -> None:
+        h = self.latency.get(op)
+        if h is None:
+            h = self.latency[op] = Histogram()
+        h.observe(seconds)
+
+
+def start_prometheus(host: str, port: int, snapshot: Callable[[], dict[str, Any]]) -> Any:
+    """Serve /metrics on loopback from `snapshot()` (the stats op's reply). Returns the HTTP server."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    class Collector:
+        def collect(self) -> Any:
+            s = snapshot()
+            for tier in s["tiers"]:
+                for name in ("capacity_bytes", "mapped_bytes", "used_bytes", "resident_bytes", "blocks"):
+                    g = GaugeMetricFamily(f"kvstore_tier_{name}", f"{name} per tier", labels=["tier"])
+                    g.add_metric([tier["tier"]], tier[name])
+                    yield g
+            for name, value in s["counters"].items():
+                yield CounterMetricFamily(f"kvstore_{name}", f"{name} since start", value=value)
+            for name in ("connections", "reserved", "pinned", "namespaces"):
+                yield GaugeMetricFamily(f"kvstore_{name}", name, value=s[name])
+            errs = CounterMetricFamily("kvstore_errors", "errors by code", labels=["code"])
+            for code, n in s["errors"].items():
+                errs.add_metric([code], n)
+            yield errs
+            lat = HistogramMetricFamily("kvstore_op_seconds", "op latency in the daemon", labels=["op"])
+            for op, h in s["latency"].items():
+                cum, acc = [], 0
+                for bound, c in zip([*map(str, BUCKETS), "+Inf"], h["buckets"]):
+                    acc += c
+                    cum.append((bound, acc))
+                lat.add_metric([op], cum, h["sum"])
+            yield lat
+
+    registry = CollectorRegistry()
+    registry.register(Collector())  # type: ignore[arg-type]
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server

@@ -1,0 +1,172 @@
+"""One function per op: validated request in, reply fields out. They run under the state lock and only keep books;
+no op copies block bytes (clients do that in the shared slots)."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from threading import Lock
+from typing import Any, Callable
+
+from kvstore import __version__
+from kvstore.config import Config
+from kvstore.index import Holdings, Index
+from kvstore.keys import NamespaceSpec
+from kvstore.metrics import OpMetrics
+from kvstore.pool import HostPool
+from kvstore.protocol import Code, ProtocolError, split_keys
+
+MAX_FDS_PER_REPLY = 200   # below the kernel's SCM_MAX_FD (253)
+
+
+@dataclass
+class State:
+    """Everything the ops share; guarded by `lock`."""
+    config: Config
+    pool: HostPool
+    index: Index
+    metrics: OpMetrics = field(default_factory=OpMetrics)
+    lock: Lock = field(default_factory=Lock)
+    connections: int = 0
+    started: float = field(default_factory=time.time)
+
+
+@dataclass
+class Reply:
+    fields: dict[str, Any]
+    fds: list[int] = field(default_factory=list)   # duplicated under the lock; the sender closes them
+    close: bool = False
+
+
+Handler = Callable[[State, Holdings, dict[str, Any]], dict[str, Any] | Reply]
+
+
+def op_ping(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    return {"pong": True, "time": time.time()}
+
+
+def op_hello(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    reply: dict[str, Any] = {"version": __version__, "pid": os.getpid(), "generation": st.pool.generation,
+                             "max_keys": st.config.server.max_keys_per_request}
+    if "namespace" in m:
+        try:
+            spec = NamespaceSpec.from_dict(m["namespace"])
+        except (TypeError, ValueError) as e:
+            code = Code.WRONG_GEOMETRY if "geometry" in str(e) else Code.BAD_REQUEST
+            raise ProtocolError(code, f"hello: {e}") from None
+        ns = st.index.register(spec, h)
+        g = spec.geometry
+        reply.update(ns=ns.id, digest=ns.digest.hex(), slot_bytes=g.full_bytes, layer_bytes=g.layer_bytes)
+    return reply
+
+
+def op_segments(st: State, h: Holdings, m: dict[str, Any]) -> Reply:
+    """Handles (memfds, sent with SCM_RIGHTS) of the segments asked for that still exist, and the live ids."""
+    ids = m["ids"][:MAX_FDS_PER_REPLY]
+    found = [st.pool.segments[i] for i in ids if i in st.pool.segments]
+    fds = [os.dup(s.fd) for s in found]
+    info = [[s.id, s.slot_bytes, s.nslots] for s in found]
+    return Reply({"segments": info, "live": list(st.pool.segments), "generation": st.pool.generation}, fds)
+
+
+def op_lookup(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    ns = st.index.namespace(m["ns"], h)
+    return {"n": st.index.lookup(ns, m["keys"])}
+
+
+def op_reserve(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    ns = st.index.namespace(m["ns"], h)
+    gids, status = st.index.reserve(ns, split_keys(m["keys"]), h)
+    return {"slots": gids, "status": status, "generation": st.pool.generation}
+
+
+def op_commit(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    ns = st.index.namespace(m["ns"], h)
+    return {"n": st.index.commit(ns, split_keys(m["keys"]), h)}
+
+
+def op_abort(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    ns = st.index.namespace(m["ns"], h)
+    return {"n": st.index.abort(ns, split_keys(m["keys"]), h)}
+
+
+def op_acquire(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    ns = st.index.namespace(m["ns"], h)
+    return {"slots": st.index.acquire(ns, split_keys(m["keys"]), h), "generation": st.pool.generation}
+
+
+def op_release(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    st.index.release(m["slots"], h)
+    return {"n": len(m["slots"])}
+
+
+def op_delete(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    ns = st.index.namespace(m["ns"], h)
+    return {"n": st.index.delete(ns, split_keys(m["keys"]))}
+
+
+def op_stats(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    return snapshot(st)
+
+
+def op_list(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    rows = []
+    for ns in st.index.namespaces.values():
+        s = ns.spec
+        rows.append({"id": ns.id, "model": s.model, "group": s.share_group, "adapter": s.adapter,
+                     "tp": f"{s.tp_rank}/{s.tp_size}", "role": s.role, "digest": ns.digest.hex(),
+                     "geometry": s.geometry.to_dict(), "slot_bytes": ns.slot_bytes, "blocks": ns.blocks,
+                     "bytes": ns.blocks * ns.slot_bytes})
+    reply: dict[str, Any] = {"namespaces": rows}
+    if "ns" in m:
+        ns = st.index.namespaces.get(m["ns"])
+        if ns is None:
+            raise ProtocolError(Code.UNKNOWN_NAMESPACE, f"list: no namespace {m['ns']}")
+        limit = min(m.get("limit", 100), 10000)
+        reply["keys"] = [[k, gid] for k, gid in st.index.keys_of(ns, limit)]
+    return reply
+
+
+def op_resize(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    seg = st.pool.segment_bytes
+    if m["bytes"] < seg:
+        raise ProtocolError(Code.BAD_REQUEST, f"resize: {m['bytes']} bytes is below one segment ({seg} bytes)")
+    r = st.index.resize(m["bytes"])
+    return {"capacity": r.capacity, "released_segments": r.released_segments, "evicted": r.evicted,
+            "draining_bytes": r.draining_bytes, "mapped_bytes": st.pool.mapped_bytes, "seconds": r.seconds}
+
+
+def op_evict(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    if not m.get("all") and not m.get("bytes"):
+        raise ProtocolError(Code.BAD_REQUEST, "evict: give 'bytes' (how much to free) or 'all': true")
+    ns = None
+    if "ns" in m:
+        ns = st.index.namespaces.get(m["ns"])
+        if ns is None:
+            raise ProtocolError(Code.UNKNOWN_NAMESPACE, f"evict: no namespace {m['ns']}")
+    blocks, freed = st.index.evict(ns, m.get("bytes", 0), bool(m.get("all")))
+    return {"blocks": blocks, "bytes": freed}
+
+
+def snapshot(st: State) -> dict[str, Any]:
+    pool, idx = st.pool, st.index
+    classes = [{"slot_bytes": c.slot_bytes, "segments": len(c.segments),
+                "slots": sum(s.nslots for s in c.segments.values()),
+                "free": sum(len(s.free) for s in c.segments.values())} for c in pool.classes.values()]
+    host = {"tier": "host", "capacity_bytes": pool.capacity, "mapped_bytes": pool.mapped_bytes,
+            "used_bytes": pool.used_bytes, "resident_bytes": pool.resident_bytes(), "blocks": len(idx.table),
+            "segments": len(pool.segments), "segment_bytes": pool.segment_bytes, "classes": classes}
+    counters = {k: idx.counters[k] for k in ("lookups", "hits", "misses", "puts", "gets", "evictions", "deletes",
+                                             "aborts")}
+    counters["refused_connections"] = st.metrics.refused_connections
+    return {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - st.started,
+            "socket": st.config.server.socket, "tiers": [host], "counters": counters,
+            "errors": dict(st.metrics.errors), "connections": st.connections,
+            "latency": {op: hist.to_dict() for op, hist in st.metrics.latency.items()}, **idx.stats()}
+
+
+HANDLERS: dict[str, Handler] = {
+    "ping": op_ping, "hello": op_hello, "segments": op_segments, "lookup": op_lookup, "reserve": op_reserve,
+    "commit": op_commit, "abort": op_abort, "acquire": op_acquire, "release": op_release, "delete": op_delete,
+    "stats": op_stats, "list": op_list, "resize": op_resize, "evict": op_evict,
+}

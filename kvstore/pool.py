@@ -1,0 +1,170 @@
+"""The host pool: shared-memory segments that the daemon creates and every client maps.
+
+Where bytes live, nothing more: the pool hands out and takes back slots; the index decides what lives in them and
+what to evict. Each segment is one memfd holding whole slots of a single size (one slot = one Full Block), so a
+segment is always a whole number of its blocks (SwiftCache's elastic unit, with no LCM needed because sizes never
+share a segment).
+
+- allocate / free are O(1): a free-slot stack per segment and an ordered set of segments with free slots per size.
+- capacity is exact: the bytes of all live segments never exceed it; a segment is only created if it fits.
+- growing moves nothing: it raises the cap, and segments are created when a size needs room.
+- releasing a segment punches its pages out of the memfd first, so the memory returns to the system at once even
+  while a client still maps it (that client then reads zeros, never a fault), then closes it.
+
+A slot's global id (gid) is `segment_id << 32 | slot_index`; segment ids are never reused.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass, field
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def punch_hole(fd: int, length: int) -> None:
+    """Give a memfd's pages back to the system without changing its size."""
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fallocate(PUNCH_HOLE): {os.strerror(err)}")
+
+
+def gid_of(segment_id: int, slot: int) -> int:
+    return segment_id << 32 | slot
+
+
+def split_gid(gid: int) -> tuple[int, int]:
+    return gid >> 32, gid & 0xFFFFFFFF
+
+
+@dataclass(slots=True, eq=False)
+class Segment:
+    id: int
+    slot_bytes: int
+    nslots: int
+    fd: int
+    free: list[int]
+    keys: list[bytes | None]      # reverse map slot → key of the block in it (None when free or reserved)
+    live: int = 0                 # slots not free (reserved or holding a block)
+    busy: int = 0                 # slots reserved or pinned: they keep the segment alive
+    draining: bool = False        # chosen for release: allocates nothing, released when busy reaches 0
+
+    @property
+    def size(self) -> int:
+        return self.nslots * self.slot_bytes
+
+
+@dataclass(slots=True)
+class SlotClass:
+    slot_bytes: int
+    segments: dict[int, Segment] = field(default_factory=dict)
+    with_free: dict[int, Segment] = field(default_factory=dict)   # insertion-ordered set
+
+
+class HostPool:
+    def __init__(self, capacity: int, segment_bytes: int) -> None:
+        self.capacity = capacity
+        self.segment_bytes = segment_bytes
+        self.segments: dict[int, Segment] = {}
+        self.classes: dict[int, SlotClass] = {}
+        self.mapped_bytes = 0
+        self.used_bytes = 0
+        self.generation = 0          # bumps when a segment is created or released
+        self._next_id = 1
+
+    # ----- sizing -----
+    def slots_per_segment(self, slot_bytes: int) -> int:
+        return max(1, self.segment_bytes // slot_bytes)
+
+    def segment_size(self, slot_bytes: int) -> int:
+        return self.slots_per_segment(slot_bytes) * slot_bytes
+
+    def fits(self, slot_bytes: int) -> bool:
+        return self.mapped_bytes + self.segment_size(slot_bytes) <= self.capacity
+
+    # ----- slots -----
+    def allocate(self, slot_bytes: int) -> int | None:
+        """A free slot of this size (creating a segment if the cap allows), or None: the caller must evict."""
+        cls = self.classes.get(slot_bytes)
+        if cls is None or not cls.with_free:
+            if not self.fits(slot_bytes):
+                return None
+            seg = self._create(slot_bytes)
+            cls = self.classes[slot_bytes]
+        else:
+            seg = next(iter(cls.with_free.values()))
+        slot = seg.free.pop()
+        if not seg.free:
+            del cls.with_free[seg.id]
+        seg.live += 1
+        self.used_bytes += slot_bytes
+        return gid_of(seg.id, slot)
+
+    def free(self, gid: int) -> None:
+        seg_id, slot = split_gid(gid)
+        seg = self.segments[seg_id]
+        seg.keys[slot] = None
+        seg.free.append(slot)
+        seg.live -= 1
+        self.used_bytes -= seg.slot_bytes
+        if not seg.draining:
+            self.classes[seg.slot_bytes].with_free[seg.id] = seg
+
+    def segment_of(self, gid: int) -> Segment:
+        return self.segments[gid >> 32]
+
+    # ----- segments -----
+    def _create(self, slot_bytes: int) -> Segment:
+        n = self.slots_per_segment(slot_bytes)
+        seg_id = self._next_id
+        self._next_id += 1
+        fd = os.memfd_create(f"kvstore-seg-{seg_id}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, n * slot_bytes)
+        except OSError:
+            os.close(fd)
+            raise
+        seg = Segment(seg_id, slot_bytes, n, fd, list(range(n - 1, -1, -1)), [None] * n)
+        cls = self.classes.setdefault(slot_bytes, SlotClass(slot_bytes))
+        cls.segments[seg_id] = seg
+        cls.with_free[seg_id] = seg
+        self.segments[seg_id] = seg
+        self.mapped_bytes += seg.size
+        self.generation += 1
+        return seg
+
+    def drain(self, seg: Segment) -> None:
+        """Stop allocating from a segment chosen for release."""
+        seg.draining = True
+        self.classes[seg.slot_bytes].with_free.pop(seg.id, None)
+
+    def release(self, seg: Segment) -> None:
+        """Return an empty segment's memory to the system. The caller has emptied it."""
+        assert seg.live == 0, f"segment {seg.id} still holds {seg.live} slots"
+        cls = self.classes[seg.slot_bytes]
+        del cls.segments[seg.id]
+        cls.with_free.pop(seg.id, None)
+        if not cls.segments:
+            del self.classes[seg.slot_bytes]
+        del self.segments[seg.id]
+        self.mapped_bytes -= seg.size
+        self.generation += 1
+        try:
+            punch_hole(seg.fd, seg.size)
+        finally:
+            os.close(seg.fd)
+
+    def close(self) -> None:
+        for seg in list(self.segments.values()):
+            os.close(seg.fd)
+        self.segments.clear()
+        self.classes.clear()
+        self.mapped_bytes = self.used_bytes = 0
+
+    def resident_bytes(self) -> int:
+        """Pages actually allocated in all segments (what the system sees), read from the memfds."""
+        return sum(os.fstat(s.fd).st_blocks * 512 for s in self.segments.values())

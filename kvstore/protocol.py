@@ -1,0 +1,153 @@
+"""The local control protocol: length-prefixed msgpack frames, one schema per op, structured errors.
+
+Frame: 4-byte little-endian length, then a msgpack map. A request is `{"v": 1, "op": str, "id": int, ...fields}`;
+a reply is `{"v": 1, "id": int, "ok": true, ...}` or `{"v": 1, "id": int, "ok": false, "error": {"code", "message"}}`.
+Batched ops carry `keys`: one bin of 16-byte block hashes (tens to a thousand per message).
+
+Decoding accepts only plain msgpack (no ext types: no pickle, no objects), rejects frames over the size limit
+before reading them, and checks every field of the op's schema: type, bounds, no unknown fields. Any violation is a
+`ProtocolError` with a code and a message that says what was wrong; the server replies with it and, for a frame it
+cannot parse, closes the connection.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+
+VERSION = 1
+HEADER = struct.Struct("<I")
+HASH_BYTES = 16
+MAX_INT = (1 << 63) - 1
+
+
+class Code:
+    BAD_FRAME = "bad_frame"                  # not a msgpack map, oversize, truncated
+    BAD_VERSION = "bad_version"
+    BAD_REQUEST = "bad_request"              # a field missing, of the wrong type, out of bounds, or unknown
+    UNKNOWN_OP = "unknown_op"
+    UNKNOWN_NAMESPACE = "unknown_namespace"  # ns id not registered by this connection's hello
+    WRONG_GEOMETRY = "wrong_geometry"
+    NOT_FOUND = "not_found"
+    NO_SPACE = "no_space"                    # the pool is full of pinned or reserved blocks
+    CONFLICT = "conflict"                    # e.g. a key another client is storing right now
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(Code.BAD_FRAME, f"msgpack extension type {code} is not accepted")
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    return HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext, timestamp=0)
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises several types (ExtraData, StackError, ValueError, ...)
+        raise ProtocolError(Code.BAD_FRAME, f"not a valid msgpack message: {type(e).__name__}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(Code.BAD_FRAME, f"a message must be a msgpack map, got {type(msg).__name__}")
+    return msg
+
+
+# ----- schemas -----
+# field → (kind, required). Kinds: int (0..2**63-1), bool, str, map, keys (bin of 16-byte hashes), ints (list of int).
+Schema = dict[str, tuple[str, bool]]
+_KEYS: Schema = {"ns": ("int", True), "keys": ("keys", True)}
+SCHEMAS: dict[str, Schema] = {
+    "ping": {},
+    "hello": {"namespace": ("map", False), "client": ("str", False)},
+    "segments": {"ids": ("ints", True)},
+    "lookup": _KEYS,
+    "reserve": _KEYS,
+    "commit": _KEYS,
+    "abort": _KEYS,
+    "acquire": _KEYS,
+    "release": {"slots": ("ints", True)},
+    "delete": _KEYS,
+    "stats": {},
+    "list": {"ns": ("int", False), "limit": ("int", False)},
+    "resize": {"bytes": ("int", True)},
+    "evict": {"ns": ("int", False), "bytes": ("int", False), "all": ("bool", False)},
+}
+_COMMON = {"v", "op", "id"}
+
+
+def check_request(msg: dict[str, Any], max_keys: int) -> tuple[str, int]:
+    """Validate a request against its op's schema; returns (op, request id)."""
+    rid = msg.get("id", 0)
+    if not _is_int(rid):
+        raise ProtocolError(Code.BAD_REQUEST, "field 'id' must be a non-negative integer")
+    if msg.get("v") != VERSION:
+        raise ProtocolError(Code.BAD_VERSION, f"protocol version {msg.get('v')!r} not supported; this daemon "
+                                              f"speaks version {VERSION}")
+    op = msg.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError(Code.BAD_REQUEST, "field 'op' must be a string")
+    schema = SCHEMAS.get(op)
+    if schema is None:
+        raise ProtocolError(Code.UNKNOWN_OP, f"unknown op {op[:64]!r}; known: {', '.join(SCHEMAS)}")
+    extra = set(msg) - _COMMON - set(schema)
+    if extra:
+        raise ProtocolError(Code.BAD_REQUEST, f"{op}: unknown fields {', '.join(sorted(map(str, extra)))[:200]}")
+    for name, (kind, required) in schema.items():
+        if name not in msg:
+            if required:
+                raise ProtocolError(Code.BAD_REQUEST, f"{op}: field {name!r} is required")
+            continue
+        _check_field(op, name, kind, msg[name], max_keys)
+    return op, rid
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT
+
+
+def _check_field(op: str, name: str, kind: str, v: Any, max_keys: int) -> None:
+    bad = None
+    if kind == "int" and not _is_int(v):
+        bad = "a non-negative integer"
+    elif kind == "bool" and not isinstance(v, bool):
+        bad = "true or false"
+    elif kind == "str" and not (isinstance(v, str) and len(v) <= 256):
+        bad = "a string of at most 256 characters"
+    elif kind == "map" and not isinstance(v, dict):
+        bad = "a map"
+    elif kind == "ints" and not (isinstance(v, list) and len(v) <= max_keys and all(_is_int(x) for x in v)):
+        bad = f"a list of at most {max_keys} non-negative integers"
+    elif kind == "keys":
+        if not isinstance(v, bytes):
+            bad = "a bin of 16-byte block hashes"
+        elif len(v) % HASH_BYTES:
+            raise ProtocolError(Code.BAD_REQUEST, f"{op}: field 'keys' is {len(v)} bytes, not a multiple of 16")
+        elif len(v) > max_keys * HASH_BYTES:
+            raise ProtocolError(Code.BAD_REQUEST, f"{op}: {len(v) // HASH_BYTES} keys, above the limit of {max_keys}")
+    if bad:
+        raise ProtocolError(Code.BAD_REQUEST, f"{op}: field {name!r} must be {bad}, got {type(v).__name__}")
+
+
+def split_keys(blob: bytes) -> list[bytes]:
+    return [blob[i:i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
+
+
+def ok(rid: int, **fields: Any) -> dict[str, Any]:
+    return {"v": VERSION, "id": rid, "ok": True, **fields}
+
+
+def error(rid: int, code: str, message: str) -> dict[str, Any]:
+    return {"v": VERSION, "id": rid, "ok": False, "error": {"code": code, "message": message}}

@@ -1,0 +1,167 @@
+"""`kvstore serve`: the daemon's lifecycle. Binds the Unix socket (0600 in a 0700 directory, refusing to steal
+a live daemon's socket), accepts connections up to the cap (one thread each: ops are short book-keeping under one
+lock, and blocking sockets keep a round trip near the raw socket's), and shuts down gracefully on SIGTERM or
+Ctrl-C: stop accepting, let requests in flight finish, close connections, release the pool. A second signal forces
+the exit."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import stat
+import threading
+from types import FrameType
+
+from kvstore.config import Config
+from kvstore.index import Index
+from kvstore.metrics import start_prometheus
+from kvstore.ops import State, snapshot
+from kvstore.pool import HostPool
+from kvstore.protocol import Code, encode, error
+from kvstore.session import Session
+from kvstore.units import format_size
+
+log = logging.getLogger("kvstore")
+
+
+class SocketInUse(RuntimeError):
+    pass
+
+
+def prepare_socket_dir(path: str) -> None:
+    """Create the socket's directory 0700, or check that an existing one is ours and private."""
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"socket directory {d} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(d, 0o700)
+
+
+def bind_unix(path: str) -> socket.socket:
+    prepare_socket_dir(path)
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            raise SocketInUse(f"another kvstore daemon is serving at {path}; stop it first (or set "
+                              f"server.socket / KVSTORE_SERVER_SOCKET to another path)")
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # a stale socket from a daemon that died
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    return sock
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        pool = HostPool(config.pool.capacity, config.pool.segment_bytes)
+        self.state = State(config, pool, Index(pool, config.pool.eviction))
+        self.sessions: dict[int, tuple[Session, threading.Thread]] = {}
+        self.stopping = threading.Event()
+        self.listener: socket.socket | None = None
+        self.metrics_server: object | None = None
+        self._signals = 0
+
+    def serve(self) -> None:
+        cfg = self.config
+        self.listener = bind_unix(cfg.server.socket)
+        self.listener.settimeout(0.2)
+        if cfg.metrics.enabled:
+            self.metrics_server = start_prometheus(cfg.metrics.host, cfg.metrics.port, self._snapshot)
+            log.info("metrics at http://%s:%d/metrics", cfg.metrics.host, cfg.metrics.port)
+        self._install_signals()
+        log.info("kvstore serving at %s — host pool %s in %s segments (pid %d); try `kvstore stats`",
+                 cfg.server.socket, format_size(cfg.pool.capacity), format_size(cfg.pool.segment_bytes), os.getpid())
+        try:
+            while not self.stopping.is_set():
+                try:
+                    conn, _ = self.listener.accept()
+                except TimeoutError:
+                    continue
+                self._admit(conn)
+        finally:
+            self._shutdown()
+
+    def _snapshot(self) -> dict[str, object]:
+        with self.state.lock:
+            return snapshot(self.state)
+
+    def _admit(self, conn: socket.socket) -> None:
+        conn.settimeout(None)
+        st = self.state
+        with st.lock:
+            full = st.connections >= self.config.server.max_connections
+            if full:
+                st.metrics.refused_connections += 1
+            else:
+                st.connections += 1
+        if full:
+            log.warning("refused a client: %d connections is the cap (server.max_connections)", st.connections)
+            try:
+                conn.sendall(encode(error(0, Code.TOO_MANY_CONNECTIONS, f"the daemon serves at most "
+                                          f"{self.config.server.max_connections} connections; try again later")))
+            finally:
+                conn.close()
+            return
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        pid = int.from_bytes(creds[:4], "little")
+        session = Session(st, conn, f"pid {pid}")
+        t = threading.Thread(target=self._run_session, args=(session,), name=f"conn-{pid}", daemon=True)
+        self.sessions[id(session)] = (session, t)
+        t.start()
+
+    def _run_session(self, session: Session) -> None:
+        try:
+            session.run()
+        finally:
+            self.sessions.pop(id(session), None)
+
+    def _install_signals(self) -> None:
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self._signals += 1
+            if self._signals > 1:
+                log.warning("second signal: exiting now")
+                os._exit(1)
+            log.info("%s: draining (a second signal forces exit)", signal.Signals(signum).name)
+            self.stopping.set()
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_signal)
+            signal.signal(signal.SIGINT, on_signal)
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _shutdown(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            try:
+                os.unlink(self.config.server.socket)
+            except FileNotFoundError:
+                pass
+        # Stop reading new requests; a request in flight finishes and its reply is still sent.
+        for session, _ in list(self.sessions.values()):
+            try:
+                session.sock.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+        deadline = self.config.server.shutdown_timeout_s
+        for _, t in list(self.sessions.values()):
+            t.join(timeout=deadline)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()  # type: ignore[attr-defined]
+        with self.state.lock:
+            self.state.pool.close()
+        log.info("kvstore stopped")

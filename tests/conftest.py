@@ -1,0 +1,116 @@
+"""Test fixtures: a real daemon process per test (started with `python -m kvstore serve`), real clients."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator
+
+import pytest
+
+from kvstore.client import Client
+from kvstore.geometry import Geometry
+from kvstore.keys import NamespaceSpec
+
+MiB = 1 << 20
+
+
+class DaemonProc:
+    def __init__(self, capacity: str = "16MiB", segment: str = "1MiB", env: dict[str, str] | None = None) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kvs-")
+        self.socket = os.path.join(self.dir, "run", "kvstore.sock")
+        self.env = {**os.environ, "KVSTORE_SERVER_SOCKET": self.socket, "KVSTORE_POOL_CAPACITY": capacity,
+                    "KVSTORE_POOL_SEGMENT_BYTES": segment, "KVSTORE_LOG_LEVEL": "debug", **(env or {})}
+        self.log_path = os.path.join(self.dir, "daemon.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait: bool = True) -> "DaemonProc":
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve"], env=self.env,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                with Client(self.socket) as c:
+                    c.ping()
+                return
+            except (ConnectionError, OSError):
+                time.sleep(0.05)
+        raise TimeoutError(f"daemon not ready after {timeout} s:\n{self.read_log()}")
+
+    def read_log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def client(self, **kw: object) -> Client:
+        return Client(self.socket, **kw)  # type: ignore[arg-type]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop(signal.SIGKILL)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def start_daemon() -> Iterator[type[DaemonProc]]:
+    """Factory: start_daemon(capacity=..., segment=...) → a running DaemonProc, killed at teardown."""
+    started: list[DaemonProc] = []
+
+    def make(*args: object, **kw: object) -> DaemonProc:
+        d = DaemonProc(*args, **kw)  # type: ignore[arg-type]
+        started.append(d)
+        return d.start()
+
+    yield make  # type: ignore[misc]
+    for d in started:
+        d.cleanup()
+
+
+@pytest.fixture
+def daemon(start_daemon: type[DaemonProc]) -> DaemonProc:
+    return start_daemon()  # type: ignore[call-arg]
+
+
+# A small geometry: 2 layers × (2 × 16 tokens × 2 heads × 32 dims) fp16 = 8 KiB per block.
+GEOM = Geometry(layers=2, tokens=16, kv_heads=2, head_dim=32, dtype="float16")
+
+
+def spec(model: str = "tiny", geometry: Geometry = GEOM, **kw: object) -> NamespaceSpec:
+    return NamespaceSpec(model=model, geometry=geometry, **kw)  # type: ignore[arg-type]
+
+
+def block(seed: int, nbytes: int = GEOM.full_bytes) -> bytes:
+    """Deterministic, distinct content per seed."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+
+
+def hashes(n: int, start: int = 0, tag: bytes = b"") -> list[bytes]:
+    import hashlib
+
+    return [hashlib.blake2b(tag + i.to_bytes(8, "little"), digest_size=16).digest() for i in range(start, start + n)]
