@@ -232,12 +232,9 @@ class Index:
                     break
                 if seg.draining:
                     continue
-                self.pool.drain(seg)
-                evicted += self._empty(seg)
+                evicted += self._retire(seg)
                 over -= seg.size
-                if seg.live == 0:
-                    self.pool.release(seg)
-                    released += 1
+                released += seg.id not in self.pool.segments
         return ResizeResult(capacity, released, evicted, self._draining_bytes(), time.perf_counter() - t0)
 
     def _draining_bytes(self) -> int:
@@ -266,10 +263,17 @@ class Index:
         while idle and not self.pool.fits(slot_bytes):
             seg = min(idle, key=lambda s: s.live)
             idle.remove(seg)
-            self.pool.drain(seg)
-            self._empty(seg)
-            self.pool.release(seg)
+            self._retire(seg)
         return self.pool.fits(slot_bytes)
+
+    def _retire(self, seg: Segment) -> int:
+        """Drain a segment and evict its unpinned blocks; it is released now if nothing holds it, else at the
+        last release or commit. Returns the blocks evicted."""
+        self.pool.drain(seg)
+        n = self._empty(seg)
+        if seg.live == 0 and seg.id in self.pool.segments:
+            self.pool.release(seg)
+        return n
 
     def _empty(self, seg: Segment) -> int:
         """Evict every unpinned block of a segment; returns how many."""
