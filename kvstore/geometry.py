@@ -23,7 +23,7 @@ DTYPES: dict[str, tuple[int, str]] = {
     "uint8": (1, "uint8"),
 }
 MAX_FULL_BYTES = 1 << 30
-LAYOUT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.,:")
+LAYOUT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.,:*")
 
 
 @dataclass(frozen=True, slots=True)
