@@ -104,12 +104,13 @@ class Client:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                         fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
             else:
-                data = self.sock.recv(need - len(buf))
+                # one syscall for the common small reply: the header and body arrive together
+                data = self.sock.recv(max(need - len(buf), 65536) if need == HEADER.size else need - len(buf))
             if not data:
                 raise ConnectionError(f"the kvstore daemon at {self.path} closed the connection")
             buf += data
-            if len(buf) == HEADER.size and need == HEADER.size:
-                need += HEADER.unpack(buf)[0]
+            if need == HEADER.size and len(buf) >= HEADER.size:
+                need += HEADER.unpack_from(buf)[0]
         return bytes(buf[HEADER.size:]), fds
 
     def _map(self, seg_ids: Iterable[int]) -> None:
