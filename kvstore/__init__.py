@@ -6,7 +6,7 @@ from kvstore.geometry import Geometry
 from kvstore.keys import NamespaceSpec, chain_hashes
 
 __version__ = "0.1.0"
-__all__ = ["Geometry", "NamespaceSpec", "chain_hashes", "__version__"]
+__all__ = ["Geometry", "NamespaceSpec", "__version__", "chain_hashes"]
 
 
 def __getattr__(name: str) -> object:

@@ -6,8 +6,9 @@ waits on the socket or on a copy (numpy copies release the GIL), and a connectio
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from kvstore.client import Client, Namespace, PutResult
 from kvstore.keys import NamespaceSpec
@@ -25,7 +26,7 @@ class AsyncClient:
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def connect(self) -> "AsyncClient":
+    async def connect(self) -> AsyncClient:
         self._client = await self._run(Client, self._path, self._copy_threads)
         return self
 
@@ -35,7 +36,7 @@ class AsyncClient:
             raise RuntimeError("AsyncClient is not connected: use `async with AsyncClient(...)` or `await connect()`")
         return self._client
 
-    async def namespace(self, spec: NamespaceSpec) -> "AsyncNamespace":
+    async def namespace(self, spec: NamespaceSpec) -> AsyncNamespace:
         return AsyncNamespace(self, await self._run(self.client.namespace, spec))
 
     async def ping(self) -> dict[str, Any]:
@@ -53,7 +54,7 @@ class AsyncClient:
             self._client = None
         self._executor.shutdown(wait=False)
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return await self.connect()
 
     async def __aexit__(self, *exc: object) -> None:

@@ -6,7 +6,8 @@ import json
 import logging
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvstore.units import format_size, parse_size
 

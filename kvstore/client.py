@@ -20,7 +20,8 @@ import mmap
 import os
 import socket
 from array import array
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ class KVStoreError(Exception):
 
 
 class _Mapped:
-    __slots__ = ("mm", "arr", "slot_bytes", "nslots")
+    __slots__ = ("arr", "mm", "nslots", "slot_bytes")
 
     def __init__(self, fd: int, slot_bytes: int, nslots: int) -> None:
         self.mm = mmap.mmap(fd, slot_bytes * nslots, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -95,7 +96,8 @@ class Client:
         return reply, fds
 
     def _recv_frame(self, want_fds: bool) -> tuple[bytes, list[int]]:
-        buf, fds = bytearray(), []
+        buf = bytearray()
+        fds: list[int] = []
         need = HEADER.size
         while len(buf) < need:
             if want_fds:
@@ -141,7 +143,7 @@ class Client:
         return [self.slot(g) for g in gids]
 
     # ----- namespaces and admin -----
-    def namespace(self, spec: NamespaceSpec) -> "Namespace":
+    def namespace(self, spec: NamespaceSpec) -> Namespace:
         reply = self.call("hello", namespace=spec.to_dict(), client=f"pid {os.getpid()}")
         self.max_keys = reply["max_keys"]
         return Namespace(self, reply["ns"], spec)
@@ -171,7 +173,7 @@ class Client:
         self.copier.close()
         self.sock.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -204,21 +206,21 @@ class Namespace:
                 break
         return total
 
-    def reserve(self, hashes: Sequence[bytes]) -> "Reservation":
+    def reserve(self, hashes: Sequence[bytes]) -> Reservation:
         keys = pack_keys(hashes)
         if len(keys) > self.client.max_keys * HASH_BYTES:
             raise ValueError(f"reserve takes at most {self.client.max_keys} blocks at a time")
         reply = self.client.call("reserve", ns=self.id, keys=keys)
         return Reservation(self, keys, reply["slots"], reply["status"])
 
-    def acquire(self, hashes: Sequence[bytes]) -> "Lease":
+    def acquire(self, hashes: Sequence[bytes]) -> Lease:
         keys = pack_keys(hashes)
         if len(keys) > self.client.max_keys * HASH_BYTES:
             raise ValueError(f"acquire takes at most {self.client.max_keys} blocks at a time")
         reply = self.client.call("acquire", ns=self.id, keys=keys)
         return Lease(self, reply["slots"])
 
-    def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32) -> "PutResult":
+    def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32) -> PutResult:
         """Store whole blocks: reserve → copy → commit, `batch` blocks per message."""
         if len(hashes) != len(blocks):
             raise ValueError(f"{len(hashes)} hashes but {len(blocks)} blocks")
@@ -259,7 +261,7 @@ class PutResult:
     def __init__(self) -> None:
         self.stored = self.existed = self.busy = self.no_space = 0
 
-    def add(self, r: "Reservation") -> None:
+    def add(self, r: Reservation) -> None:
         for s in r.status:
             if s == 0:
                 self.stored += 1
@@ -319,7 +321,7 @@ class Reservation:
         if pos:
             self.ns.client.call("abort", ns=self.ns.id, keys=self._keys_at(pos))
 
-    def __enter__(self) -> "Reservation":
+    def __enter__(self) -> Reservation:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
@@ -353,7 +355,7 @@ class Lease:
             self.ns.client.call("release", slots=self.gids)
         self.released = True
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc: object) -> None:

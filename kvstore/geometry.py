@@ -86,7 +86,7 @@ class Geometry:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Geometry":
+    def from_dict(cls, d: Any) -> Geometry:
         if not isinstance(d, dict):
             raise ValueError("geometry must be a mapping")
         unknown = set(d) - set(cls.__dataclass_fields__)

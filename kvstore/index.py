@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from kvstore.keys import NamespaceSpec
 from kvstore.keytable import KeyTable
@@ -135,22 +135,24 @@ class Index:
         gids, status = [], []
         cls = self._class_ids[ns.slot_bytes]
         for h in keys:
-            key = ns.prefix + h
-            if key in self.table:
-                self.policy.accessed(key)
-                gids.append(0), status.append(EXISTS)
-            elif key in self.pending:
-                gids.append(0), status.append(IN_PROGRESS)
-            else:
-                gid = self._allocate(ns.slot_bytes, cls)
-                if gid is None:
-                    gids.append(0), status.append(NO_SPACE)
-                    continue
-                self.pending[key] = gid
-                holder.reserved[key] = gid
-                self.pool.segment_of(gid).busy += 1
-                gids.append(gid), status.append(RESERVED)
+            gid, st = self._reserve_one(ns.prefix + h, ns.slot_bytes, cls, holder)
+            gids.append(gid)
+            status.append(st)
         return gids, status
+
+    def _reserve_one(self, key: bytes, slot_bytes: int, cls: int, holder: Holdings) -> tuple[int, int]:
+        if key in self.table:
+            self.policy.accessed(key)
+            return 0, EXISTS
+        if key in self.pending:
+            return 0, IN_PROGRESS
+        gid = self._allocate(slot_bytes, cls)
+        if gid is None:
+            return 0, NO_SPACE
+        self.pending[key] = gid
+        holder.reserved[key] = gid
+        self.pool.segment_of(gid).busy += 1
+        return gid, RESERVED
 
     def commit(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> int:
         full = [ns.prefix + h for h in keys]
@@ -280,7 +282,8 @@ class Index:
         n = 0
         for slot, key in enumerate(seg.keys):
             # the key may since live elsewhere (deleted while pinned here, then stored again): check the slot
-            if key is not None and self.table.get(key) == gid_of(seg.id, slot) and self.pins[gid_of(seg.id, slot)] == 0:
+            gid = gid_of(seg.id, slot)
+            if key is not None and self.table.get(key) == gid and self.pins[gid] == 0:
                 self._remove(key, evicted=True)
                 n += 1
         return n

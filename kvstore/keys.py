@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -70,7 +71,7 @@ class NamespaceSpec:
                 "tp_size": self.tp_size, "role": self.role, "salt": self.salt, "geometry": self.geometry.to_dict()}
 
     @classmethod
-    def from_dict(cls, d: Any) -> "NamespaceSpec":
+    def from_dict(cls, d: Any) -> NamespaceSpec:
         if not isinstance(d, dict):
             raise ValueError("namespace must be a mapping")
         known = set(cls.__dataclass_fields__)

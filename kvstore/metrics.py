@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # Upper bounds in seconds; the last bucket is +Inf.
 BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 
 
 class Histogram:
-    __slots__ = ("counts", "total", "count")
+    __slots__ = ("count", "counts", "total")
 
     def __init__(self) -> None:
         self.counts = [0] * (len(BUCKETS) + 1)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from threading import Lock
-from typing import Any, Callable
+from typing import Any
 
 from kvstore import __version__
 from kvstore.config import Config
-from kvstore.index import Holdings, Index
+from kvstore.index import Holdings, Index, Namespace
 from kvstore.keys import NamespaceSpec
 from kvstore.metrics import OpMetrics
 from kvstore.pool import HostPool
@@ -111,12 +112,12 @@ def op_stats(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 def op_list(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     rows = []
-    for ns in st.index.namespaces.values():
-        s = ns.spec
-        rows.append({"id": ns.id, "model": s.model, "group": s.share_group, "adapter": s.adapter,
-                     "tp": f"{s.tp_rank}/{s.tp_size}", "role": s.role, "digest": ns.digest.hex(),
-                     "geometry": s.geometry.to_dict(), "slot_bytes": ns.slot_bytes, "blocks": ns.blocks,
-                     "bytes": ns.blocks * ns.slot_bytes})
+    for n in st.index.namespaces.values():
+        s = n.spec
+        rows.append({"id": n.id, "model": s.model, "group": s.share_group, "adapter": s.adapter,
+                     "tp": f"{s.tp_rank}/{s.tp_size}", "role": s.role, "digest": n.digest.hex(),
+                     "geometry": s.geometry.to_dict(), "slot_bytes": n.slot_bytes, "blocks": n.blocks,
+                     "bytes": n.blocks * n.slot_bytes})
     reply: dict[str, Any] = {"namespaces": rows}
     if "ns" in m:
         ns = st.index.namespaces.get(m["ns"])
@@ -139,7 +140,7 @@ def op_resize(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 def op_evict(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     if not m.get("all") and not m.get("bytes"):
         raise ProtocolError(Code.BAD_REQUEST, "evict: give 'bytes' (how much to free) or 'all': true")
-    ns = None
+    ns: Namespace | None = None
     if "ns" in m:
         ns = st.index.namespaces.get(m["ns"])
         if ns is None:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -28,7 +28,7 @@ class DaemonProc:
         self.log_path = os.path.join(self.dir, "daemon.log")
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, wait: bool = True) -> "DaemonProc":
+    def start(self, wait: bool = True) -> DaemonProc:
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve"], env=self.env,
                                      stdout=self.log, stderr=subprocess.STDOUT)

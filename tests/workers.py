@@ -33,7 +33,8 @@ def roundtrip(sock: str, seed: int, n: int, copy_threads: int = 1) -> dict[str, 
         ns = c.namespace(spec())
         for start in range(0, n, 16):
             # private keys of this worker, and keys every worker writes (same content: dedup on reserve)
-            hs = [key(seed * 1_000_000 + i) for i in range(start, start + 16)] + [key(i) for i in range(start, start + 8)]
+            hs = [key(seed * 1_000_000 + i) for i in range(start, start + 16)]
+            hs += [key(i) for i in range(start, start + 8)]
             r = ns.put(hs, [content(h) for h in hs], batch=12)
             counts["stored"] += r.stored
             outs = [bytearray(GEOM.full_bytes) for _ in hs]
