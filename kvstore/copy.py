@@ -40,7 +40,7 @@ class Copier:
         if self._pool is None or total < PARALLEL_MIN_BYTES or len(pairs) < 2:
             _copy_all(pairs)
             return
-        shares = [pairs[i::self.threads] for i in range(self.threads)]
+        shares = _split(pairs, self.threads, total)
         futures = [self._pool.submit(_copy_all, s) for s in shares[1:]]
         _copy_all(shares[0])
         for f in futures:
@@ -49,6 +49,24 @@ class Copier:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def _split(pairs: Sequence[tuple[np.ndarray, np.ndarray]], n: int, total: int
+           ) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """n shares of equal bytes: whole pairs where they divide evenly, else slices of them."""
+    shares: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n)]
+    target = -(-total // n)
+    i, filled = 0, 0
+    for dst, src in pairs:
+        start = 0
+        while start < src.nbytes:
+            take = min(src.nbytes - start, target - filled) if i < n - 1 else src.nbytes - start
+            shares[i].append((dst[start:start + take], src[start:start + take]))
+            start += take
+            filled += take
+            if filled >= target and i < n - 1:
+                i, filled = i + 1, 0
+    return shares
 
 
 def _copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
