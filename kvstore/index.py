@@ -203,8 +203,9 @@ class Index:
 
     # ----- capacity -----
     def evict(self, ns: Namespace | None = None, nbytes: int = 0, everything: bool = False) -> tuple[int, int]:
-        """Evict unpinned blocks (of one namespace, or any), oldest first per size class, until `nbytes` are freed
-        or, with `everything`, all of them. Returns (blocks, bytes)."""
+        """Evict unpinned blocks until `nbytes` are freed or, with `everything`, all of them: by the policy's
+        order per size class, or for one namespace in table order (an operator's clean-up, not a hot path).
+        Returns (blocks, bytes)."""
         blocks = freed = 0
         if ns is not None:
             for key, gid in [(k, g) for k, g in self.table.items() if k[:4] == ns.prefix]:
@@ -213,10 +214,10 @@ class Index:
             return blocks, freed
         for slot_bytes, cls in list(self._class_ids.items()):
             while everything or freed < nbytes:
-                key = self.policy.victim(cls)
-                if key is None:
+                victim = self.policy.victim(cls)
+                if victim is None:
                     break
-                self._remove(key, evicted=True)
+                self._remove(victim, evicted=True)
                 blocks, freed = blocks + 1, freed + slot_bytes
         return blocks, freed
 
