@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from kvstore.config import load_config
-    from kvstore.server import Daemon, SocketInUse
+    from kvstore.server import Daemon, StartupError
 
     if args.socket:
         os.environ["KVSTORE_SERVER_SOCKET"] = args.socket
@@ -97,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log.level.upper(), format="%(asctime)s kvstore %(levelname)s %(message)s")
     try:
         Daemon(cfg).serve()
-    except SocketInUse as e:
+    except StartupError as e:
         print(f"kvstore: {e}", file=sys.stderr)
         return 1
     return 0

@@ -72,6 +72,8 @@ class Client:
             raise ConnectionError(f"no kvstore daemon at {self.path} ({e.strerror}); start one with "
                                   f"`kvstore serve` or `make serve`") from None
         self._ids = itertools.count(1)
+        self._rbuf = bytearray()
+        self._unanswered = 0
         self._segments: dict[int, _Mapped] = {}
         self.copier = Copier(copy_threads)
         self.max_keys = 1024
@@ -83,10 +85,30 @@ class Client:
         reply, _ = self._roundtrip(op, fields, want_fds=False)
         return reply
 
+    def send(self, op: str, **fields: Any) -> None:
+        """Send a request without waiting: its reply is read (and a refusal raised) by the next `call` or `flush`.
+        The daemon answers in order, so a client can keep the daemon busy while it copies."""
+        self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **fields}))
+        self._unanswered += 1
+
+    def flush(self) -> None:
+        """Read the replies of every request sent with `send`; raise the first refusal among them."""
+        first: KVStoreError | None = None
+        while self._unanswered:
+            self._unanswered -= 1
+            try:
+                self._reply(*self._recv_frame(False))
+            except KVStoreError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
     def _roundtrip(self, op: str, fields: dict[str, Any], want_fds: bool) -> tuple[dict[str, Any], list[int]]:
-        rid = next(self._ids)
-        self.sock.sendall(encode({"v": VERSION, "op": op, "id": rid, **fields}))
-        body, fds = self._recv_frame(want_fds)
+        self.flush()
+        self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **fields}))
+        return self._reply(*self._recv_frame(want_fds))
+
+    def _reply(self, body: bytes, fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         reply = decode(body)
         if not reply.get("ok"):
             for fd in fds:
@@ -96,24 +118,27 @@ class Client:
         return reply, fds
 
     def _recv_frame(self, want_fds: bool) -> tuple[bytes, list[int]]:
-        buf = bytearray()
+        """The next reply frame. Reads in large chunks (one syscall for a small reply) and keeps what belongs to
+        the replies after it. File descriptors only come with `segments`, which is never pipelined."""
         fds: list[int] = []
-        need = HEADER.size
-        while len(buf) < need:
+        buf = self._rbuf
+        while True:
+            if len(buf) >= HEADER.size:
+                end = HEADER.size + HEADER.unpack_from(buf)[0]
+                if len(buf) >= end:
+                    body = bytes(buf[HEADER.size:end])
+                    del buf[:end]
+                    return body, fds
             if want_fds:
-                data, anc, _, _ = self.sock.recvmsg(need - len(buf), socket.CMSG_SPACE(MAX_FDS * 4))
+                data, anc, _, _ = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(MAX_FDS * 4))
                 for level, kind, payload in anc:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                         fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
             else:
-                # one syscall for the common small reply: the header and body arrive together
-                data = self.sock.recv(max(need - len(buf), 65536) if need == HEADER.size else need - len(buf))
+                data = self.sock.recv(1 << 16)
             if not data:
                 raise ConnectionError(f"the kvstore daemon at {self.path} closed the connection")
             buf += data
-            if need == HEADER.size and len(buf) >= HEADER.size:
-                need += HEADER.unpack_from(buf)[0]
-        return bytes(buf[HEADER.size:]), fds
 
     def _map(self, seg_ids: Iterable[int]) -> None:
         wanted = sorted(set(seg_ids) - set(self._segments))
@@ -221,15 +246,19 @@ class Namespace:
         return Lease(self, reply["slots"])
 
     def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32) -> PutResult:
-        """Store whole blocks: reserve → copy → commit, `batch` blocks per message."""
+        """Store whole blocks: reserve → copy → commit, `batch` blocks per reserve.
+
+        Commits are pipelined: a batch is copied in parts and each part's commit is sent without waiting, so the
+        daemon books part i while this process copies part i+1; the replies are read before the next reserve.
+        """
         if len(hashes) != len(blocks):
             raise ValueError(f"{len(hashes)} hashes but {len(blocks)} blocks")
         result = PutResult()
         for i in range(0, len(hashes), batch):
             with self.reserve(hashes[i:i + batch]) as r:
-                r.write_blocks(blocks[i:i + batch])
-                r.commit()
+                r.write_and_commit(blocks[i:i + batch])
             result.add(r)
+        self.client.flush()
         return result
 
     def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32) -> int:
@@ -288,6 +317,7 @@ class Reservation:
         self.status = status
         self.views = ns.client._views([g for g in gids if g])
         self.done = False
+        self._committed = 0        # reserved positions already committed by write_and_commit
 
     @property
     def reserved(self) -> list[int]:
@@ -301,6 +331,17 @@ class Reservation:
         """Copy whole blocks, one per hash asked (blocks for positions not reserved are skipped)."""
         srcs = self.ns._check([blocks[i] for i in self.reserved], self.ns.block_bytes, "block", False)
         self.ns.client.copier.copy(list(zip(self.views, srcs)))
+
+    def write_and_commit(self, blocks: Sequence[Any], part: int = 8) -> None:
+        """Copy whole blocks and commit them `part` at a time without waiting for the replies (read by the
+        client's next call or `flush`). A block is visible once its part's commit is booked."""
+        pos = self.reserved
+        srcs = self.ns._check([blocks[i] for i in pos], self.ns.block_bytes, "block", False)
+        for start in range(0, len(pos), part):
+            self.ns.client.copier.copy(list(zip(self.views[start:start + part], srcs[start:start + part])))
+            self.ns.client.send("commit", ns=self.ns.id, keys=self._keys_at(pos[start:start + part]))
+            self._committed = start + part
+        self.done = True
 
     def write_layer(self, layer: int, srcs: Sequence[Any]) -> None:
         """Copy Layer Block `layer` of every reserved block (one source per hash asked)."""
@@ -317,7 +358,7 @@ class Reservation:
 
     def abort(self) -> None:
         self.done = True
-        pos = self.reserved
+        pos = self.reserved[self._committed:]
         if pos:
             self.ns.client.call("abort", ns=self.ns.id, keys=self._keys_at(pos))
 

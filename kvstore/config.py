@@ -86,6 +86,7 @@ def embedded_default() -> dict[str, Any]:
 def load_config(path: str | None = None, env: dict[str, str] | None = None) -> Config:
     """Merge default < file < environment, validate every field, resolve "auto" values."""
     raw = embedded_default()
+    errors: list[str] = []
     if path:
         try:
             with open(path) as f:
@@ -94,12 +95,12 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None) -> C
             raise ConfigError(f"cannot read configuration {path}: {e.strerror}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}") from None
-        _merge(raw, user, path)
-    _apply_env(raw, os.environ if env is None else env)
-    return _build(raw)
+        errors += _merge(raw, user, path)
+    errors += _apply_env(raw, os.environ if env is None else env)
+    return _build(raw, errors)
 
 
-def _merge(base: dict[str, Any], user: Any, where: str) -> None:
+def _merge(base: dict[str, Any], user: Any, where: str) -> list[str]:
     if not isinstance(user, dict):
         raise ConfigError(f"{where}: the top level must be a mapping of sections {sorted(SECTIONS)}")
     errors = []
@@ -110,22 +111,30 @@ def _merge(base: dict[str, Any], user: Any, where: str) -> None:
             errors.append(f"{section}: must be a mapping")
         else:
             base[section].update(values)
-    if errors:
-        raise ConfigError("\n".join(errors))
+    return errors
 
 
-def _apply_env(raw: dict[str, Any], env: Any) -> None:
+def _apply_env(raw: dict[str, Any], env: Any) -> list[str]:
+    errors = []
     for name, value in env.items():
         if not name.startswith("KVSTORE_") or name in ("KVSTORE_NO_NATIVE", "KVSTORE_CONFIG"):
             continue
         rest = name[len("KVSTORE_"):].lower()
         section, _, key = rest.partition("_")
-        if section in SECTIONS:
-            raw[section][key] = yaml.safe_load(value) if value else value
+        if section not in SECTIONS:
+            continue
+        types = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])}
+        if types.get(key) in ("str", str) or not value:   # as written: YAML would make "::" a map, "off" false
+            raw[section][key] = value
+            continue
+        try:
+            raw[section][key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            errors.append(f"{section}.{key}: {name}={value!r} is not a valid YAML value")
+    return errors
 
 
-def _build(raw: dict[str, Any]) -> Config:
-    errors: list[str] = []
+def _build(raw: dict[str, Any], errors: list[str]) -> Config:
     built: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         known = {f.name: f for f in dataclasses.fields(cls)}
@@ -168,6 +177,8 @@ def _check(cfg: Config) -> list[str]:
     s, p, m = cfg.server, cfg.pool, cfg.metrics
     if s.socket == "auto":
         s.socket = default_socket_path()
+    if not os.path.isabs(s.socket):
+        errors.append(f"server.socket: must be an absolute path, got {s.socket!r}")
     if len(s.socket.encode()) > 100:
         errors.append(f"server.socket: path longer than 100 bytes (Unix socket limit): {s.socket}")
     if not 1 <= s.max_connections <= 4096:

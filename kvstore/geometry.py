@@ -23,6 +23,10 @@ DTYPES: dict[str, tuple[int, str]] = {
     "uint8": (1, "uint8"),
 }
 MAX_FULL_BYTES = 1 << 30
+
+
+class GeometryError(ValueError):
+    """A geometry field is missing, unknown or out of bounds; the message names it."""
 LAYOUT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.,:*")
 
 
@@ -47,15 +51,15 @@ class Geometry:
                              ("head_dim", 1, 1 << 16)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise ValueError(f"geometry.{name} must be an integer in {lo}..{hi}, got {v!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"geometry.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+                raise GeometryError(f"geometry.{name} must be an integer in {lo}..{hi}, got {v!r}")
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
+            raise GeometryError(f"geometry.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv not in (1, 2):
-            raise ValueError(f"geometry.kv must be 2 (K and V) or 1 (one latent), got {self.kv!r}")
+            raise GeometryError(f"geometry.kv must be 2 (K and V) or 1 (one latent), got {self.kv!r}")
         if not isinstance(self.layout, str) or not 1 <= len(self.layout) <= 64 or set(self.layout) - LAYOUT_CHARS:
-            raise ValueError(f"geometry.layout must be 1..64 characters of [A-Za-z0-9_-.,:*], got {self.layout!r}")
+            raise GeometryError(f"geometry.layout must be 1..64 characters of [A-Za-z0-9_-.,:*], got {self.layout!r}")
         if self.full_bytes > MAX_FULL_BYTES:
-            raise ValueError(f"geometry gives {self.full_bytes} bytes per block, above the 1 GiB limit")
+            raise GeometryError(f"geometry gives {self.full_bytes} bytes per block, above the 1 GiB limit")
 
     @property
     def itemsize(self) -> int:
@@ -88,11 +92,11 @@ class Geometry:
     @classmethod
     def from_dict(cls, d: Any) -> Geometry:
         if not isinstance(d, dict):
-            raise ValueError("geometry must be a mapping")
+            raise GeometryError("geometry must be a mapping")
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"geometry has unknown fields: {', '.join(sorted(map(str, unknown)))}")
+            raise GeometryError(f"geometry has unknown fields: {', '.join(sorted(map(str, unknown)))}")
         missing = {"layers", "tokens", "kv_heads", "head_dim"} - set(d)
         if missing:
-            raise ValueError(f"geometry is missing: {', '.join(sorted(missing))}")
+            raise GeometryError(f"geometry is missing: {', '.join(sorted(missing))}")
         return cls(**d)

@@ -352,8 +352,8 @@ class Index:
     def keys_of(self, ns: Namespace, limit: int) -> Iterator[tuple[bytes, int]]:
         n = 0
         for key, gid in self.table.items():
+            if n >= limit:
+                return
             if key[:4] == ns.prefix:
                 yield key[4:], gid
                 n += 1
-                if n >= limit:
-                    return

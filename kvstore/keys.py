@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,8 +93,12 @@ def block_key(h: bytes) -> bytes:
     return hashlib.blake2b(h, digest_size=HASH_BYTES).digest()
 
 
-def pack_keys(hashes: Iterable[bytes]) -> bytes:
+def pack_keys(hashes: Sequence[bytes]) -> bytes:
     """Hashes as one wire blob of 16 bytes each (what every batched op carries)."""
+    if set(map(len, hashes)) <= {HASH_BYTES}:      # the common case, 16-byte hashes: no call per hash
+        blob = b"".join(hashes)
+        if len(blob) == HASH_BYTES * len(hashes):
+            return blob
     return b"".join(block_key(h) for h in hashes)
 
 

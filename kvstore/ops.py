@@ -11,6 +11,7 @@ from typing import Any
 
 from kvstore import __version__
 from kvstore.config import Config
+from kvstore.geometry import GeometryError
 from kvstore.index import Holdings, Index, Namespace
 from kvstore.keys import NamespaceSpec
 from kvstore.metrics import OpMetrics
@@ -52,9 +53,10 @@ def op_hello(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     if "namespace" in m:
         try:
             spec = NamespaceSpec.from_dict(m["namespace"])
+        except GeometryError as e:
+            raise ProtocolError(Code.WRONG_GEOMETRY, f"hello: {e}") from None
         except (TypeError, ValueError) as e:
-            code = Code.WRONG_GEOMETRY if "geometry" in str(e) else Code.BAD_REQUEST
-            raise ProtocolError(code, f"hello: {e}") from None
+            raise ProtocolError(Code.BAD_REQUEST, f"hello: {e}") from None
         ns = st.index.register(spec, h)
         g = spec.geometry
         reply.update(ns=ns.id, digest=ns.digest.hex(), slot_bytes=g.full_bytes, layer_bytes=g.layer_bytes)

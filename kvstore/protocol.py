@@ -54,10 +54,15 @@ def encode(msg: dict[str, Any]) -> bytes:
 
 
 def decode(body: bytes) -> dict[str, Any]:
+    # max_ext_len=0: msgpack decodes timestamps (ext -1) itself, without the hook; a zero limit refuses them too.
     try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext, timestamp=0)
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext, max_ext_len=0)
     except ProtocolError:
         raise
+    except ValueError as e:
+        what = ("msgpack extension types (timestamps included) are not accepted" if "max_ext_len" in str(e)
+                else f"not a valid msgpack message: {type(e).__name__}")
+        raise ProtocolError(Code.BAD_FRAME, what) from None
     except Exception as e:  # msgpack raises several types (ExtraData, StackError, ValueError, ...)
         raise ProtocolError(Code.BAD_FRAME, f"not a valid msgpack message: {type(e).__name__}") from None
     if not isinstance(msg, dict):
@@ -93,7 +98,7 @@ def check_request(msg: dict[str, Any], max_keys: int) -> tuple[str, int]:
     rid = msg.get("id", 0)
     if not _is_int(rid):
         raise ProtocolError(Code.BAD_REQUEST, "field 'id' must be a non-negative integer")
-    if msg.get("v") != VERSION:
+    if type(msg.get("v")) is not int or msg["v"] != VERSION:   # not True, not 1.0
         raise ProtocolError(Code.BAD_VERSION, f"protocol version {msg.get('v')!r} not supported; this daemon "
                                               f"speaks version {VERSION}")
     op = msg.get("op")

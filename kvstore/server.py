@@ -2,7 +2,8 @@
 a live daemon's socket), accepts connections up to the cap (one thread each: ops are short book-keeping under one
 lock, and blocking sockets keep a round trip near the raw socket's), and shuts down gracefully on SIGTERM or
 Ctrl-C: stop accepting, let requests in flight finish, close connections, release the pool. A second signal forces
-the exit."""
+the exit. A client over the cap gets a `too_many_connections` error frame; its connection stays open a moment
+(write side shut) so that a request it already sent cannot make its send fail before it reads the refusal."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,8 @@ import signal
 import socket
 import stat
 import threading
+import time
+from collections import deque
 from types import FrameType
 
 from kvstore.config import Config
@@ -23,25 +26,46 @@ from kvstore.session import Session
 from kvstore.units import format_size
 
 log = logging.getLogger("kvstore")
+REFUSED_LINGER_S = 1.0   # how long a refused connection stays open for its client to read the refusal
+MAX_LINGERING = 64       # refused connections kept open at once; beyond that the oldest is closed at once
 
 
-class SocketInUse(RuntimeError):
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+class SocketInUse(StartupError):
     pass
 
 
 def prepare_socket_dir(path: str) -> None:
-    """Create the socket's directory 0700, or check that an existing one is ours and private."""
+    """Create the socket's directory 0700, or check that an existing one is ours and tighten it to 0700. A shared
+    directory (world-writable or sticky, like /tmp) is never tightened: the socket needs a private one inside it."""
     d = os.path.dirname(path) or "."
     os.makedirs(d, mode=0o700, exist_ok=True)
     st = os.stat(d)
     if st.st_uid != os.getuid():
-        raise PermissionError(f"socket directory {d} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
+        raise StartupError(f"socket directory {d} belongs to uid {st.st_uid}, not to us ({os.getuid()}); "
+                           f"choose another server.socket")
+    if st.st_mode & (stat.S_ISVTX | stat.S_IWOTH):
+        raise StartupError(f"socket directory {d} is shared (world-writable or sticky); put the socket in a "
+                           f"private directory, e.g. {os.path.join(d, 'kvstore', os.path.basename(path))}")
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(d, 0o700)
 
 
 def bind_unix(path: str) -> socket.socket:
+    try:
+        return _bind_unix(path)
+    except OSError as e:
+        raise StartupError(f"cannot listen at {path}: {e.strerror or e}") from None
+
+
+def _bind_unix(path: str) -> socket.socket:
     prepare_socket_dir(path)
+    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise StartupError(f"{path} exists and is not a socket; refusing to replace it (remove it or set "
+                           f"server.socket / KVSTORE_SERVER_SOCKET to another path)")
     if os.path.exists(path):
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -72,20 +96,22 @@ class Daemon:
         self.stopping = threading.Event()
         self.listener: socket.socket | None = None
         self.metrics_server: object | None = None
+        self._refused: deque[tuple[float, socket.socket]] = deque()
         self._signals = 0
 
     def serve(self) -> None:
         cfg = self.config
         self.listener = bind_unix(cfg.server.socket)
         self.listener.settimeout(0.2)
-        if cfg.metrics.enabled:
-            self.metrics_server = start_prometheus(cfg.metrics.host, cfg.metrics.port, self._snapshot)
-            log.info("metrics at http://%s:%d/metrics", cfg.metrics.host, cfg.metrics.port)
-        self._install_signals()
-        log.info("kvstore serving at %s — host pool %s in %s segments (pid %d); try `kvstore stats`",
-                 cfg.server.socket, format_size(cfg.pool.capacity), format_size(cfg.pool.segment_bytes), os.getpid())
         try:
+            if cfg.metrics.enabled:
+                self._start_metrics()
+            self._install_signals()
+            log.info("kvstore serving at %s — host pool %s in %s segments (pid %d); try `kvstore stats`",
+                     cfg.server.socket, format_size(cfg.pool.capacity), format_size(cfg.pool.segment_bytes),
+                     os.getpid())
             while not self.stopping.is_set():
+                self._close_refused(time.monotonic())
                 try:
                     conn, _ = self.listener.accept()
                 except TimeoutError:
@@ -93,6 +119,15 @@ class Daemon:
                 self._admit(conn)
         finally:
             self._shutdown()
+
+    def _start_metrics(self) -> None:
+        m = self.config.metrics
+        try:
+            self.metrics_server = start_prometheus(m.host, m.port, self._snapshot)
+        except OSError as e:
+            raise StartupError(f"cannot serve metrics at {m.host}:{m.port}: {e.strerror or e} (set metrics.port / "
+                               f"KVSTORE_METRICS_PORT to a free port)") from None
+        log.info("metrics at http://%s:%d/metrics", m.host, m.port)
 
     def _snapshot(self) -> dict[str, object]:
         with self.state.lock:
@@ -109,11 +144,7 @@ class Daemon:
                 st.connections += 1
         if full:
             log.warning("refused a client: %d connections is the cap (server.max_connections)", st.connections)
-            try:
-                conn.sendall(encode(error(0, Code.TOO_MANY_CONNECTIONS, f"the daemon serves at most "
-                                          f"{self.config.server.max_connections} connections; try again later")))
-            finally:
-                conn.close()
+            self._refuse(conn)
             return
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
         pid = int.from_bytes(creds[:4], "little")
@@ -121,6 +152,22 @@ class Daemon:
         t = threading.Thread(target=self._run_session, args=(session,), name=f"conn-{pid}", daemon=True)
         self.sessions[id(session)] = (session, t)
         t.start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        try:
+            conn.sendall(encode(error(0, Code.TOO_MANY_CONNECTIONS, f"the daemon serves at most "
+                                      f"{self.config.server.max_connections} connections; try again later")))
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            conn.close()
+            return
+        self._refused.append((time.monotonic() + REFUSED_LINGER_S, conn))
+        while len(self._refused) > MAX_LINGERING:
+            self._refused.popleft()[1].close()
+
+    def _close_refused(self, now: float) -> None:
+        while self._refused and self._refused[0][0] <= now:
+            self._refused.popleft()[1].close()
 
     def _run_session(self, session: Session) -> None:
         try:
@@ -145,6 +192,7 @@ class Daemon:
         self.stopping.set()
 
     def _shutdown(self) -> None:
+        self._close_refused(float("inf"))
         if self.listener is not None:
             self.listener.close()
             try:

@@ -62,7 +62,7 @@ class Session:
         st, op, rid = self.state, "?", 0
         try:
             msg = decode(body)
-            rid = msg["id"] if isinstance(msg.get("id"), int) else 0
+            rid = msg["id"] if type(msg.get("id")) is int else 0   # echoed even when invalid; never a bool
             op, rid = check_request(msg, st.config.server.max_keys_per_request)
             with st.lock:
                 result = HANDLERS[op](st, self.holdings, msg)
