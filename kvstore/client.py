@@ -392,8 +392,10 @@ class Lease:
         self.ns.client.copier.copy([(d, v[a:b]) for d, v in zip(dsts, self.views)])
 
     def release(self) -> None:
+        """Unpin. Sent without waiting (the daemon handles requests in order, so any later request of this
+        client sees the pins gone); a refusal surfaces at the client's next call or `flush`."""
         if not self.released and self.gids:
-            self.ns.client.call("release", slots=self.gids)
+            self.ns.client.send("release", slots=self.gids)
         self.released = True
 
     def __enter__(self) -> Lease:
