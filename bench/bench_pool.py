@@ -89,10 +89,12 @@ def raw_socket_rtt(n: int) -> list[float]:
 
 
 # ----- through the daemon -----
-def put_get_gbps(d: DaemonProc, threads: int, reps: int) -> tuple[list[float], list[float]]:
+def put_get_gbps(d: DaemonProc, threads: int, reps: int) -> tuple[list[float], list[float], list[float]]:
+    """Put and get GB/s, each repetition right after a memcpy of the same blocks (the baseline, interleaved so
+    that both see the same machine)."""
     srcs = [np.random.default_rng(i).integers(0, 256, BLOCK, dtype=np.uint8) for i in range(BATCH)]
     dsts = [np.ones(BLOCK, np.uint8) for _ in range(BATCH)]
-    puts, gets = [], []
+    puts, gets, base = [], [], []
     with d.client(copy_threads=threads) as c:
         ns = c.namespace(NamespaceSpec("bench", GEOM))
         warm = hashes(BATCH * 4, 10**9)                # touch the slots the timed runs reuse
@@ -100,6 +102,7 @@ def put_get_gbps(d: DaemonProc, threads: int, reps: int) -> tuple[list[float], l
         ns.delete(warm)
         for rep in range(reps + 1):
             hs = hashes(BATCH, rep * BATCH)
+            mc = memcpy_gbps(srcs, dsts, threads, 1)[0]
             t0 = time.perf_counter()
             r = ns.put(hs, srcs, batch=BATCH)
             t1 = time.perf_counter()
@@ -109,9 +112,10 @@ def put_get_gbps(d: DaemonProc, threads: int, reps: int) -> tuple[list[float], l
             assert all(np.array_equal(a, b) for a, b in zip(srcs[:2], dsts[:2]))
             ns.delete(hs)
             if rep:
+                base.append(mc)
                 puts.append(BATCH * BLOCK / (t1 - t0) / 1e9)
                 gets.append(BATCH * BLOCK / (t2 - t1) / 1e9)
-    return puts, gets
+    return puts, gets, base
 
 
 def lookup_rtt(d: DaemonProc, n: int) -> list[float]:
@@ -127,28 +131,34 @@ def lookup_rtt(d: DaemonProc, n: int) -> list[float]:
     return out[200:]
 
 
-def resize_seconds(pool: int, reps: int) -> tuple[list[float], list[float]]:
-    """Daemon-side and client-side seconds to release 256 MiB of a full pool."""
-    d = DaemonProc(capacity=str(pool), segment="64MiB", env={"KVSTORE_LOG_LEVEL": "warning"}).start()
-    daemon_s, client_s = [], []
+def resize_seconds(pools: list[int], reps: int) -> dict[int, tuple[list[float], list[float]]]:
+    """Daemon-side and client-side seconds to release 256 MiB of a full pool, for each pool size, the sizes
+    taking turns so that all see the same machine."""
+    daemons = {p: DaemonProc(capacity=str(p), segment="64MiB", env={"KVSTORE_LOG_LEVEL": "warning"}).start()
+               for p in pools}
+    out: dict[int, tuple[list[float], list[float]]] = {p: ([], []) for p in pools}
     src = [np.zeros(BLOCK, np.uint8)] * BATCH
     try:
-        with d.client() as c:
-            ns = c.namespace(NamespaceSpec("bench", GEOM))
-            n = 0
-            for _ in range(reps):
+        clients = {p: d.client() for p, d in daemons.items()}
+        spaces = {p: c.namespace(NamespaceSpec("bench", GEOM)) for p, c in clients.items()}
+        n = 0
+        for _ in range(reps):
+            for pool, c in clients.items():
                 while c.stats()["tiers"][0]["used_bytes"] < pool:   # fill every segment
-                    ns.put(hashes(BATCH, n), src, batch=BATCH)
+                    spaces[pool].put(hashes(BATCH, n), src, batch=BATCH)
                     n += BATCH
                 t0 = time.perf_counter()
                 r = c.resize(pool - 256 * MiB)
-                client_s.append(time.perf_counter() - t0)
-                daemon_s.append(r["seconds"])
+                out[pool][1].append(time.perf_counter() - t0)
+                out[pool][0].append(r["seconds"])
                 assert r["released_segments"] == 4, r
                 c.resize(pool)
+        for c in clients.values():
+            c.close()
     finally:
-        d.cleanup()
-    return daemon_s, client_s
+        for d in daemons.values():
+            d.cleanup()
+    return out
 
 
 def main() -> None:
@@ -157,16 +167,12 @@ def main() -> None:
     args = p.parse_args()
     reps = 3 if args.quick else 9
     res: dict[str, object] = {}
-    srcs = [np.random.default_rng(i).integers(0, 256, BLOCK, dtype=np.uint8) for i in range(BATCH)]
-    dsts = [np.ones(BLOCK, np.uint8) for _ in range(BATCH)]
-    progress("memcpy baselines")
-    mc1, mc2 = memcpy_gbps(srcs, dsts, 1, reps), memcpy_gbps(srcs, dsts, 2, reps)
     d = DaemonProc(capacity="1GiB", segment="64MiB", env={"KVSTORE_LOG_LEVEL": "warning"}).start()
     try:
         progress("put/get, 1 copy thread")
-        p1, g1 = put_get_gbps(d, 1, reps)
+        p1, g1, mc1 = put_get_gbps(d, 1, reps)
         progress("put/get, 2 copy threads")
-        p2, g2 = put_get_gbps(d, 2, reps)
+        p2, g2, mc2 = put_get_gbps(d, 2, reps)
         progress("lookup round trips")
         lk = lookup_rtt(d, 2000 if args.quick else 10000)
     finally:
@@ -174,10 +180,8 @@ def main() -> None:
     progress("raw socket round trips")
     raw = raw_socket_rtt(2000 if args.quick else 10000)
     sizes = [GiB] if args.quick else [GiB, 8 * GiB]
-    rz = {}
-    for pool in sizes:
-        progress(f"resize at {pool // GiB} GiB")
-        rz[pool] = resize_seconds(pool, 3 if args.quick else 5)
+    progress(f"resize at {', '.join(f'{p // GiB} GiB' for p in sizes)}")
+    rz = resize_seconds(sizes, 3 if args.quick else 7)
 
     m = statistics.median
     t = Table(["figure", "kvstore", "baseline", "ratio", "target"])
