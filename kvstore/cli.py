@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore.metrics import BUCKETS
 from kvstore.units import format_size, parse_size
 
 
@@ -130,8 +131,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _us(seconds: float) -> str:
-    return "inf" if seconds == float("inf") else f"≤{seconds * 1e6:.0f} µs"
+def _us(seconds: float | None) -> str:
+    return f">{BUCKETS[-1]:g} s" if seconds is None else f"≤{seconds * 1e6:.0f} µs"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

@@ -36,8 +36,9 @@ class Histogram:
         return float("inf")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "sum": self.total, "buckets": list(self.counts),
-                "p50": self.quantile(0.5), "p99": self.quantile(0.99)}
+        # a quantile beyond the last bound is null: strict JSON has no Infinity
+        p50, p99 = (q if q != float("inf") else None for q in (self.quantile(0.5), self.quantile(0.99)))
+        return {"count": self.count, "sum": self.total, "buckets": list(self.counts), "p50": p50, "p99": p99}
 
 
 class OpMetrics:

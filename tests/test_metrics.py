@@ -118,3 +118,17 @@ def test_metrics_are_off_by_default(daemon):
         c.ping()
     log = daemon.read_log()
     assert "kvstore serving at" in log and "metrics at" not in log
+
+
+def test_histogram_beyond_last_bucket_is_strict_json():
+    import json
+
+    from kvstore.metrics import Histogram
+
+    h = Histogram()
+    h.observe(2e-5)
+    h.observe(5.0)                                   # beyond the last bound (1 s)
+    d = h.to_dict()
+    assert (d["count"], d["buckets"][1], d["buckets"][-1]) == (2, 1, 1)
+    assert d["p50"] == 2.5e-5 and d["p99"] is None
+    json.dumps(d, allow_nan=False)                   # no Infinity for jq and friends
