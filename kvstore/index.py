@@ -70,6 +70,7 @@ class Index:
         self.pins: Counter[int] = Counter()         # gid → pins across connections
         self.zombies: dict[int, bytes] = {}         # deleted while pinned: gid → key, freed at last release
         self.counters: Counter[str] = Counter()
+        self._clock = 1                             # advances per commit and acquire: recency across sizes
 
     # ----- namespaces -----
     def register(self, spec: NamespaceSpec, holder: Holdings) -> Namespace:
@@ -115,6 +116,7 @@ class Index:
             holder.pins[gid] += 1
             gids.append(gid)
         self.counters["gets"] += len(gids)
+        self._clock += 1
         return gids
 
     def release(self, gids: list[int], holder: Holdings) -> None:
@@ -166,10 +168,12 @@ class Index:
             del self.pending[key]
             seg, slot = self._seg_slot(gid)
             seg.keys[slot] = key
+            seg.used[slot] = self._clock
             self.table.insert(key, gid, cls)
             self._unbusy(seg)
             ns.blocks += 1
         self.counters["puts"] += len(full)
+        self._clock += 1
         return len(full)
 
     def abort(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> int:
@@ -254,10 +258,37 @@ class Index:
             if gid is not None:
                 return gid
             key = self.policy.victim(cls)
-            if key is not None:
+            stale = self._staler_segment(slot_bytes, key) if len(self.pool.classes) > 1 else None
+            if stale is not None:
+                self._retire(stale)          # memory moves to this block size: the pool fits a new segment
+            elif key is not None:
                 self._remove(key, evicted=True)
             elif not self._reclaim_other(slot_bytes):
                 return None
+
+    def _staler_segment(self, slot_bytes: int, victim: bytes | None) -> Segment | None:
+        """An idle segment of another block size whose next victim was used before ours: the whole segment goes,
+        so that memory follows use across block sizes instead of staying with whoever filled the pool first.
+        Looks at one candidate per size class: O(classes)."""
+        if victim is None:
+            return None
+        seg, slot = self._where(victim)
+        mine = seg.used[slot]
+        best: tuple[int, Segment] | None = None
+        for other, cls in self._class_ids.items():
+            key = self.policy.victim(cls) if other != slot_bytes else None
+            if key is None:
+                continue
+            seg, slot = self._where(key)
+            used = seg.used[slot]
+            if seg.busy == 0 and not seg.draining and used < mine and (best is None or used < best[0]):
+                best = (used, seg)
+        return None if best is None else best[1]
+
+    def _where(self, key: bytes) -> tuple[Segment, int]:
+        gid = self.table.get(key)
+        assert gid is not None, "a policy victim is always a stored block"
+        return self._seg_slot(gid)
 
     def _reclaim_other(self, slot_bytes: int) -> bool:
         """Free a whole idle segment of another block size (fewest blocks first) so this size can grow."""
@@ -321,6 +352,7 @@ class Index:
             self._empty(seg)
 
     def _pin(self, key: bytes, gid: int) -> None:
+        self.pool.segment_of(gid).used[gid & 0xFFFFFFFF] = self._clock
         if self.pins[gid] == 0:
             self.policy.pinned(key)
             self.pool.segment_of(gid).busy += 1

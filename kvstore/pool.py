@@ -49,6 +49,7 @@ class Segment:
     fd: int
     free: list[int]
     keys: list[bytes | None]      # reverse map slot → key of the block in it (None when free or reserved)
+    used: list[int]               # slot → the index's clock at the block's last store or read
     live: int = 0                 # slots not free (reserved or holding a block)
     busy: int = 0                 # slots reserved or pinned: they keep the segment alive
     draining: bool = False        # chosen for release: allocates nothing, released when busy reaches 0
@@ -128,7 +129,7 @@ class HostPool:
         except OSError:
             os.close(fd)
             raise
-        seg = Segment(seg_id, slot_bytes, n, fd, list(range(n - 1, -1, -1)), [None] * n)
+        seg = Segment(seg_id, slot_bytes, n, fd, list(range(n - 1, -1, -1)), [None] * n, [0] * n)
         cls = self.classes.setdefault(slot_bytes, SlotClass(slot_bytes))
         cls.segments[seg_id] = seg
         cls.with_free[seg_id] = seg

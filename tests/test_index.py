@@ -119,3 +119,27 @@ def test_shrink_cost_follows_released_blocks(idx):
     put(idx, ns, h, *range(8, 16))                     # the cap is one segment now: they replace 0..7
     assert idx.pool.mapped_bytes == SEG
     assert idx.counters["evictions"] == 8
+
+
+def test_memory_follows_use_across_block_sizes(idx):
+    small, h = ns_of(idx)
+    big, _ = ns_of(idx, "big", BIG)
+    h.namespaces.add(big.id)
+    put(idx, small, h, *range(16))                     # the small size fills the pool first, then goes idle
+    for i in range(8):                                 # the big size is busy: one block at a time
+        put(idx, big, h, 500 + i)
+    assert sum(idx.lookup(big, k(500 + i)) for i in range(8)) == 8     # it got both segments, not one
+    assert sum(idx.lookup(small, k(i)) for i in range(16)) == 0
+
+
+def test_recently_used_other_size_keeps_its_segment(idx):
+    small, h = ns_of(idx)
+    big, _ = ns_of(idx, "big", BIG)
+    h.namespaces.add(big.id)
+    put(idx, small, h, *range(8))                      # one segment of small blocks
+    put(idx, big, h, *range(500, 504))                 # one segment of big blocks: the pool is full
+    idx.release(idx.acquire(small, keys(*range(8)), h), h)   # the small blocks are used again: fresher
+    put(idx, big, h, 504)
+    assert sum(idx.lookup(small, k(i)) for i in range(8)) == 8            # kept
+    assert sum(idx.lookup(big, k(i)) for i in range(500, 505)) == 4      # big evicted its own oldest
+    assert idx.lookup(big, k(500)) == 0
