@@ -158,6 +158,8 @@ class Index:
 
     def commit(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> int:
         full = [ns.prefix + h for h in keys]
+        if len(set(full)) != len(full):
+            raise ProtocolError(Code.BAD_REQUEST, "commit: a key appears twice; nothing was committed")
         missing = [i for i, k in enumerate(full) if k not in holder.reserved]
         if missing:
             raise ProtocolError(Code.NOT_FOUND, f"commit: {len(missing)} key(s) not reserved by this connection "

@@ -145,3 +145,14 @@ def test_release_of_unheld_slot_is_refused(daemon):
             b.call("release", slots=lease.gids)          # b does not hold a's pin
         assert e.value.code == "not_found"
         assert a.stats()["pinned"] == 1
+
+
+def test_commit_with_a_key_twice_is_refused_whole(daemon):
+    with daemon.client() as c:
+        ns = c.namespace(spec())
+        res = ns.reserve(hashes(2))
+        with pytest.raises(KVStoreError) as e:
+            c.call("commit", ns=ns.id, keys=hashes(1)[0] * 2)
+        assert e.value.code == "bad_request" and "twice" in e.value.message
+        assert ns.lookup(hashes(2)) == 0 and c.stats()["reserved"] == 2
+        assert res.commit() == 2
