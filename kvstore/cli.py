@@ -59,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--ns", type=int, help="only this namespace")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_evict)
+    c = sub.add_parser("verify", help="check every record of an SSD directory offline (the daemon stopped)")
+    c.add_argument("--dir", required=True, help="the SSD tier's directory")
+    c.add_argument("--fix", action="store_true", help="quarantine the bad records")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_verify)
     return p
 
 
@@ -163,3 +168,25 @@ def cmd_evict(args: argparse.Namespace) -> int:
         r = c.evict(parse_size(args.bytes) if args.bytes else 0, args.all, args.ns)
     _out(args, r, f"evicted {r['blocks']} block(s), {format_size(r['bytes'])}")
     return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from kvstore.tiers.ssd import SsdStore, StoreLocked
+
+    try:
+        store = SsdStore(args.dir, capacity=1 << 62).open()
+    except StoreLocked as e:
+        print(f"kvstore: {e}; stop the daemon before verifying", file=sys.stderr)
+        return 1
+    try:
+        bad = store.verify(fix=args.fix)
+        data = {"records": len(store.index) + (len(bad) if args.fix else 0), "bad": [
+            {"file": f, "record": r, "reason": why} for f, r, why in bad], "fixed": args.fix,
+            "skipped_files": store.counters["skipped_files"]}
+    finally:
+        store.close()
+    text = _table(["file", "record", "reason"], [[b["file"], b["record"], b["reason"]] for b in data["bad"]])
+    summary = (f"{data['records']} record(s) checked, {len(bad)} bad"
+               + (", quarantined" if args.fix and bad else ("; run with --fix to quarantine them" if bad else "")))
+    _out(args, data, f"{text}\n\n{summary}" if bad else summary)
+    return 1 if bad and not args.fix else 0

@@ -1,0 +1,288 @@
+"""The SSD tier's record store: Full Blocks in preallocated files on local disk, found again after a restart.
+
+- One file per block size (`blocks-<payload bytes>.kvs`), made of fixed-size records (ssd_format); files grow in
+  steps up to the tier's capacity, which they never exceed. The directory is 0700, the files 0600, and a lock file
+  makes one daemon its only owner.
+- `put_many` writes payloads, syncs (policy always | batch | never), writes headers, syncs: a record is durable
+  when it returns (with always or batch). Records are read back with O_DIRECT where the file system allows it.
+- `get` checks every header field against the key asked and the payload's checksum against its bytes: a record that
+  fails is a miss, quarantined (its header zeroed, its space reused) and counted by reason. No wrong byte is served.
+- `open` scans the headers of every record to rebuild the index and the accounting; files that are not ours
+  (foreign names, temporaries, symlinks) are skipped.
+
+This is the store alone; demotion from the host pool, promotion and prefetch through the traffic lanes come next.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import stat
+import zlib
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.tiers.ssd_format import HEADER_BYTES, BadRecord, Header, check_payload, padded, parse_header
+
+log = logging.getLogger("kvstore")
+FILE_RE = re.compile(r"^blocks-(\d+)\.kvs$")
+SYNC_POLICIES = ("always", "batch", "never")
+GROW_RECORDS = 64
+
+
+class StoreLocked(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class ClassFile:
+    payload: int
+    path: str
+    fd: int
+    direct: bool
+    nrecords: int = 0
+    free: list[int] = field(default_factory=list)
+    buf: mmap.mmap = field(default_factory=lambda: _aligned(0))   # one record, aligned for O_DIRECT
+
+    @property
+    def record(self) -> int:
+        return HEADER_BYTES + padded(self.payload)
+
+
+def _aligned(n: int) -> mmap.mmap:
+    return mmap.mmap(-1, max(n, mmap.PAGESIZE))
+
+
+class SsdStore:
+    def __init__(self, directory: str, capacity: int, sync: str = "batch") -> None:
+        if sync not in SYNC_POLICIES:
+            raise ValueError(f"ssd sync policy must be one of {', '.join(SYNC_POLICIES)}, got {sync!r}")
+        self.dir = directory
+        self.capacity = capacity
+        self.sync = sync
+        self.files: dict[int, ClassFile] = {}
+        self.index: dict[bytes, tuple[int, int, int]] = {}    # ns + hash → (payload bytes, record, seq)
+        self.counters: Counter[str] = Counter()
+        self.seq = 0
+        self._lock_fd = -1
+
+    # ----- opening -----
+    def open(self, progress: Callable[[int, int], None] | None = None) -> "SsdStore":
+        _private_dir(self.dir)
+        self._lock_fd = os.open(os.path.join(self.dir, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise StoreLocked(f"another kvstore daemon owns {self.dir} (its LOCK file is held); give each daemon "
+                              f"its own ssd directory") from None
+        names = sorted(os.listdir(self.dir))
+        for i, name in enumerate(names):
+            self._open_file(name)
+            if progress:
+                progress(i + 1, len(names))
+        return self
+
+    def _open_file(self, name: str) -> None:
+        m = FILE_RE.match(name)
+        path = os.path.join(self.dir, name)
+        if name == "LOCK":
+            return
+        if not m or not stat.S_ISREG(os.lstat(path).st_mode):
+            self.counters["skipped_files"] += 1
+            log.info("ssd: skipped %s (not a kvstore record file)", path)
+            return
+        cf = self._class_file(int(m.group(1)), path)
+        size = os.fstat(cf.fd).st_size
+        cf.nrecords = size // cf.record
+        if size % cf.record:     # a torn tail or appended garbage: cut back to whole records
+            self.counters["bad.torn_tail"] += 1
+            log.warning("ssd: %s ends with %d bytes that are not a whole record: cut", path, size % cf.record)
+            os.ftruncate(cf.fd, cf.nrecords * cf.record)
+        self._scan(cf)
+
+    def _class_file(self, payload: int, path: str | None = None) -> ClassFile:
+        cf = self.files.get(payload)
+        if cf is None:
+            path = path or os.path.join(self.dir, f"blocks-{payload}.kvs")
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                fd, direct = os.open(path, flags | os.O_DIRECT, 0o600), True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                fd, direct = os.open(path, flags, 0o600), False   # tmpfs and friends: no O_DIRECT
+            cf = self.files[payload] = ClassFile(payload, path, fd, direct)
+            cf.buf = _aligned(cf.record)
+        return cf
+
+    def _scan(self, cf: ClassFile) -> None:
+        """Rebuild the index from every record header; the newest copy of a key wins."""
+        buf = _aligned(HEADER_BYTES)
+        for rec in range(cf.nrecords):
+            n = os.preadv(cf.fd, [buf], rec * cf.record)
+            try:
+                h = parse_header(buf[:n])
+            except BadRecord as e:
+                self._quarantine(cf, rec, e.reason)
+                continue
+            if h is None or h.length != cf.payload:
+                if h is not None:
+                    self._quarantine(cf, rec, "wrong_length")
+                else:
+                    cf.free.append(rec)
+                continue
+            key = h.ns + h.hash
+            old = self.index.get(key)
+            if old is not None and old[2] > h.seq:
+                self._quarantine(cf, rec, "superseded")
+                continue
+            if old is not None:
+                self._quarantine(self.files[old[0]], old[1], "superseded")
+            self.index[key] = (cf.payload, rec, h.seq)
+            self.seq = max(self.seq, h.seq)
+        buf.close()
+
+    # ----- writes -----
+    def put_many(self, items: Sequence[tuple[bytes, bytes, bytes | memoryview]]) -> int:
+        """Store (namespace digest, block hash, payload) records; returns how many were stored (the rest found
+        no room). Durable on return unless the sync policy is never."""
+        placed: list[tuple[ClassFile, int, Header]] = []
+        for ns, h, payload in items:
+            cf = self._class_file(len(payload))
+            rec = self._free_record(cf)
+            if rec is None:
+                self.counters["full"] += 1
+                continue
+            self.seq += 1
+            header = Header(ns, h, len(payload), zlib.crc32(payload), self.seq)
+            self._write(cf, rec * cf.record + HEADER_BYTES, payload)
+            placed.append((cf, rec, header))
+        self._sync({cf for cf, _, _ in placed}, "always", "batch")
+        for cf, rec, header in placed:
+            self._write(cf, rec * cf.record, header.pack())
+        self._sync({cf for cf, _, _ in placed}, "always", "batch")
+        for cf, rec, header in placed:
+            key = header.ns + header.hash
+            old = self.index.get(key)
+            if old is not None:
+                self._release(self.files[old[0]], old[1])
+            self.index[key] = (cf.payload, rec, header.seq)
+        self.counters["writes"] += len(placed)
+        return len(placed)
+
+    def _write(self, cf: ClassFile, offset: int, data: bytes | memoryview) -> None:
+        """Write through the class's aligned buffer (O_DIRECT needs aligned memory, offsets and lengths)."""
+        n = padded(len(data))
+        cf.buf[:len(data)] = data
+        cf.buf[len(data):n] = bytes(n - len(data))
+        with memoryview(cf.buf) as mv, mv[:n] as part:
+            os.pwritev(cf.fd, [part], offset)
+
+    def _sync(self, cfs: set[ClassFile], *policies: str) -> None:
+        if self.sync in policies:
+            for cf in cfs:
+                os.fdatasync(cf.fd)
+
+    def _free_record(self, cf: ClassFile) -> int | None:
+        if not cf.free:
+            grow = min(GROW_RECORDS, (self.capacity - self.file_bytes()) // cf.record)
+            if grow <= 0:
+                return None
+            os.ftruncate(cf.fd, (cf.nrecords + grow) * cf.record)
+            cf.free.extend(range(cf.nrecords + grow - 1, cf.nrecords - 1, -1))
+            cf.nrecords += grow
+        return cf.free.pop()
+
+    # ----- reads -----
+    def get(self, ns: bytes, h: bytes, out: memoryview | bytearray) -> bool:
+        """Read the block into `out` (len = payload bytes); False on a miss, with bad records quarantined."""
+        where = self.index.get(ns + h)
+        if where is None or where[0] != len(out):
+            self.counters["misses" if where is None else "wrong_geometry"] += 1
+            return False
+        cf = self.files[where[0]]
+        try:
+            with memoryview(cf.buf) as mv:
+                n = os.preadv(cf.fd, [mv], where[1] * cf.record)
+                header = parse_header(bytes(mv[:min(n, HEADER_BYTES)]))
+                if header is None or header.ns != ns or header.hash != h or header.length != len(out):
+                    raise BadRecord("key_mismatch", "the record holds another block")
+                with mv[HEADER_BYTES:n] as payload:
+                    check_payload(header, payload)
+                    out[:] = payload[:header.length]
+        except BadRecord as e:
+            del self.index[ns + h]
+            self._quarantine(cf, where[1], e.reason)
+            return False
+        self.counters["hits"] += 1
+        return True
+
+    def delete(self, ns: bytes, h: bytes) -> bool:
+        where = self.index.pop(ns + h, None)
+        if where is not None:
+            self._release(self.files[where[0]], where[1])
+        return where is not None
+
+    def _release(self, cf: ClassFile, rec: int) -> None:
+        self._write(cf, rec * cf.record, bytes(HEADER_BYTES))
+        cf.free.append(rec)
+
+    def _quarantine(self, cf: ClassFile, rec: int, reason: str) -> None:
+        """A bad record is never read again: its header is zeroed and its space reused."""
+        self.counters[f"bad.{reason}"] += 1
+        log.warning("ssd: record %d of %s is bad (%s): quarantined, served as a miss", rec, cf.path, reason)
+        self._release(cf, rec)
+
+    def verify(self, fix: bool = False) -> list[tuple[str, int, str]]:
+        """Read every indexed record whole and check it: (file, record, reason) of each bad one. With `fix`, bad
+        records are quarantined; without, nothing on disk changes."""
+        bad = []
+        for key, (payload, rec, _) in list(self.index.items()):
+            cf = self.files[payload]
+            with memoryview(cf.buf) as mv:
+                n = os.preadv(cf.fd, [mv], rec * cf.record)
+                try:
+                    header = parse_header(bytes(mv[:min(n, HEADER_BYTES)]))
+                    if header is None or header.ns + header.hash != key:
+                        raise BadRecord("key_mismatch", "the record holds another block")
+                    with mv[HEADER_BYTES:n] as body:
+                        check_payload(header, body)
+                except BadRecord as e:
+                    bad.append((cf.path, rec, e.reason))
+            if fix and bad and bad[-1][:2] == (cf.path, rec):
+                del self.index[key]
+                self._quarantine(cf, rec, bad[-1][2])
+        return bad
+
+    # ----- accounting -----
+    def file_bytes(self) -> int:
+        return sum(cf.nrecords * cf.record for cf in self.files.values())
+
+    def used_bytes(self) -> int:
+        return sum(self.files[p].record for p, _, _ in self.index.values())
+
+    def close(self) -> None:
+        for cf in self.files.values():
+            os.close(cf.fd)
+            cf.buf.close()
+        self.files.clear()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def _private_dir(path: str) -> None:
+    """Create the directory 0700, or check that it is ours, private, and not a symlink."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"ssd directory {path} is a symlink or not a directory; refusing to follow it")
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"ssd directory {path} belongs to uid {st.st_uid}, not to us")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
