@@ -174,3 +174,16 @@ def test_cli_verify(ssd_dir):
     r = run()
     assert r.returncode == 1 and "stop the daemon" in r.stderr
     held.close()
+
+
+def test_bad_record_in_a_batch_cuts_the_prefix_there(ssd_dir):
+    s = open_store(ssd_dir)
+    s.put_many([(NS, h(i), payload(i)) for i in range(6)])
+    s.close()
+    _corrupt(ssd_dir, 3, HEADER_BYTES + 100, b"\x99")
+    s = open_store(ssd_dir)
+    outs = [bytearray(PAYLOAD) for _ in range(6)]
+    assert s.get_many(NS, [h(i) for i in range(6)], outs) == 3
+    assert [bytes(o) for o in outs[:3]] == [payload(i) for i in range(3)]
+    assert s.counters["bad.payload_checksum"] == 1
+    assert s.get_many(NS, [h(4), h(5)], outs[:2]) == 2           # the blocks after it are still good

@@ -19,10 +19,12 @@ import fcntl
 import logging
 import mmap
 import os
+import queue
 import re
 import stat
 import zlib
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -47,6 +49,13 @@ class ClassFile:
     nrecords: int = 0
     free: list[int] = field(default_factory=list)
     buf: mmap.mmap = field(default_factory=lambda: _aligned(0))   # one record, aligned for O_DIRECT
+    spare: queue.SimpleQueue[mmap.mmap] = field(default_factory=queue.SimpleQueue)   # for the I/O threads
+
+    def take(self) -> mmap.mmap:
+        try:
+            return self.spare.get_nowait()
+        except queue.Empty:
+            return _aligned(self.record)
 
     @property
     def record(self) -> int:
@@ -58,7 +67,7 @@ def _aligned(n: int) -> mmap.mmap:
 
 
 class SsdStore:
-    def __init__(self, directory: str, capacity: int, sync: str = "batch") -> None:
+    def __init__(self, directory: str, capacity: int, sync: str = "batch", io_depth: int = 4) -> None:
         if sync not in SYNC_POLICIES:
             raise ValueError(f"ssd sync policy must be one of {', '.join(SYNC_POLICIES)}, got {sync!r}")
         self.dir = directory
@@ -69,6 +78,8 @@ class SsdStore:
         self.counters: Counter[str] = Counter()
         self.seq = 0
         self._lock_fd = -1
+        # I/O and CRC-32 release the GIL: a few threads keep the disk and the checksum busy at once
+        self._io = ThreadPoolExecutor(io_depth, thread_name_prefix="kvstore-ssd")
 
     # ----- opening -----
     def open(self, progress: Callable[[int, int], None] | None = None) -> "SsdStore":
@@ -151,7 +162,7 @@ class SsdStore:
     def put_many(self, items: Sequence[tuple[bytes, bytes, bytes | memoryview]]) -> int:
         """Store (namespace digest, block hash, payload) records; returns how many were stored (the rest found
         no room). Durable on return unless the sync policy is never."""
-        placed: list[tuple[ClassFile, int, Header]] = []
+        jobs = []
         for ns, h, payload in items:
             cf = self._class_file(len(payload))
             rec = self._free_record(cf)
@@ -159,9 +170,8 @@ class SsdStore:
                 self.counters["full"] += 1
                 continue
             self.seq += 1
-            header = Header(ns, h, len(payload), zlib.crc32(payload), self.seq)
-            self._write(cf, rec * cf.record + HEADER_BYTES, payload)
-            placed.append((cf, rec, header))
+            jobs.append((cf, rec, ns, h, self.seq, self._io.submit(self._write_payload, cf, rec, payload)))
+        placed = [(cf, rec, Header(ns, h, cf.payload, job.result(), seq)) for cf, rec, ns, h, seq, job in jobs]
         self._sync({cf for cf, _, _ in placed}, "always", "batch")
         for cf, rec, header in placed:
             self._write(cf, rec * cf.record, header.pack())
@@ -174,6 +184,19 @@ class SsdStore:
             self.index[key] = (cf.payload, rec, header.seq)
         self.counters["writes"] += len(placed)
         return len(placed)
+
+    def _write_payload(self, cf: ClassFile, rec: int, payload: bytes | memoryview) -> int:
+        """(An I/O thread.) Write one payload; returns its CRC-32."""
+        buf = cf.take()
+        try:
+            n = padded(len(payload))
+            buf[:len(payload)] = payload
+            crc = zlib.crc32(buf[:len(payload)])
+            with memoryview(buf) as mv, mv[:n] as part:
+                os.pwritev(cf.fd, [part], rec * cf.record + HEADER_BYTES)
+            return crc
+        finally:
+            cf.spare.put(buf)
 
     def _write(self, cf: ClassFile, offset: int, data: bytes | memoryview) -> None:
         """Write through the class's aligned buffer (O_DIRECT needs aligned memory, offsets and lengths)."""
@@ -201,26 +224,48 @@ class SsdStore:
     # ----- reads -----
     def get(self, ns: bytes, h: bytes, out: memoryview | bytearray) -> bool:
         """Read the block into `out` (len = payload bytes); False on a miss, with bad records quarantined."""
-        where = self.index.get(ns + h)
-        if where is None or where[0] != len(out):
-            self.counters["misses" if where is None else "wrong_geometry"] += 1
-            return False
-        cf = self.files[where[0]]
+        return self.get_many(ns, [h], [out]) == 1
+
+    def get_many(self, ns: bytes, hashes: Sequence[bytes], outs: Sequence[memoryview | bytearray]) -> int:
+        """Read blocks into `outs`, several in flight; returns the length of the prefix read and verified. The
+        first miss or bad record ends the prefix (a bad one is quarantined): never a partial hit past it."""
+        jobs = []
+        for h, out in zip(hashes, outs):
+            where = self.index.get(ns + h)
+            if where is None or where[0] != len(out):
+                self.counters["misses" if where is None else "wrong_geometry"] += 1
+                break
+            cf = self.files[where[0]]
+            jobs.append((h, cf, where[1], self._io.submit(self._read_payload, cf, where[1], ns, h, out)))
+        n = 0
+        for h, cf, rec, job in jobs:
+            try:
+                job.result()
+            except BadRecord as e:
+                if self.index.get(ns + h, (0, -1))[1] == rec:
+                    del self.index[ns + h]
+                    self._quarantine(cf, rec, e.reason)
+                break
+            n += 1
+        for _, _, _, job in jobs[n:]:
+            job.exception()                 # let every read finish before the caller reuses its buffers
+        self.counters["hits"] += n
+        return n
+
+    def _read_payload(self, cf: ClassFile, rec: int, ns: bytes, h: bytes, out: memoryview | bytearray) -> None:
+        """(An I/O thread.) Read one record, check it against the key and its checksum, copy the payload out."""
+        buf = cf.take()
         try:
-            with memoryview(cf.buf) as mv:
-                n = os.preadv(cf.fd, [mv], where[1] * cf.record)
+            with memoryview(buf) as mv:
+                n = os.preadv(cf.fd, [mv], rec * cf.record)
                 header = parse_header(bytes(mv[:min(n, HEADER_BYTES)]))
                 if header is None or header.ns != ns or header.hash != h or header.length != len(out):
                     raise BadRecord("key_mismatch", "the record holds another block")
                 with mv[HEADER_BYTES:n] as payload:
                     check_payload(header, payload)
                     out[:] = payload[:header.length]
-        except BadRecord as e:
-            del self.index[ns + h]
-            self._quarantine(cf, where[1], e.reason)
-            return False
-        self.counters["hits"] += 1
-        return True
+        finally:
+            cf.spare.put(buf)
 
     def delete(self, ns: bytes, h: bytes) -> bool:
         where = self.index.pop(ns + h, None)
@@ -267,6 +312,7 @@ class SsdStore:
         return sum(self.files[p].record for p, _, _ in self.index.values())
 
     def close(self) -> None:
+        self._io.shutdown(wait=True)
         for cf in self.files.values():
             os.close(cf.fd)
             cf.buf.close()
