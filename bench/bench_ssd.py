@@ -1,9 +1,9 @@
 """The SSD record store against raw O_DIRECT on the same file system, in the same run.
 
-Writes and reads N Full Blocks of 2 MiB through `SsdStore` (checksums on, sync policy batch: one fdatasync per
-batch of 32 before and after the headers; reads 32 at a time, 4 in flight) and the same bytes with plain O_DIRECT pwrite/pread of a preallocated
-file (one fdatasync per 32). Target: ≥ 0.85× raw for both. This measures the store alone: the daemon's demotion
-and promotion paths are not wired to it yet.
+Writes and reads N Full Blocks of 2 MiB through `SsdStore` (checksums on; sync policy batch: one fdatasync per
+batch of 32 before and after the headers; reads 32 at a time, 4 in flight) and the same bytes with plain O_DIRECT
+pwrite/pread of a preallocated file (one fdatasync per 32). Target: ≥ 0.85× raw for both. This measures the store
+alone: the daemon's demotion and promotion paths are not wired to it yet.
 
     python bench/bench_ssd.py [--dir DIR] [--blocks 256]
 """
