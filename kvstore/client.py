@@ -81,8 +81,11 @@ class Client:
 
     # ----- plumbing -----
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Send one request, wait for its reply; raise KVStoreError on a refusal."""
+        """Send one request, wait for its reply's fields (without the protocol envelope); raise KVStoreError on a
+        refusal."""
         reply, _ = self._roundtrip(op, fields, want_fds=False)
+        for envelope in ("v", "id", "ok"):
+            reply.pop(envelope, None)
         return reply
 
     def send(self, op: str, **fields: Any) -> None:
