@@ -37,6 +37,14 @@ class PoolConfig:
 
 
 @dataclass(slots=True)
+class SsdConfig:
+    dir: str = ""                       # empty: no SSD tier
+    capacity: int = 16 << 30
+    sync: str = "batch"
+    staging_bytes: int = 256 << 20      # evicted blocks waiting in memory for their SSD write
+
+
+@dataclass(slots=True)
 class MetricsConfig:
     enabled: bool = False
     host: str = "127.0.0.1"
@@ -52,6 +60,7 @@ class LogConfig:
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
+    ssd: SsdConfig = field(default_factory=SsdConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -59,8 +68,10 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "metrics": MetricsConfig, "log": LogConfig}
-SIZE_FIELDS = {("server", "max_frame_bytes"), ("pool", "capacity"), ("pool", "segment_bytes")}
+SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "metrics": MetricsConfig,
+            "log": LogConfig}
+SIZE_FIELDS = {("server", "max_frame_bytes"), ("pool", "capacity"), ("pool", "segment_bytes"), ("ssd", "capacity"),
+               ("ssd", "staging_bytes")}
 EVICTION_POLICIES = ("lru",)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -202,6 +213,13 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"metrics.host: not an IP address: {m.host!r}")
     if not 1 <= m.port <= 65535:
         errors.append(f"metrics.port: must be 1..65535, got {m.port}")
+    d = cfg.ssd
+    if d.dir and not os.path.isabs(d.dir):
+        errors.append(f"ssd.dir: must be an absolute path (or empty for no SSD tier), got {d.dir!r}")
+    if d.sync not in ("always", "batch", "never"):
+        errors.append(f"ssd.sync: must be one of always, batch, never, got {d.sync!r}")
+    if d.dir and d.capacity < 1 << 20:
+        errors.append(f"ssd.capacity: must be at least 1MiB, got {d.capacity}")
     if cfg.log.level not in LOG_LEVELS:
         errors.append(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}")
     return errors

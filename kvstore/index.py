@@ -26,6 +26,7 @@ from kvstore.keytable import KeyTable
 from kvstore.policy import make_policy
 from kvstore.pool import HostPool, Segment, gid_of, split_gid
 from kvstore.protocol import Code, ProtocolError
+from kvstore.tiers.ssd_tier import SsdTier
 
 # Per-key outcome of a reserve.
 RESERVED, EXISTS, IN_PROGRESS, NO_SPACE = 0, 1, 2, 3
@@ -59,8 +60,11 @@ class ResizeResult:
 
 
 class Index:
-    def __init__(self, pool: HostPool, policy: str = "lru") -> None:
+    def __init__(self, pool: HostPool, policy: str = "lru", ssd: SsdTier | None = None) -> None:
         self.pool = pool
+        self.ssd = ssd                              # evicted blocks are demoted there, acquires promote them
+        self.promoting: set[bytes] = set()          # keys being read from the SSD tier into a reserved slot
+        self.cancelled: set[bytes] = set()          # ... and deleted meanwhile: never published
         self.table = KeyTable()
         self.policy = make_policy(policy, self.table)
         self.namespaces: dict[int, Namespace] = {}
@@ -96,13 +100,20 @@ class Index:
         return self.namespaces[nid]
 
     # ----- reads -----
-    def lookup(self, ns: Namespace, hashes: bytes) -> int:
-        n = self.table.prefix_len(ns.prefix, hashes)
+    def lookup(self, ns: Namespace, hashes: bytes) -> tuple[int, int]:
+        """(blocks present, of which in the host pool): the longest prefix held by any tier."""
+        host = n = self.table.prefix_len(ns.prefix, hashes)
         asked = len(hashes) // 16
+        if self.ssd is not None:
+            while n < asked:
+                h = hashes[16 * n:16 * n + 16]
+                if ns.prefix + h not in self.table and not self.ssd.has(ns.digest + h):
+                    break
+                n += 1
         self.counters["lookups"] += 1
         self.counters["hits"] += n
         self.counters["misses"] += asked - n
-        return n
+        return n, host
 
     def acquire(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> list[int]:
         """Pin the longest present prefix; returns its slots."""
@@ -130,6 +141,45 @@ class Index:
                 del holder.pins[gid]
             for _ in range(n):
                 self._unpin(gid)
+
+    # ----- promotion from the SSD tier -----
+    def plan_promotion(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> list[tuple[bytes, int]]:
+        """Reserve host slots for the leading keys that only the SSD tier holds. The caller reads them into the
+        slots without the state lock, then calls finish_promotion."""
+        plan: list[tuple[bytes, int]] = []
+        cls = self._class_ids[ns.slot_bytes]
+        for h in keys:
+            key = ns.prefix + h
+            if self.ssd is None or key in self.table or key in self.pending or not self.ssd.has(ns.digest + h):
+                break
+            gid, status = self._reserve_one(key, ns.slot_bytes, cls, holder)
+            if status != RESERVED:
+                break
+            self.promoting.add(key)
+            plan.append((h, gid))
+        return plan
+
+    def finish_promotion(self, ns: Namespace, plan: list[tuple[bytes, int]], n: int, holder: Holdings) -> list[int]:
+        """Publish and pin the first `n` promoted blocks, unless deleted meanwhile; free the other slots."""
+        gids: list[int] = []
+        cls = self._class_ids[ns.slot_bytes]
+        for i, (h, gid) in enumerate(plan):
+            key = ns.prefix + h
+            self.promoting.discard(key)
+            cancelled = key in self.cancelled
+            self.cancelled.discard(key)
+            del holder.reserved[key]
+            if i < n and not cancelled and len(gids) == i:
+                del self.pending[key]
+                self._publish(ns, key, gid, cls)
+                self._pin(key, gid)
+                holder.pins[gid] += 1
+                gids.append(gid)
+            else:
+                self._drop_reservation(key, gid)
+        self.counters["promotions"] += len(gids)
+        self.counters["gets"] += len(gids)
+        return gids
 
     # ----- two-phase store -----
     def reserve(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> tuple[list[int], list[int]]:
@@ -168,15 +218,18 @@ class Index:
         for key in full:
             gid = holder.reserved.pop(key)
             del self.pending[key]
-            seg, slot = self._seg_slot(gid)
-            seg.keys[slot] = key
-            seg.used[slot] = self._clock
-            self.table.insert(key, gid, cls)
-            self._unbusy(seg)
-            ns.blocks += 1
+            self._publish(ns, key, gid, cls)
         self.counters["puts"] += len(full)
         self._clock += 1
         return len(full)
+
+    def _publish(self, ns: Namespace, key: bytes, gid: int, cls: int) -> None:
+        seg, slot = self._seg_slot(gid)
+        seg.keys[slot] = key
+        seg.used[slot] = self._clock
+        self.table.insert(key, gid, cls)
+        self._unbusy(seg)
+        ns.blocks += 1
 
     def abort(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> int:
         n = 0
@@ -191,8 +244,13 @@ class Index:
     def delete(self, ns: Namespace, keys: list[bytes]) -> int:
         n = 0
         for h in keys:
-            if self._remove(ns.prefix + h):
-                n += 1
+            key = ns.prefix + h
+            found = self._remove(key)
+            if key in self.promoting:
+                self.cancelled.add(key)
+            if self.ssd is not None and self.ssd.delete(ns.digest + h):
+                found = True
+            n += found
         self.counters["deletes"] += n
         return n
 
@@ -326,9 +384,13 @@ class Index:
         gid = self.table.remove(key)
         if gid is None:
             return False
-        self.namespaces[int.from_bytes(key[:4], "big")].blocks -= 1
+        ns = self.namespaces[int.from_bytes(key[:4], "big")]
+        ns.blocks -= 1
         if evicted:
             self.counters["evictions"] += 1
+            if self.ssd is not None:
+                with self.pool.view(gid) as data:
+                    self.counters["demotions" if self.ssd.demote(ns.digest + key[4:], data) else "dropped"] += 1
         if self.pins[gid]:
             self.zombies[gid] = key
         else:

@@ -2,6 +2,7 @@
 no op copies block bytes (clients do that in the shared slots)."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from kvstore.metrics import OpMetrics
 from kvstore.pool import HostPool
 from kvstore.protocol import Code, ProtocolError, split_keys
 
+log = logging.getLogger("kvstore")
 MAX_FDS_PER_REPLY = 200   # below the kernel's SCM_MAX_FD (253)
 
 
@@ -74,7 +76,8 @@ def op_segments(st: State, h: Holdings, m: dict[str, Any]) -> Reply:
 
 def op_lookup(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     ns = st.index.namespace(m["ns"], h)
-    return {"n": st.index.lookup(ns, m["keys"])}
+    n, host = st.index.lookup(ns, m["keys"])
+    return {"n": n, "tiers": {"host": host, "ssd": n - host}}
 
 
 def op_reserve(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
@@ -94,8 +97,33 @@ def op_abort(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_acquire(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    """Pin the longest present prefix; blocks that only the SSD tier holds are promoted into host slots first."""
     ns = st.index.namespace(m["ns"], h)
-    return {"slots": st.index.acquire(ns, split_keys(m["keys"]), h), "generation": st.pool.generation}
+    keys = split_keys(m["keys"])
+    gids = st.index.acquire(ns, keys, h)
+    if st.index.ssd is not None and len(gids) < len(keys):
+        gids += _promote(st, ns, keys[len(gids):], h)
+    return {"slots": gids, "generation": st.pool.generation}
+
+
+def _promote(st: State, ns: Namespace, keys: list[bytes], h: Holdings) -> list[int]:
+    plan = st.index.plan_promotion(ns, keys, h)
+    if not plan:
+        return []
+    views = [st.pool.view(gid) for _, gid in plan]   # the reserved slots keep their segments mapped
+    ssd = st.index.ssd
+    assert ssd is not None
+    st.lock.release()                                 # the disk read runs without the state lock
+    try:
+        n = ssd.read([ns.digest + key for key, _ in plan], views)
+    except OSError as e:
+        log.error("ssd: promotion read failed (%s); serving the host prefix only", e)
+        n = 0
+    finally:
+        for v in views:
+            v.release()
+        st.lock.acquire()
+    return st.index.finish_promotion(ns, plan, n, h)
 
 
 def op_release(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
@@ -160,10 +188,11 @@ def snapshot(st: State) -> dict[str, Any]:
             "used_bytes": pool.used_bytes, "resident_bytes": pool.resident_bytes(), "blocks": len(idx.table),
             "segments": len(pool.segments), "segment_bytes": pool.segment_bytes, "classes": classes}
     counters = {k: idx.counters[k] for k in ("lookups", "hits", "misses", "puts", "gets", "evictions", "deletes",
-                                             "aborts")}
+                                             "aborts", "demotions", "dropped", "promotions")}
     counters["refused_connections"] = st.metrics.refused_connections
     return {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - st.started,
-            "socket": st.config.server.socket, "tiers": [host], "counters": counters,
+            "socket": st.config.server.socket, "counters": counters,
+            "tiers": [host] + ([idx.ssd.stats()] if idx.ssd is not None else []),
             "errors": dict(st.metrics.errors), "connections": st.connections,
             "latency": {op: hist.to_dict() for op, hist in st.metrics.latency.items()}, **idx.stats()}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class Segment:
     live: int = 0                 # slots not free (reserved or holding a block)
     busy: int = 0                 # slots reserved or pinned: they keep the segment alive
     draining: bool = False        # chosen for release: allocates nothing, released when busy reaches 0
+    mm: mmap.mmap | None = None   # the daemon's own mapping, made when it first moves bytes (SSD tier)
 
     @property
     def size(self) -> int:
@@ -115,6 +117,14 @@ class HostPool:
         if not seg.draining:
             self.classes[seg.slot_bytes].with_free[seg.id] = seg
 
+    def view(self, gid: int) -> memoryview:
+        """The daemon's view of a slot's bytes (for demotion and promotion). Valid while the slot is held."""
+        seg = self.segments[gid >> 32]
+        if seg.mm is None:
+            seg.mm = mmap.mmap(seg.fd, seg.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        start = (gid & 0xFFFFFFFF) * seg.slot_bytes
+        return memoryview(seg.mm)[start:start + seg.slot_bytes]
+
     def segment_of(self, gid: int) -> Segment:
         return self.segments[gid >> 32]
 
@@ -157,10 +167,12 @@ class HostPool:
         try:
             punch_hole(seg.fd, seg.size)
         finally:
+            _unmap(seg)
             os.close(seg.fd)
 
     def close(self) -> None:
         for seg in list(self.segments.values()):
+            _unmap(seg)
             os.close(seg.fd)
         self.segments.clear()
         self.classes.clear()
@@ -169,3 +181,12 @@ class HostPool:
     def resident_bytes(self) -> int:
         """Pages actually allocated in all segments (what the system sees), read from the memfds."""
         return sum(os.fstat(s.fd).st_blocks * 512 for s in self.segments.values())
+
+
+def _unmap(seg: Segment) -> None:
+    if seg.mm is not None:
+        try:
+            seg.mm.close()
+        except BufferError:
+            pass  # a view still alive; the mapping goes with it, and the pages are punched already
+        seg.mm = None

@@ -23,6 +23,8 @@ from kvstore.ops import State, snapshot
 from kvstore.pool import HostPool
 from kvstore.protocol import Code, encode, error
 from kvstore.session import Session
+from kvstore.tiers.ssd import StoreLocked
+from kvstore.tiers.ssd_tier import SsdTier
 from kvstore.units import format_size
 
 log = logging.getLogger("kvstore")
@@ -87,6 +89,15 @@ def _bind_unix(path: str) -> socket.socket:
     return sock
 
 
+def open_ssd(cfg: Config) -> SsdTier:
+    try:
+        return SsdTier(cfg.ssd).open()
+    except StoreLocked as e:
+        raise StartupError(str(e)) from None
+    except OSError as e:
+        raise StartupError(f"cannot use ssd.dir {cfg.ssd.dir}: {e.strerror or e}") from None
+
+
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -101,6 +112,8 @@ class Daemon:
 
     def serve(self) -> None:
         cfg = self.config
+        if cfg.ssd.dir:
+            self.state.index.ssd = open_ssd(cfg)   # before the socket: a refused directory starts nothing
         self.listener = bind_unix(cfg.server.socket)
         self.listener.settimeout(0.2)
         try:
@@ -212,4 +225,6 @@ class Daemon:
             self.metrics_server.shutdown()  # type: ignore[attr-defined]
         with self.state.lock:
             self.state.pool.close()
+        if self.state.index.ssd is not None:
+            self.state.index.ssd.close()     # writes what is staged: a graceful stop loses no demoted block
         log.info("kvstore stopped")

@@ -57,7 +57,7 @@ def test_lru_evicts_oldest_unpinned(idx):
     idx.acquire(ns, keys(0, 1), h)                     # 0 and 1 pinned
     idx.release(idx.acquire(ns, keys(2), h), h)        # 2 used again: most recent
     assert put(idx, ns, h, 100, 101, 102) == [RESERVED] * 3
-    assert [idx.lookup(ns, k(i)) for i in range(6)] == [1, 1, 1, 0, 0, 0]   # 3, 4, 5 evicted
+    assert [idx.lookup(ns, k(i))[0] for i in range(6)] == [1, 1, 1, 0, 0, 0]   # 3, 4, 5 evicted
     assert idx.counters["evictions"] == 3
 
 
@@ -76,7 +76,7 @@ def test_disconnect_frees_reservations(idx):
     idx.reserve(ns, keys(1, 2, 3), h)
     assert idx.pool.used_bytes == 3 * 512
     idx.disconnect(h)
-    assert (idx.pool.used_bytes, len(idx.pending), idx.lookup(ns, k(1))) == (0, 0, 0)
+    assert (idx.pool.used_bytes, len(idx.pending), idx.lookup(ns, k(1))[0]) == (0, 0, 0)
 
 
 def test_unknown_namespace_for_this_holder(idx):
@@ -93,8 +93,8 @@ def test_other_size_reclaims_an_idle_segment(idx):
     put(idx, small, h, *range(16))                     # both segments hold small blocks
     assert put(idx, big, h, 500) == [RESERVED]         # a whole small segment was emptied for it
     assert idx.pool.mapped_bytes <= idx.pool.capacity
-    assert sum(idx.lookup(small, k(i)) for i in range(16)) == 8
-    assert idx.lookup(big, k(500)) == 1
+    assert sum(idx.lookup(small, k(i))[0] for i in range(16)) == 8
+    assert idx.lookup(big, k(500))[0] == 1
 
 
 def test_delete_while_pinned_then_store_again(idx):
@@ -128,8 +128,8 @@ def test_memory_follows_use_across_block_sizes(idx):
     put(idx, small, h, *range(16))                     # the small size fills the pool first, then goes idle
     for i in range(8):                                 # the big size is busy: one block at a time
         put(idx, big, h, 500 + i)
-    assert sum(idx.lookup(big, k(500 + i)) for i in range(8)) == 8     # it got both segments, not one
-    assert sum(idx.lookup(small, k(i)) for i in range(16)) == 0
+    assert sum(idx.lookup(big, k(500 + i))[0] for i in range(8)) == 8     # it got both segments, not one
+    assert sum(idx.lookup(small, k(i))[0] for i in range(16)) == 0
 
 
 def test_recently_used_other_size_keeps_its_segment(idx):
@@ -140,6 +140,6 @@ def test_recently_used_other_size_keeps_its_segment(idx):
     put(idx, big, h, *range(500, 504))                 # one segment of big blocks: the pool is full
     idx.release(idx.acquire(small, keys(*range(8)), h), h)   # the small blocks are used again: fresher
     put(idx, big, h, 504)
-    assert sum(idx.lookup(small, k(i)) for i in range(8)) == 8            # kept
-    assert sum(idx.lookup(big, k(i)) for i in range(500, 505)) == 4      # big evicted its own oldest
-    assert idx.lookup(big, k(500)) == 0
+    assert sum(idx.lookup(small, k(i))[0] for i in range(8)) == 8            # kept
+    assert sum(idx.lookup(big, k(i))[0] for i in range(500, 505)) == 4      # big evicted its own oldest
+    assert idx.lookup(big, k(500))[0] == 0

@@ -46,9 +46,24 @@ def roundtrip(sock: str, seed: int, n: int, copy_threads: int = 1) -> dict[str, 
     return counts
 
 
+def writer(sock: str, seed: int, n: int, copy_threads: int = 1) -> dict[str, int]:
+    """Put batches of new keys (seed*1e6 + i) until the daemon goes away; print each batch once committed."""
+    counts = {"stored": 0, "bad": 0}
+    try:
+        with Client(sock) as c:
+            ns = c.namespace(spec())
+            for start in range(0, n, 8):
+                hs = [key(seed * 1_000_000 + i) for i in range(start, start + 8)]
+                counts["stored"] += ns.put(hs, [content(h) for h in hs]).stored
+                print(f"committed {start + 8}", flush=True)
+    except (ConnectionError, OSError):
+        pass
+    return counts
+
+
 if __name__ == "__main__":
     mode, sock, seed, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     threads = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-    result = {"roundtrip": roundtrip}[mode](sock, seed, n, threads)
+    result = {"roundtrip": roundtrip, "writer": writer}[mode](sock, seed, n, threads)
     print(" ".join(f"{k}={v}" for k, v in result.items()), flush=True)
     sys.exit(1 if result["bad"] else 0)

@@ -166,6 +166,8 @@ class SsdStore:
         for ns, h, payload in items:
             cf = self._class_file(len(payload))
             rec = self._free_record(cf)
+            if rec is None and self._evict_one(cf):
+                rec = self._free_record(cf)
             if rec is None:
                 self.counters["full"] += 1
                 continue
@@ -211,6 +213,17 @@ class SsdStore:
             for cf in cfs:
                 os.fdatasync(cf.fd)
 
+    def _evict_one(self, cf: ClassFile) -> bool:
+        """Make room at the cap: drop the least recently used record of this block size (the index is kept in
+        use order: reads move a key to its end)."""
+        for key, (payload, rec, _) in self.index.items():
+            if payload == cf.payload:
+                del self.index[key]
+                self._release(cf, rec)
+                self.counters["evictions"] += 1
+                return True
+        return False
+
     def _free_record(self, cf: ClassFile) -> int | None:
         if not cf.free:
             grow = min(GROW_RECORDS, (self.capacity - self.file_bytes()) // cf.record)
@@ -247,6 +260,7 @@ class SsdStore:
                     self._quarantine(cf, rec, e.reason)
                 break
             n += 1
+            self.index[ns + h] = self.index.pop(ns + h)      # most recently used
         for _, _, _, job in jobs[n:]:
             job.exception()                 # let every read finish before the caller reuses its buffers
         self.counters["hits"] += n

@@ -1,0 +1,155 @@
+"""The SSD tier inside a real daemon: demotion on eviction, promotion on acquire, restart and kill -9 recovery,
+corrupt records cut the prefix, deletes, one owner per directory."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvstore.tiers.ssd import SsdStore
+from kvstore.tiers.ssd_format import HEADER_BYTES
+from tests.conftest import GEOM, DaemonProc, spec
+from tests.workers import content, key
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOST_BLOCKS = 128                                   # a 1 MiB host pool of 8 KiB blocks
+
+
+@pytest.fixture
+def ssd_dir(tmp_path):
+    return str(tmp_path / "ssd")
+
+
+def start(ssd_dir: str, started: list[DaemonProc], **env: str) -> DaemonProc:
+    d = DaemonProc(capacity="1MiB", segment="1MiB",
+                   env={"KVSTORE_SSD_DIR": ssd_dir, "KVSTORE_SSD_CAPACITY": "64MiB", **env})
+    started.append(d)
+    return d.start()
+
+
+@pytest.fixture
+def daemons():
+    started: list[DaemonProc] = []
+    yield started
+    for d in started:
+        d.cleanup()
+
+
+def put(d: DaemonProc, ids: range) -> None:
+    with d.client() as c:
+        ns = c.namespace(spec())
+        hs = [key(i) for i in ids]
+        assert ns.put(hs, [content(h) for h in hs]).stored == len(hs)
+
+
+def read(d: DaemonProc, ids: list[int]) -> list[bytes | None]:
+    """Each block's bytes, or None for a miss; one block per get so a miss does not hide the rest."""
+    out = []
+    with d.client() as c:
+        ns = c.namespace(spec())
+        for i in ids:
+            buf = bytearray(GEOM.full_bytes)
+            out.append(bytes(buf) if ns.get([key(i)], [buf]) == 1 else None)
+    return out
+
+
+def test_evicted_blocks_are_demoted_then_promoted_byte_exact(ssd_dir, daemons):
+    d = start(ssd_dir, daemons)
+    put(d, range(300))                              # 172 more than the host pool holds
+    with d.client() as c:
+        ns = c.namespace(spec())
+        r = c.call("lookup", ns=ns.id, keys=b"".join(key(i) for i in range(300)))
+        assert r["n"] == 300 and r["tiers"]["ssd"] == 300 - r["tiers"]["host"] > 0
+        s = c.stats()
+        assert s["counters"]["demotions"] == s["counters"]["evictions"] >= 172
+        assert s["tiers"][0]["mapped_bytes"] <= s["tiers"][0]["capacity_bytes"]
+    got = read(d, list(range(300)))
+    assert [g == content(key(i)) for i, g in enumerate(got)] == [True] * 300
+    with d.client() as c:
+        assert c.stats()["counters"]["promotions"] >= 172
+
+
+def test_a_restart_finds_every_demoted_block(ssd_dir, daemons):
+    d = start(ssd_dir, daemons)
+    put(d, range(200))
+    with d.client() as c:
+        demoted = c.stats()["counters"]["demotions"]
+    assert d.stop() == 0                            # graceful: what is staged is written first
+    d = start(ssd_dir, daemons)
+    got = read(d, list(range(200)))
+    found = [i for i, g in enumerate(got) if g is not None]
+    assert len(found) >= demoted > 0                # host-only blocks are memory: gone; demoted ones: all here
+    assert all(got[i] == content(key(i)) for i in found)
+    with d.client() as c:
+        ssd = c.stats()["tiers"][1]
+        assert ssd["used_bytes"] == ssd["blocks"] * (HEADER_BYTES + GEOM.full_bytes)
+
+
+def test_kill_9_loop_never_serves_a_wrong_byte(ssd_dir, daemons):
+    rng = random.Random(99)
+    written = 0
+    for it in range(5):
+        d = start(ssd_dir, daemons)
+        w = subprocess.Popen([sys.executable, "-m", "tests.workers", "writer", d.socket, str(it + 1), "400"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert w.stdout.readline().startswith("committed")
+        time.sleep(rng.uniform(0.05, 0.4))        # SIGKILL somewhere in the middle of the writes
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        w.communicate(timeout=60)
+        written = it + 1
+    d = start(ssd_dir, daemons)
+    ids = [s * 1_000_000 + i for s in range(1, written + 1) for i in range(400)]
+    got = read(d, ids)
+    served = [(i, g) for i, g in zip(ids, got) if g is not None]
+    assert served, "nothing survived five kills: demotion never reached the disk"
+    assert all(g == content(key(i)) for i, g in served)     # misses are fine, wrong bytes never
+
+
+def test_corrupt_record_cuts_the_prefix_and_is_quarantined(ssd_dir, daemons):
+    d = start(ssd_dir, daemons)
+    put(d, range(200))
+    assert d.stop() == 0
+    store = SsdStore(ssd_dir, 1 << 30).open()       # find where block 10 lives, as an operator's tool would
+    ns_digest = spec().digest()
+    payload, rec, _ = store.index[ns_digest + key(10)]
+    path, record = store.files[payload].path, store.files[payload].record
+    store.close()
+    with open(path, "r+b") as f:
+        f.seek(rec * record + HEADER_BYTES + 123)
+        f.write(b"\x5a\xa5")
+    d = start(ssd_dir, daemons)
+    with d.client() as c:
+        ns = c.namespace(spec())
+        outs = [bytearray(GEOM.full_bytes) for _ in range(20)]
+        n = ns.get([key(i) for i in range(20)], outs)
+        assert n == 10                              # the prefix stops at the bad block, never past it
+        assert [bytes(o) for o in outs[:10]] == [content(key(i)) for i in range(10)]
+        assert c.stats()["tiers"][1]["counters"]["bad.payload_checksum"] == 1
+        assert ns.lookup([key(10)]) == 0            # quarantined: a miss from now on
+
+
+def test_delete_reaches_the_ssd_tier(ssd_dir, daemons):
+    d = start(ssd_dir, daemons)
+    put(d, range(200))
+    with d.client() as c:
+        ns = c.namespace(spec())
+        assert ns.delete([key(0), key(199)]) == 2   # one demoted long ago, one still in the host pool
+        assert ns.lookup([key(0)]) == 0 and ns.lookup([key(199)]) == 0
+    assert d.stop() == 0
+    d = start(ssd_dir, daemons)
+    assert read(d, [0, 1])[0] is None and read(d, [1])[0] == content(key(1))
+
+
+def test_one_daemon_per_ssd_directory(ssd_dir, daemons):
+    start(ssd_dir, daemons)
+    second = DaemonProc(capacity="1MiB", segment="1MiB", env={"KVSTORE_SSD_DIR": ssd_dir})
+    daemons.append(second)
+    second.start(wait=False)
+    assert second.proc.wait(timeout=30) == 1
+    assert "another kvstore daemon owns" in second.read_log()
