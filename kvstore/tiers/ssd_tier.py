@@ -33,6 +33,7 @@ class SsdTier:
         self.staging: dict[bytes, bytes] = {}
         self.staged_bytes = 0
         self.dropped = 0
+        self.rewrites_saved = 0
         self.lock = threading.Condition()
         self.io = threading.Lock()
         self._stop = False
@@ -51,8 +52,13 @@ class SsdTier:
 
     # ----- demotion -----
     def demote(self, key: bytes, data: memoryview) -> bool:
-        """Stage a copy of an evicted block for its SSD write; False (dropped, counted) when staging is full."""
+        """Stage a copy of an evicted block for its SSD write; False (dropped, counted) when staging is full.
+        A block the tier holds already is not written again: a key names its bytes (a chained hash of the tokens,
+        in one namespace), and a delete removes the SSD copy too."""
         with self.lock:
+            if key in self.staging or key in self.store.index:
+                self.rewrites_saved += 1
+                return True
             if self.staged_bytes + len(data) > self.cfg.staging_bytes:
                 self.dropped += 1
                 return False
@@ -118,7 +124,7 @@ class SsdTier:
             return {"tier": "ssd", "capacity_bytes": self.cfg.capacity, "mapped_bytes": s.file_bytes(),
                     "used_bytes": s.used_bytes(), "resident_bytes": s.file_bytes(), "blocks": len(s.index),
                     "segments": len(s.files), "staged_blocks": len(self.staging), "staged_bytes": self.staged_bytes,
-                    "dropped": self.dropped, "counters": dict(s.counters)}
+                    "dropped": self.dropped, "rewrites_saved": self.rewrites_saved, "counters": dict(s.counters)}
 
     def close(self) -> None:
         """Write what is staged, then close the store."""
