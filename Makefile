@@ -20,6 +20,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/test_keytable.py tests/test_index.py
 
+stress: $(STAMP)
+	KVSTORE_STRESS_ITERATIONS=50 $(BIN)/python -m pytest -q tests/test_ssd_tier.py -k "kill_9 or crash"
+
 lint: $(STAMP)
 	$(BIN)/ruff check kvstore tests bench
 	$(BIN)/mypy
@@ -27,6 +30,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/bench_pool.py
 	$(BIN)/python bench/bench_index.py
+	$(BIN)/python bench/bench_ssd.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info kvstore/*.so

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvstore.crash import crash_point
 from kvstore.tiers.ssd_format import HEADER_BYTES, BadRecord, Header, check_payload, padded, parse_header
 
 log = logging.getLogger("kvstore")
@@ -175,8 +176,11 @@ class SsdStore:
             jobs.append((cf, rec, ns, h, self.seq, self._io.submit(self._write_payload, cf, rec, payload)))
         placed = [(cf, rec, Header(ns, h, cf.payload, job.result(), seq)) for cf, rec, ns, h, seq, job in jobs]
         self._sync({cf for cf, _, _ in placed}, "always", "batch")
-        for cf, rec, header in placed:
+        crash_point("after_payload")
+        for i, (cf, rec, header) in enumerate(placed):
             self._write(cf, rec * cf.record, header.pack())
+            if i == len(placed) // 2:
+                crash_point("mid_header")
         self._sync({cf for cf, _, _ in placed}, "always", "batch")
         for cf, rec, header in placed:
             key = header.ns + header.hash
@@ -219,6 +223,7 @@ class SsdStore:
         for key, (payload, rec, _) in self.index.items():
             if payload == cf.payload:
                 del self.index[key]
+                crash_point("mid_eviction")
                 self._release(cf, rec)
                 self.counters["evictions"] += 1
                 return True
