@@ -277,6 +277,17 @@ class Namespace:
                 break
         return done
 
+    def prefetch(self, hashes: Sequence[bytes], wait: bool = False) -> dict[str, int]:
+        """Ask the daemon to promote these blocks from SSD into free host space ahead of a get. Returns
+        {queued, done, skipped} (done and skipped are final with `wait`); KVStoreError `busy` when its queue is
+        full."""
+        total = {"queued": 0, "done": 0, "skipped": 0}
+        for blob in self._batches(hashes):
+            r = self.client.call("prefetch", ns=self.id, keys=blob, wait=wait)
+            for k in total:
+                total[k] += r[k]
+        return total
+
     def delete(self, hashes: Sequence[bytes]) -> int:
         return sum(self.client.call("delete", ns=self.id, keys=b)["n"] for b in self._batches(hashes))
 

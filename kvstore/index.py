@@ -143,24 +143,30 @@ class Index:
                 self._unpin(gid)
 
     # ----- promotion from the SSD tier -----
-    def plan_promotion(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> list[tuple[bytes, int]]:
-        """Reserve host slots for the leading keys that only the SSD tier holds. The caller reads them into the
-        slots without the state lock, then calls finish_promotion."""
+    def plan_promotion(self, ns: Namespace, keys: list[bytes], holder: Holdings,
+                       evict: bool = True) -> list[tuple[bytes, int]]:
+        """Reserve host slots for the leading keys that only the SSD tier holds (without `evict`, in free space
+        only: a prefetch displaces nothing). The caller reads them into the slots without the state lock, then
+        calls finish_promotion."""
         plan: list[tuple[bytes, int]] = []
         cls = self._class_ids[ns.slot_bytes]
         for h in keys:
             key = ns.prefix + h
             if self.ssd is None or key in self.table or key in self.pending or not self.ssd.has(ns.digest + h):
                 break
-            gid, status = self._reserve_one(key, ns.slot_bytes, cls, holder)
+            if evict:
+                gid, status = self._reserve_one(key, ns.slot_bytes, cls, holder)
+            else:
+                gid, status = self._reserve_free(key, ns.slot_bytes, holder)
             if status != RESERVED:
                 break
             self.promoting.add(key)
             plan.append((h, gid))
         return plan
 
-    def finish_promotion(self, ns: Namespace, plan: list[tuple[bytes, int]], n: int, holder: Holdings) -> list[int]:
-        """Publish and pin the first `n` promoted blocks, unless deleted meanwhile; free the other slots."""
+    def finish_promotion(self, ns: Namespace, plan: list[tuple[bytes, int]], n: int, holder: Holdings,
+                         pin: bool = True) -> list[int]:
+        """Publish (and pin) the first `n` promoted blocks, unless deleted meanwhile; free the other slots."""
         gids: list[int] = []
         cls = self._class_ids[ns.slot_bytes]
         for i, (h, gid) in enumerate(plan):
@@ -172,13 +178,15 @@ class Index:
             if i < n and not cancelled and len(gids) == i:
                 del self.pending[key]
                 self._publish(ns, key, gid, cls)
-                self._pin(key, gid)
-                holder.pins[gid] += 1
+                if pin:
+                    self._pin(key, gid)
+                    holder.pins[gid] += 1
                 gids.append(gid)
             else:
                 self._drop_reservation(key, gid)
         self.counters["promotions"] += len(gids)
-        self.counters["gets"] += len(gids)
+        if pin:
+            self.counters["gets"] += len(gids)
         return gids
 
     # ----- two-phase store -----
@@ -199,6 +207,15 @@ class Index:
         if key in self.pending:
             return 0, IN_PROGRESS
         gid = self._allocate(slot_bytes, cls)
+        if gid is None:
+            return 0, NO_SPACE
+        self.pending[key] = gid
+        holder.reserved[key] = gid
+        self.pool.segment_of(gid).busy += 1
+        return gid, RESERVED
+
+    def _reserve_free(self, key: bytes, slot_bytes: int, holder: Holdings) -> tuple[int, int]:
+        gid = self.pool.allocate(slot_bytes)
         if gid is None:
             return 0, NO_SPACE
         self.pending[key] = gid

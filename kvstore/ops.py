@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from threading import Lock
+from threading import Condition, Lock
 from typing import Any
 
 from kvstore import __version__
@@ -17,10 +17,12 @@ from kvstore.index import Holdings, Index, Namespace
 from kvstore.keys import NamespaceSpec
 from kvstore.metrics import OpMetrics
 from kvstore.pool import HostPool
+from kvstore.prefetch import Prefetcher
 from kvstore.protocol import Code, ProtocolError, split_keys
 
 log = logging.getLogger("kvstore")
-MAX_FDS_PER_REPLY = 200   # below the kernel's SCM_MAX_FD (253)
+MAX_FDS_PER_REPLY = 200
+PROMOTION_WAIT_S = 5.0      # a get or a waiting prefetch re-checks at least this often   # below the kernel's SCM_MAX_FD (253)
 
 
 @dataclass
@@ -33,6 +35,11 @@ class State:
     lock: Lock = field(default_factory=Lock)
     connections: int = 0
     started: float = field(default_factory=time.time)
+    prefetcher: Prefetcher | None = None
+    changed: Condition = field(init=False)     # on `lock`: notified when a promotion or prefetch finishes
+
+    def __post_init__(self) -> None:
+        self.changed = Condition(self.lock)
 
 
 @dataclass
@@ -101,8 +108,15 @@ def op_acquire(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     ns = st.index.namespace(m["ns"], h)
     keys = split_keys(m["keys"])
     gids = st.index.acquire(ns, keys, h)
-    if st.index.ssd is not None and len(gids) < len(keys):
-        gids += _promote(st, ns, keys[len(gids):], h)
+    while st.index.ssd is not None and len(gids) < len(keys):
+        if ns.prefix + keys[len(gids)] in st.index.promoting:   # in flight (a prefetch): wait, never read twice
+            st.changed.wait(timeout=PROMOTION_WAIT_S)
+            more = st.index.acquire(ns, keys[len(gids):], h)
+        else:
+            more = _promote(st, ns, keys[len(gids):], h)
+        if not more:
+            break
+        gids += more
     return {"slots": gids, "generation": st.pool.generation}
 
 
@@ -123,7 +137,20 @@ def _promote(st: State, ns: Namespace, keys: list[bytes], h: Holdings) -> list[i
         for v in views:
             v.release()
         st.lock.acquire()
-    return st.index.finish_promotion(ns, plan, n, h)
+    gids = st.index.finish_promotion(ns, plan, n, h)
+    st.changed.notify_all()
+    return gids
+
+
+def op_prefetch(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    """Promote SSD blocks ahead of their get, into free host space only; `wait` replies when they are done."""
+    ns = st.index.namespace(m["ns"], h)
+    if st.prefetcher is None:
+        raise ProtocolError(Code.BAD_REQUEST, "prefetch: this daemon has no SSD tier (set ssd.dir)")
+    ticket = st.prefetcher.submit(ns, split_keys(m["keys"]))
+    while m.get("wait") and ticket.pending:
+        st.changed.wait(timeout=PROMOTION_WAIT_S)
+    return {"queued": ticket.queued, "done": ticket.done, "skipped": ticket.skipped}
 
 
 def op_release(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
@@ -188,7 +215,8 @@ def snapshot(st: State) -> dict[str, Any]:
             "used_bytes": pool.used_bytes, "resident_bytes": pool.resident_bytes(), "blocks": len(idx.table),
             "segments": len(pool.segments), "segment_bytes": pool.segment_bytes, "classes": classes}
     counters = {k: idx.counters[k] for k in ("lookups", "hits", "misses", "puts", "gets", "evictions", "deletes",
-                                             "aborts", "demotions", "dropped", "promotions")}
+                                             "aborts", "demotions", "dropped", "promotions", "prefetched",
+                                             "prefetch_skipped", "prefetch_busy")}
     counters["refused_connections"] = st.metrics.refused_connections
     return {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - st.started,
             "socket": st.config.server.socket, "counters": counters,
@@ -200,5 +228,5 @@ def snapshot(st: State) -> dict[str, Any]:
 HANDLERS: dict[str, Handler] = {
     "ping": op_ping, "hello": op_hello, "segments": op_segments, "lookup": op_lookup, "reserve": op_reserve,
     "commit": op_commit, "abort": op_abort, "acquire": op_acquire, "release": op_release, "delete": op_delete,
-    "stats": op_stats, "list": op_list, "resize": op_resize, "evict": op_evict,
+    "stats": op_stats, "list": op_list, "resize": op_resize, "evict": op_evict, "prefetch": op_prefetch,
 }

@@ -32,6 +32,7 @@ class Code:
     NOT_FOUND = "not_found"
     NO_SPACE = "no_space"                    # the pool is full of pinned or reserved blocks
     CONFLICT = "conflict"                    # e.g. a key another client is storing right now
+    BUSY = "busy"                            # a bounded queue is full: try again later
     TOO_MANY_CONNECTIONS = "too_many_connections"
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
@@ -89,6 +90,7 @@ SCHEMAS: dict[str, Schema] = {
     "list": {"ns": ("int", False), "limit": ("int", False)},
     "resize": {"bytes": ("int", True)},
     "evict": {"ns": ("int", False), "bytes": ("int", False), "all": ("bool", False)},
+    "prefetch": {"ns": ("int", True), "keys": ("keys", True), "wait": ("bool", False)},
 }
 _COMMON = {"v", "op", "id"}
 

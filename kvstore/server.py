@@ -21,6 +21,7 @@ from kvstore.index import Index
 from kvstore.metrics import start_prometheus
 from kvstore.ops import State, snapshot
 from kvstore.pool import HostPool
+from kvstore.prefetch import Prefetcher
 from kvstore.protocol import Code, encode, error
 from kvstore.session import Session
 from kvstore.tiers.ssd import StoreLocked
@@ -114,6 +115,7 @@ class Daemon:
         cfg = self.config
         if cfg.ssd.dir:
             self.state.index.ssd = open_ssd(cfg)   # before the socket: a refused directory starts nothing
+            self.state.prefetcher = Prefetcher(self.state, cfg.ssd.prefetch_queue)
         self.listener = bind_unix(cfg.server.socket)
         self.listener.settimeout(0.2)
         try:
@@ -223,6 +225,8 @@ class Daemon:
             t.join(timeout=deadline)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()  # type: ignore[attr-defined]
+        if self.state.prefetcher is not None:
+            self.state.prefetcher.close()
         with self.state.lock:
             self.state.pool.close()
         if self.state.index.ssd is not None:

@@ -178,3 +178,71 @@ def test_named_crash_points_leave_no_wrong_byte(ssd_dir, daemons, point):
     served = [(i, g) for i, g in zip(ids, got) if g is not None]
     assert served and all(g == content(key(i)) for i, g in served)
     assert len(served) == ssd["blocks"]             # every record found after the crash is whole and served
+
+
+def _counters(d: DaemonProc) -> dict[str, int]:
+    with d.client() as c:
+        return c.stats()["counters"]
+
+
+def test_prefetch_promotes_into_free_space_ahead_of_the_get(ssd_dir, daemons):
+    d = start(ssd_dir, daemons)
+    put(d, range(200))
+    with d.client() as c:
+        ns = c.namespace(spec())
+        c.evict(everything=True)                    # all 200 on SSD now, the host pool empty
+        r = ns.prefetch([key(i) for i in range(32)], wait=True)
+        assert r == {"queued": 32, "done": 32, "skipped": 0}
+        assert c.call("lookup", ns=ns.id, keys=b"".join(key(i) for i in range(32)))["tiers"]["host"] == 32
+        before = c.stats()["counters"]
+        outs = [bytearray(GEOM.full_bytes) for _ in range(32)]
+        assert ns.get([key(i) for i in range(32)], outs) == 32
+        assert [bytes(o) for o in outs] == [content(key(i)) for i in range(32)]
+        after = c.stats()["counters"]
+        assert after["promotions"] == before["promotions"]       # the get found them in the host pool
+        assert after["prefetched"] == 32
+
+
+def test_prefetch_never_displaces_blocks(ssd_dir, daemons):
+    d = start(ssd_dir, daemons)
+    put(d, range(200))                              # the host pool is full of the newest 128
+    with d.client() as c:
+        ns = c.namespace(spec())
+        before = c.stats()["counters"]
+        r = ns.prefetch([key(i) for i in range(8)], wait=True)
+        assert r == {"queued": 8, "done": 0, "skipped": 8}      # no free space: nothing moves
+        after = c.stats()["counters"]
+        assert after["evictions"] == before["evictions"]
+        assert ns.lookup([key(i) for i in range(72, 200)]) == 128
+
+
+def test_full_prefetch_queue_answers_busy_at_once(ssd_dir, daemons):
+    from kvstore.client import KVStoreError
+
+    d = start(ssd_dir, daemons, KVSTORE_SSD_PREFETCH_QUEUE="4")
+    put(d, range(200))
+    with d.client() as c:
+        ns = c.namespace(spec())
+        with pytest.raises(KVStoreError) as e:
+            ns.prefetch([key(i) for i in range(10)])
+        assert e.value.code == "busy" and "4 keys" in e.value.message
+        assert c.stats()["counters"]["prefetch_busy"] == 1
+
+
+def test_get_of_a_block_in_flight_reads_it_once(ssd_dir, daemons):
+    d = start(ssd_dir, daemons)
+    put(d, range(200))
+    with d.client() as c:
+        ns = c.namespace(spec())
+        c.evict(everything=True)
+        reads = c.stats()["tiers"][1]["counters"].get("hits", 0)
+        ns.prefetch([key(i) for i in range(16)])    # no wait: the gets race the prefetcher
+        outs = [bytearray(GEOM.full_bytes) for _ in range(16)]
+        assert ns.get([key(i) for i in range(16)], outs) == 16
+        assert [bytes(o) for o in outs] == [content(key(i)) for i in range(16)]
+        for _ in range(500):                         # the prefetcher may still be skipping what the get took
+            s = c.stats()
+            if s["counters"]["prefetched"] + s["counters"]["prefetch_skipped"] == 16:
+                break
+        assert s["counters"]["prefetched"] + s["counters"]["prefetch_skipped"] == 16
+        assert s["tiers"][1]["counters"]["hits"] - reads == 16  # each block read from disk exactly once
