@@ -1,218 +1,465 @@
-"""Host pool through the daemon, against the hardware in the same run.
+"""The host pool through the daemon, against the machine's own baselines measured in the same run.
 
-- put / get of 2 MiB blocks from this process (the daemon is another), batches of 32, 1 and 2 copy threads,
-  against numpy memcpy of the same blocks with 1 and 2 threads;
-- lookup round trip of 32 keys, against a raw Unix-socket 64-byte round trip between two processes;
-- resize (release 256 MiB of a full pool, then grow back) at 1 GiB and 8 GiB.
+- put / get of 2 MiB blocks, batches of 32, from this process (the daemon is another one it starts), with 1 and 2
+  copy threads, against numpy memcpy of the same blocks with 1 and 2 threads;
+- lookup of 32 present keys, p50 and p99, against a raw 64-byte round trip over a Unix socket to an echo server in
+  a child process (the daemon's `ping` is shown too: it splits the gap into protocol and index);
+- resize of a full pool (release 256 MiB, then grow back) at 1 GiB and 8 GiB.
 
-Each figure is the median of several timed repetitions after an untimed warm-up (first touches of shared pages are
-page faults: the warm-up fills and empties the slots the timed runs use). Targets: put and get ≥ 0.9× one-thread
-memcpy with one copy thread and ≥ 0.8× two-thread memcpy with two; lookup p50 ≤ 2× the raw round trip; resize at
-8 GiB ≤ 1.2× resize at 1 GiB.
+Every figure is a median over timed repetitions taken after an untimed warm-up (a shared page's first touch is a
+page fault in the daemon's memfd and in the client's mapping, so the warm-up fills and empties the very slots the
+timed runs reuse), with its spread (IQR, min, max) in the JSON. Each baseline takes turns with what it is compared
+to, repetition by repetition, so that both see the same machine, and every ratio is computed within the run.
 
-    python bench/bench_pool.py [--quick]
+Targets: put and get ≥ 0.9× one-thread memcpy with one copy thread, ≥ 0.8× two-thread memcpy with two; lookup
+p50 ≤ 2× the raw round trip; resize at 8 GiB ≤ 1.2× resize at 1 GiB.
+
+    python bench/bench_pool.py [--quick] [--reps N] [--blocks N] [--profile]
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import socket
-import statistics
+import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Table, progress, write_json  # noqa: E402
+from common import Daemon, Table, progress, summary, write_json  # noqa: E402
 
 from kvstore.geometry import Geometry  # noqa: E402
 from kvstore.keys import NamespaceSpec  # noqa: E402
-from tests.conftest import DaemonProc  # noqa: E402
 
-GEOM = Geometry(layers=32, tokens=16, kv_heads=8, head_dim=128, dtype="float16")   # 2 MiB
+GEOM = Geometry(layers=32, tokens=16, kv_heads=8, head_dim=128, dtype="float16")   # 32·2·16·8·128·2 B = 2 MiB
 BLOCK = GEOM.full_bytes
 BATCH = 32
 MiB, GiB = 1 << 20, 1 << 30
+SEGMENT = 64 * MiB
+SHRINK = 256 * MiB          # what a resize releases: 4 segments of 32 blocks
+
+assert BLOCK == 2 * MiB
 
 
 def hashes(n: int, start: int) -> list[bytes]:
     return [(start + i).to_bytes(16, "big") for i in range(n)]
 
 
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+def spec(model: str = "bench") -> NamespaceSpec:
+    return NamespaceSpec(model, GEOM)
 
 
 # ----- baselines -----
-def memcpy_gbps(srcs: list[np.ndarray], dsts: list[np.ndarray], threads: int, reps: int) -> list[float]:
-    def copy(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        for d, s in pairs:
-            np.copyto(d, s)
+class Memcpy:
+    """numpy copyto of whole blocks between private buffers: on the calling thread, or split in two halves with one
+    helper thread (copyto releases the GIL), the same split the client's copier makes."""
 
-    pairs = list(zip(dsts, srcs))
-    shares = [pairs[i::threads] for i in range(threads)]
-    pool = ThreadPoolExecutor(threads)
-    out = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        list(pool.map(copy, shares))
-        out.append(len(pairs) * BLOCK / (time.perf_counter() - t0) / 1e9)
-    pool.shutdown()
-    return out[1:]
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads - 1) if threads > 1 else None
+
+    def __call__(self, dsts: list[np.ndarray], srcs: list[np.ndarray]) -> None:
+        pairs = list(zip(dsts, srcs))
+        if self.pool is None:
+            _copy(pairs)
+            return
+        k = len(pairs) // self.threads
+        futures = [self.pool.submit(_copy, pairs[i * k:(i + 1) * k]) for i in range(1, self.threads)]
+        _copy(pairs[:k])
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
-def raw_socket_rtt(n: int) -> list[float]:
-    a, b = socket.socketpair()
-    pid = os.fork()
-    if pid == 0:
-        a.close()
-        while True:
-            m = b.recv(64)
-            if not m:
-                os._exit(0)
-            b.sendall(m)
-    b.close()
-    msg, out = b"x" * 64, []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        a.sendall(msg)
+def _copy(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for d, s in pairs:
+        np.copyto(d, s)
+
+
+ECHO_SERVER = """
+import os, socket, sys
+path = sys.argv[1]
+srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+srv.bind(path)
+srv.listen(1)
+print("ready", flush=True)
+conn, _ = srv.accept()
+while True:
+    m = conn.recv(65536)
+    if not m:
+        break
+    conn.sendall(m)
+"""
+
+
+class EchoServer:
+    """A 64-byte echo over a Unix stream socket, served by a child process: the raw round trip a request to the
+    daemon cannot beat."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path], stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == b"ready"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.msg = b"x" * 64
+
+    def roundtrip(self) -> None:
+        self.sock.sendall(self.msg)
         got = 0
         while got < 64:
-            got += len(a.recv(64 - got))
-        out.append(time.perf_counter() - t0)
-    a.close()
-    os.waitpid(pid, 0)
+            got += len(self.sock.recv(65536))
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.wait(5)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def timed(fn: Callable[[], Any], n: int) -> list[float]:
+    out = []
+    clock = time.perf_counter
+    for _ in range(n):
+        t0 = clock()
+        fn()
+        out.append(clock() - t0)
     return out
 
 
-# ----- through the daemon -----
-def put_get_gbps(d: DaemonProc, threads: int, reps: int) -> tuple[list[float], list[float], list[float]]:
-    """Put and get GB/s, each repetition right after a memcpy of the same blocks (the baseline, interleaved so
-    that both see the same machine)."""
-    srcs = [np.random.default_rng(i).integers(0, 256, BLOCK, dtype=np.uint8) for i in range(BATCH)]
-    dsts = [np.ones(BLOCK, np.uint8) for _ in range(BATCH)]
-    puts, gets, base = [], [], []
-    with d.client(copy_threads=threads) as c:
-        ns = c.namespace(NamespaceSpec("bench", GEOM))
-        warm = hashes(BATCH * 4, 10**9)                # touch the slots the timed runs reuse
-        ns.put(warm, srcs * 4)
-        ns.delete(warm)
-        for rep in range(reps + 1):
-            hs = hashes(BATCH, rep * BATCH)
-            mc = memcpy_gbps(srcs, dsts, threads, 1)[0]
-            t0 = time.perf_counter()
-            r = ns.put(hs, srcs, batch=BATCH)
-            t1 = time.perf_counter()
-            assert r.stored == BATCH
-            assert ns.get(hs, dsts, batch=BATCH) == BATCH
-            t2 = time.perf_counter()
-            assert all(np.array_equal(a, b) for a, b in zip(srcs[:2], dsts[:2]))
-            ns.delete(hs)
-            if rep:
-                base.append(mc)
-                puts.append(BATCH * BLOCK / (t1 - t0) / 1e9)
-                gets.append(BATCH * BLOCK / (t2 - t1) / 1e9)
-    return puts, gets, base
-
-
-def lookup_rtt(d: DaemonProc, n: int) -> list[float]:
-    with d.client() as c:
-        ns = c.namespace(NamespaceSpec("bench", GEOM))
-        hs = hashes(BATCH, 5 * 10**9)
-        ns.put(hs, [np.zeros(BLOCK, np.uint8)] * BATCH)
-        out = []
-        for _ in range(n + 200):
-            t0 = time.perf_counter()
-            assert ns.lookup(hs) == BATCH
-            out.append(time.perf_counter() - t0)
-    return out[200:]
-
-
-def resize_seconds(pools: list[int], reps: int) -> dict[int, tuple[list[float], list[float]]]:
-    """Daemon-side and client-side seconds to release 256 MiB of a full pool, for each pool size, the sizes
-    taking turns so that all see the same machine."""
-    daemons = {p: DaemonProc(capacity=str(p), segment="64MiB", env={"KVSTORE_LOG_LEVEL": "warning"}).start()
-               for p in pools}
-    out: dict[int, tuple[list[float], list[float]]] = {p: ([], []) for p in pools}
-    src = [np.zeros(BLOCK, np.uint8)] * BATCH
+# ----- put and get -----
+def put_get(d: Daemon, threads: int, blocks: int, reps: int, warm: int, profile: cProfile.Profile | None
+            ) -> dict[str, list[float]]:
+    """GB/s of memcpy, put and get of the same `blocks` blocks, in turns within each repetition."""
+    rng = np.random.default_rng(threads)
+    srcs = [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(blocks)]
+    dsts = [np.ones(BLOCK, np.uint8) for _ in range(blocks)]           # touched: no page faults in the timing
+    check = np.empty(BLOCK, np.uint8)
+    memcpy = Memcpy(threads)
+    out: dict[str, list[float]] = {"memcpy": [], "put": [], "get": []}
+    gb = blocks * BLOCK / 1e9
     try:
-        clients = {p: d.client() for p, d in daemons.items()}
-        spaces = {p: c.namespace(NamespaceSpec("bench", GEOM)) for p, c in clients.items()}
-        n = 0
-        for _ in range(reps):
-            for pool, c in clients.items():
-                while c.stats()["tiers"][0]["used_bytes"] < pool:   # fill every segment
-                    spaces[pool].put(hashes(BATCH, n), src, batch=BATCH)
-                    n += BATCH
+        with d.client(copy_threads=threads) as c:
+            ns = c.namespace(spec())
+            for rep in range(warm + reps):
+                hs = hashes(blocks, (threads * 1000 + rep) * blocks)
                 t0 = time.perf_counter()
-                r = c.resize(pool - 256 * MiB)
-                out[pool][1].append(time.perf_counter() - t0)
-                out[pool][0].append(r["seconds"])
-                assert r["released_segments"] == 4, r
-                c.resize(pool)
+                memcpy(dsts, srcs)
+                t1 = time.perf_counter()
+                if profile and rep >= warm:
+                    profile.enable()
+                r = ns.put(hs, srcs, batch=BATCH)
+                t2 = time.perf_counter()
+                n = ns.get(hs, dsts, batch=BATCH)
+                t3 = time.perf_counter()
+                if profile:
+                    profile.disable()
+                if r.stored != blocks or n != blocks:
+                    raise RuntimeError(f"put {r}, got {n} of {blocks}: is the pool big enough?")
+                for i in (0, blocks - 1):               # the bytes went through the slots (fresh buffer, untimed)
+                    check[:] = 0
+                    if ns.get([hs[i]], [check]) != 1 or not np.array_equal(check, srcs[i]):
+                        raise RuntimeError(f"block {i} came back different")
+                ns.delete(hs)                           # frees the same slots for the next repetition (LIFO)
+                if rep >= warm:
+                    out["memcpy"].append(gb / (t1 - t0))
+                    out["put"].append(gb / (t2 - t1))
+                    out["get"].append(gb / (t3 - t2))
+    finally:
+        memcpy.close()
+    return out
+
+
+# ----- lookup -----
+def _tasks(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return []
+
+
+def _pin(pids: list[int], cpus: set[int]) -> None:
+    """Set the CPU affinity of every thread of these processes (threads they start later inherit it)."""
+    for pid in pids:
+        for tid in _tasks(pid):
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def placements() -> dict[str, tuple[set[int], set[int]] | None]:
+    """Where the client and its peer (the daemon, the echo server) run: the round trip depends on it more than on
+    anything either side does (on a VM, waking an idle vCPU costs tens of µs), so both are measured the same way.
+    `as scheduled` leaves it to the kernel, whose choice differs between the echo server and the daemon."""
+    cpus = sorted(os.sched_getaffinity(0))
+    out: dict[str, tuple[set[int], set[int]] | None] = {"same core": ({cpus[0]}, {cpus[0]})}
+    if len(cpus) > 1:
+        out["cores apart"] = ({cpus[0]}, {cpus[1]})
+    out["as scheduled"] = None
+    return out
+
+
+def lookups(d: Daemon, rounds: int, per_round: int, profile: cProfile.Profile | None
+            ) -> dict[str, dict[str, list[float]]]:
+    """Seconds per round trip, per placement: raw echo, daemon ping, lookup of 32 present keys. Placements and
+    kinds take turns, `per_round` calls each after 100 untimed ones (a placement change migrates threads)."""
+    assert d.proc is not None
+    echo = EchoServer(os.path.join(d.dir, "echo"))
+    places = placements()
+    out = {p: {"raw": [], "ping": [], "lookup": []} for p in places}   # type: dict[str, dict[str, list[float]]]
+    mine, theirs = os.sched_getaffinity(0), os.sched_getaffinity(d.proc.pid)
+    try:
+        with d.client() as c:
+            ns = c.namespace(spec())
+            hs = hashes(BATCH, 7 * 10**9)
+            zero = np.zeros(BLOCK, np.uint8)
+            if ns.put(hs, [zero] * BATCH).stored != BATCH or ns.lookup(hs) != BATCH:
+                raise RuntimeError("lookup setup: the 32 blocks were not stored")
+
+            def lookup() -> None:
+                ns.lookup(hs)
+
+            kinds = {"raw": echo.roundtrip, "ping": c.ping, "lookup": lookup}
+            for _ in range(rounds):
+                for place, cpus in places.items():
+                    if cpus is None:
+                        _pin([os.getpid()], mine)
+                        _pin([d.proc.pid, echo.proc.pid], theirs)
+                    else:
+                        _pin([os.getpid()], cpus[0])
+                        _pin([d.proc.pid, echo.proc.pid], cpus[1])
+                    for kind, fn in kinds.items():
+                        timed(fn, 100)
+                        if profile and kind == "lookup":
+                            profile.enable()
+                        out[place][kind] += timed(fn, per_round)
+                        if profile:
+                            profile.disable()
+            if ns.lookup(hs) != BATCH:
+                raise RuntimeError("lookup: keys went missing")
+    finally:
+        _pin([os.getpid()], mine)
+        _pin([d.proc.pid], theirs)
+        echo.close()
+    return out
+
+
+# ----- resize -----
+class Watcher:
+    """Another client that looks up 32 keys back to back on its own connection (in a thread), to see how long a
+    resize keeps every other client waiting."""
+
+    def __init__(self, d: Daemon) -> None:
+        self.client = d.client()
+        self.ns = self.client.namespace(spec())
+        self.hs = hashes(BATCH, 0)
+        self.calls: list[tuple[float, float]] = []
+        self.running = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        clock = time.perf_counter
+        while self.running.is_set():
+            t0 = clock()
+            self.ns.lookup(self.hs)
+            self.calls.append((t0, clock()))
+
+    def start(self) -> None:
+        self.calls = []
+        self.running.set()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        time.sleep(0.005)
+
+    def stop(self, t0: float, t1: float) -> float:
+        """The longest lookup that overlapped [t0, t1]."""
+        time.sleep(0.002)
+        self.running.clear()
+        assert self.thread is not None
+        self.thread.join()
+        return max((b - a for a, b in self.calls if a < t1 and b > t0), default=0.0)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def resize(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
+    """Release 256 MiB of a full pool and grow it back, for each pool size, sizes taking turns. Between
+    repetitions the released room is filled again (untimed, but its time is kept: new segments fault in)."""
+    src = [np.random.default_rng(9).integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(BATCH)]
+    refill_blocks = SHRINK // BLOCK
+    out: dict[int, dict[str, Any]] = {s: {"shrink_daemon": [], "shrink_client": [], "grow_daemon": [],
+                                          "grow_client": [], "refill": [], "stall": [], "fill_s": 0.0}
+                                     for s in sizes}
+    daemons = {s: Daemon(str(s), "64MiB") for s in sizes}
+    try:
+        for dm in daemons.values():
+            dm.start()
+        clients = {s: dm.client() for s, dm in daemons.items()}
+        spaces = {s: c.namespace(spec()) for s, c in clients.items()}
+        watchers = {s: Watcher(dm) for s, dm in daemons.items()}
+        nxt = 0
+
+        def fill(s: int) -> None:
+            nonlocal nxt
+            c, ns = clients[s], spaces[s]
+            while True:
+                host = c.stats()["tiers"][0]
+                room = (s - host["used_bytes"]) // BLOCK
+                if room <= 0:
+                    break
+                for i in range(0, room, BATCH):
+                    k = min(BATCH, room - i)
+                    r = ns.put(hashes(k, nxt), src[:k], batch=BATCH)
+                    nxt += k
+                    if r.stored != k:
+                        raise RuntimeError(f"fill {s >> 30} GiB: {r}")
+            host = c.stats()["tiers"][0]
+            if host["mapped_bytes"] != s or host["used_bytes"] != s:
+                raise RuntimeError(f"fill {s >> 30} GiB: pool not full: {host}")
+
+        for s in sizes:
+            progress(f"  filling the {s // GiB} GiB pool with {s // BLOCK} blocks")
+            t0 = time.perf_counter()
+            fill(s)
+            out[s]["fill_s"] = time.perf_counter() - t0
+        for rep in range(reps + 1):                              # repetition 0 is the warm-up
+            for s in (sizes if rep % 2 else sizes[::-1]):
+                c = clients[s]
+                watchers[s].start()
+                t0 = time.perf_counter()
+                r = c.resize(s - SHRINK)
+                shrink = time.perf_counter() - t0
+                stall = watchers[s].stop(t0, t0 + shrink)
+                if r["released_segments"] != SHRINK // SEGMENT or r["evicted"] != refill_blocks:
+                    raise RuntimeError(f"shrink {s >> 30} GiB: {r}")
+                t0 = time.perf_counter()
+                g = c.resize(s)
+                grow = time.perf_counter() - t0
+                fill(s)
+                refill = time.perf_counter() - t0 - grow
+                if rep:
+                    o = out[s]
+                    o["shrink_daemon"].append(r["seconds"])
+                    o["shrink_client"].append(shrink)
+                    o["grow_daemon"].append(g["seconds"])
+                    o["grow_client"].append(grow)
+                    o["refill"].append(refill)
+                    o["stall"].append(stall)
         for c in clients.values():
             c.close()
+        for w in watchers.values():
+            w.close()
     finally:
-        for d in daemons.values():
-            d.cleanup()
+        for dm in daemons.values():
+            dm.stop()
     return out
 
 
+# ----- report -----
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true", help="fewer repetitions, no 8 GiB pool")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer repetitions, no 8 GiB pool (a smoke run)")
+    p.add_argument("--reps", type=int, help="timed repetitions of put/get (default 25, quick 5)")
+    p.add_argument("--blocks", type=int, default=128, help="blocks per put/get repetition (default 128)")
+    p.add_argument("--profile", action="store_true", help="cProfile the client during timed put/get/lookup "
+                                                           "(slows them; for finding hot spots, not for figures)")
     args = p.parse_args()
-    reps = 3 if args.quick else 9
-    res: dict[str, object] = {}
-    d = DaemonProc(capacity="1GiB", segment="64MiB", env={"KVSTORE_LOG_LEVEL": "warning"}).start()
-    try:
-        progress("put/get, 1 copy thread")
-        p1, g1, mc1 = put_get_gbps(d, 1, reps)
-        progress("put/get, 2 copy threads")
-        p2, g2, mc2 = put_get_gbps(d, 2, reps)
-        progress("lookup round trips")
-        lk = lookup_rtt(d, 2000 if args.quick else 10000)
-    finally:
-        d.cleanup()
-    progress("raw socket round trips")
-    raw = raw_socket_rtt(2000 if args.quick else 10000)
+    reps = args.reps or (5 if args.quick else 25)
+    rounds, per_round = (4, 500) if args.quick else (10, 1000)
     sizes = [GiB] if args.quick else [GiB, 8 * GiB]
-    progress(f"resize at {', '.join(f'{p // GiB} GiB' for p in sizes)}")
-    rz = resize_seconds(sizes, 3 if args.quick else 7)
+    prof = cProfile.Profile() if args.profile else None
+    started = time.perf_counter()
 
-    m = statistics.median
-    t = Table(["figure", "kvstore", "baseline", "ratio", "target"])
+    pg: dict[int, dict[str, list[float]]] = {}
+    with Daemon("1GiB", "64MiB") as d:
+        for threads in (1, 2):
+            progress(f"put/get, {threads} copy thread{'s' * (threads > 1)}: {args.blocks} × 2 MiB, {reps} reps")
+            pg[threads] = put_get(d, threads, args.blocks, reps, 2, prof)
+        progress(f"lookup of 32 keys / daemon ping / raw socket: {rounds} × {per_round} each, in turns")
+        lk = lookups(d, rounds, per_round, prof)
+    progress(f"resize at {' and '.join(f'{s // GiB} GiB' for s in sizes)}: fill, then "
+             f"{3 if args.quick else 9} reps of −256 MiB and back")
+    rz = resize(sizes, 3 if args.quick else 9)
 
-    def row(name: str, ours: float, base: float, unit: str, target: str, ok: bool) -> None:
-        t.add([name, f"{ours:.2f} {unit}", f"{base:.2f} {unit}", f"{ours / base:.2f}",
-               f"{target}: {'PASS' if ok else 'FAIL'}"])
+    t = Table(["figure", "kvstore: median (IQR)", "baseline: median (IQR)", "ratio", "target", "result"])
+    verdicts: dict[str, dict[str, Any]] = {}
 
-    row("put, 1 copy thread", m(p1), m(mc1), "GB/s", "≥0.9× memcpy(1)", m(p1) >= 0.9 * m(mc1))
-    row("get, 1 copy thread", m(g1), m(mc1), "GB/s", "≥0.9× memcpy(1)", m(g1) >= 0.9 * m(mc1))
-    row("put, 2 copy threads", m(p2), m(mc2), "GB/s", "≥0.8× memcpy(2)", m(p2) >= 0.8 * m(mc2))
-    row("get, 2 copy threads", m(g2), m(mc2), "GB/s", "≥0.8× memcpy(2)", m(g2) >= 0.8 * m(mc2))
-    lk_p50, raw_p50 = m(lk) * 1e6, m(raw) * 1e6
-    row("lookup 32 keys p50", lk_p50, raw_p50, "µs", "≤2× raw socket", lk_p50 <= 2 * raw_p50)
-    q = lambda xs: sorted(xs)[int(len(xs) * 0.99)] * 1e6  # noqa: E731
-    t.add(["lookup 32 keys p99", f"{q(lk):.2f} µs", f"{q(raw):.2f} µs", f"{q(lk) / q(raw):.2f}", ""])
-    if 8 * GiB in rz:
-        a, b = m(rz[GiB][0]) * 1e3, m(rz[8 * GiB][0]) * 1e3
-        row("resize −256 MiB at 8 GiB (daemon)", b, a, "ms", "≤1.2× at 1 GiB", b <= 1.2 * a)
-        a, b = m(rz[GiB][1]) * 1e3, m(rz[8 * GiB][1]) * 1e3
-        t.add(["resize −256 MiB at 8 GiB (client)", f"{b:.2f} ms", f"{a:.2f} ms", f"{b / a:.2f}", ""])
-    else:
-        t.add(["resize −256 MiB at 1 GiB (daemon)", f"{m(rz[GiB][0]) * 1e3:.2f} ms", "", "", ""])
+    def fmt(x: dict[str, float], unit: str, digits: int, key: str) -> str:
+        if key != "median":
+            return f"{x[key]:.{digits}f} {unit}"
+        return f"{x['median']:.{digits}f} {unit} ({x['p25']:.{digits}f}–{x['p75']:.{digits}f})"
+
+    def row(name: str, ours: dict[str, float], base: dict[str, float] | None, unit: str, target: str = "",
+            ok: bool | None = None, key: str = "median", digits: int = 2) -> None:
+        ratio = ours[key] / base[key] if base else None
+        t.add([name, fmt(ours, unit, digits, key), fmt(base, unit, digits, key) if base else "",
+               "" if ratio is None else f"{ratio:.2f}", target, "" if ok is None else ("PASS" if ok else "FAIL")])
+        verdicts[name] = {"value": ours[key], "baseline": base[key] if base else None, "ratio": ratio,
+                          "unit": unit, "stat": key, "target": target, "pass": ok}
+
+    res: dict[str, Any] = {"block_bytes": BLOCK, "batch": BATCH, "blocks_per_rep": args.blocks, "reps": reps,
+                           "quick": args.quick}
+    for threads, limit in ((1, 0.9), (2, 0.8)):
+        o: dict[str, Any] = {k: summary(v) for k, v in pg[threads].items()}
+        for op in ("put", "get"):      # per-repetition ratios: each against the memcpy run just before it
+            o[f"{op}_over_memcpy"] = summary([a / b for a, b in zip(pg[threads][op], pg[threads]["memcpy"])])
+        res[f"copy_threads_{threads}_gbps"] = o
+        for op in ("put", "get"):
+            ratio = o[op]["median"] / o["memcpy"]["median"]
+            row(f"{op}, {threads} copy thread{'s' * (threads > 1)}", o[op], o["memcpy"], "GB/s",
+                f"≥ {limit}× memcpy {threads}t", ratio >= limit)
+    res["roundtrip_us"] = {}
+    for place, kinds in lk.items():
+        us = {k: summary(v, 1e6) for k, v in kinds.items()}
+        res["roundtrip_us"][place] = us
+        pinned = place != "as scheduled"
+        row(f"lookup 32 keys p50, {place}", us["lookup"], us["raw"], "µs",
+            "≤ 2× raw socket" if pinned else "(placement differs)",
+            us["lookup"]["median"] <= 2 * us["raw"]["median"] if pinned else None, digits=1)
+        row(f"lookup 32 keys p99, {place}", us["lookup"], us["raw"], "µs", key="p99", digits=1)
+        row(f"daemon ping p50, {place}", us["ping"], us["raw"], "µs", digits=1)
+    res["resize_ms"] = {}
+    for size in sizes:
+        o = rz[size]
+        res["resize_ms"][f"{size // GiB}GiB"] = {k: (summary(v, 1e3) if isinstance(v, list) else v)
+                                                 for k, v in o.items()}
+    r1 = res["resize_ms"]["1GiB"]
+    r8 = res["resize_ms"].get("8GiB")
+    big, base = (r8, r1) if r8 else (r1, None)
+    at = "8 GiB" if r8 else "1 GiB"
+    row(f"resize −256 MiB at {at}, daemon", big["shrink_daemon"], base and base["shrink_daemon"], "ms",
+        "≤ 1.2× at 1 GiB" if r8 else "(8 GiB skipped)",
+        big["shrink_daemon"]["median"] <= 1.2 * r1["shrink_daemon"]["median"] if r8 else None)
+    row(f"resize −256 MiB at {at}, client", big["shrink_client"], base and base["shrink_client"], "ms")
+    row(f"resize +256 MiB at {at}, client", big["grow_client"], base and base["grow_client"], "ms", digits=3)
+    row(f"other client's longest lookup during the shrink, {at}", big["stall"], base and base["stall"], "ms")
+    row(f"refill 256 MiB after the grow, {at}", big["refill"], base and base["refill"], "ms")
     print(t)
-    res = {"memcpy_1t_gbps": spread(mc1), "memcpy_2t_gbps": spread(mc2), "put_1t_gbps": spread(p1),
-           "get_1t_gbps": spread(g1), "put_2t_gbps": spread(p2), "get_2t_gbps": spread(g2),
-           "lookup32_us": {"p50": lk_p50, "p99": q(lk)}, "raw_socket_us": {"p50": raw_p50, "p99": q(raw)},
-           "resize_release_256MiB_s": {f"{k // GiB}GiB": {"daemon": spread(v[0]), "client": spread(v[1])}
-                                       for k, v in rz.items()},
-           "block_bytes": BLOCK, "batch": BATCH}
-    print(f"\nwrote {write_json('pool', res)}")
+    res["verdicts"] = verdicts
+    res["seconds"] = time.perf_counter() - started
+    if prof is not None:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        print("\nclient profile (timed put/get/lookup; tottime):\n" + buf.getvalue())
+    print(f"\nwrote {write_json('pool', res)}  ({res['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

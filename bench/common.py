@@ -1,13 +1,19 @@
-"""What every benchmark shares: a plain-text table, a progress line, JSON results with the machine described."""
+"""What every benchmark shares: a plain-text table, a progress line, summary statistics, a daemon started for the
+run, and JSON results with the machine described."""
 from __future__ import annotations
 
 import json
 import os
 import platform
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Table:
@@ -28,18 +34,102 @@ def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (q in 0..1) of a non-empty sample."""
+    s = sorted(xs)
+    pos = (len(s) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summary(xs: Sequence[float], scale: float = 1.0) -> dict[str, float]:
+    """n, min, p25, median, p75, p99, max of a sample, each multiplied by `scale` (e.g. 1e6 for seconds → µs)."""
+    return {"n": len(xs), "min": min(xs) * scale, "p25": quantile(xs, 0.25) * scale,
+            "median": quantile(xs, 0.5) * scale, "p75": quantile(xs, 0.75) * scale,
+            "p99": quantile(xs, 0.99) * scale, "max": max(xs) * scale}
+
+
+class Daemon:
+    """A `python -m kvstore serve` process of its own, with a short socket path in a private directory under
+    /tmp, configured through KVSTORE_* variables. Use as a context manager; its log is kept for errors."""
+
+    def __init__(self, capacity: str, segment: str = "64MiB", env: dict[str, str] | None = None) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kvsb-", dir="/tmp")          # 0700
+        self.socket = os.path.join(self.dir, "s")
+        self.env = {**os.environ, "KVSTORE_SERVER_SOCKET": self.socket, "KVSTORE_POOL_CAPACITY": capacity,
+                    "KVSTORE_POOL_SEGMENT_BYTES": segment, "KVSTORE_LOG_LEVEL": "warning", **(env or {})}
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        self.log_path = os.path.join(self.dir, "daemon.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> Daemon:
+        from kvstore.client import Client
+
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve"], env=self.env, cwd=ROOT,
+                                         stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.read_log()}")
+            try:
+                with Client(self.socket) as c:
+                    c.ping()
+                return self
+            except (ConnectionError, OSError):
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"daemon not ready after {timeout} s:\n{self.read_log()}")
+
+    def client(self, **kw: Any) -> Any:
+        from kvstore.client import Client
+
+        return Client(self.socket, **kw)
+
+    def read_log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Daemon:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def machine() -> dict[str, Any]:
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor()
     try:
-        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
         commit = git.stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=ROOT).stdout.strip() != ""
     except OSError:
-        commit = ""
-    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "kernel": platform.release(), "commit": commit}
+        commit, dirty = "", False
+    try:
+        mem = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal"))
+    except (OSError, StopIteration):
+        mem = 0
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem,
+            "python": platform.python_version(), "kernel": platform.release(), "commit": commit,
+            "dirty": dirty}
 
 
 def write_json(name: str, data: dict[str, Any]) -> str:

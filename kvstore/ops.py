@@ -21,8 +21,8 @@ from kvstore.prefetch import Prefetcher
 from kvstore.protocol import Code, ProtocolError, split_keys
 
 log = logging.getLogger("kvstore")
-MAX_FDS_PER_REPLY = 200
-PROMOTION_WAIT_S = 5.0      # a get or a waiting prefetch re-checks at least this often   # below the kernel's SCM_MAX_FD (253)
+MAX_FDS_PER_REPLY = 200     # below the kernel's SCM_MAX_FD (253)
+PROMOTION_WAIT_S = 5.0      # a get or a waiting prefetch re-checks at least this often
 
 
 @dataclass

@@ -1,21 +1,46 @@
 /*
- * kvstore._kvindex — the index's key table, compact enough for tens of millions of blocks.
+ * kvstore._kvindex — the index's key table, compact and cache-friendly at tens of millions of blocks.
  *
- * Contract (identical to kvstore.keytable.PyKeyTable, the pure-Python fallback):
- *   KeyTable maps 20-byte keys (4-byte namespace id + 16-byte block hash) to u64 values (slot locations).
- *   Every key belongs to an eviction class (0..65535) and is either linked in that class's LRU list or unlinked
- *   (pinned: in the map, not an eviction candidate). insert links at the MRU end; touch moves a linked key to the
- *   MRU end; unlink/relink take a key out of / put it back at the MRU end; oldest(cls) is the LRU linked key.
- *   prefix_len(prefix, hashes) counts the leading keys present — the lookup hot path, one C loop.
+ * CONTRACT (identical to kvstore.keytable.PyKeyTable, the pure-Python fallback; tests/test_keytable.py runs both)
+ *   KeyTable(capacity_hint=0) maps 20-byte keys (4-byte namespace id + 16-byte block hash) to u64 values.
+ *   Every key belongs to one eviction class cls (0..65535) and is either LINKED in that class's LRU list or
+ *   UNLINKED (pinned: still in the map, not an eviction candidate).
+ *     len(t), key in t, t.get(key) -> int | None           no LRU effect
+ *     t.insert(key, value, cls)       new key, linked at the MRU end of cls; ValueError if the key exists
+ *     t.set_value(key, value)         KeyError if absent
+ *     t.remove(key) -> int | None     drops key from the map and its list; the old value, or None if absent
+ *     t.touch(key) -> bool            linked key to the MRU end; False if absent; an unlinked key stays unlinked
+ *     t.unlink(key) / t.relink(key)   out of / back at the MRU end of its list (both idempotent); KeyError if absent
+ *     t.is_linked(key), t.cls_of(key) KeyError if absent
+ *     t.oldest(cls) -> (key, value) | None   the least recently used linked key of cls
+ *     t.class_len(cls) -> int         linked keys of cls
+ *     t.prefix_len(prefix, hashes, touch=False) -> int
+ *         key i = prefix (4 bytes) + hashes[16i:16i+16]; how many leading keys are present (stops at the first
+ *         absent one); touch=True also touches each of them. prefix/hashes: any bytes-like object. ValueError if
+ *         len(prefix) != 4 or len(hashes) % 16.
+ *     t.items() -> iterator of (key, value), any order, over a snapshot (mutating while iterating is safe)
+ *     t.nbytes() -> int               bytes of memory the table holds (also __sizeof__)
+ *   Errors: key not bytes -> TypeError; key not 20 bytes -> ValueError; value not in 0..2**64-1 -> OverflowError;
+ *   cls not in 0..65535 -> ValueError. Single-key methods take the key positionally only.
+ *   Not thread-safe by itself: every method runs under the GIL and never releases it.
  *
- * Layout: a dense array of 40-byte entries (key, value, class, LRU links) and an open-addressing index of u64
- * slots (32 bits of hash, 32 bits of entry number + 1; 0 = empty) with linear probing and backward-shift deletion,
- * load ≤ 3/4. Removing an entry moves the last entry into its place, so the entry array stays dense with no free
- * list. About 40 + 8/0.375..0.75 bytes per key: 51–61 bytes.
+ * LAYOUT. One open-addressing table of 2^bits slots (linear probing, load <= 3/4, doubling growth,
+ * backward-shift deletion: no tombstones), as two parallel arrays indexed by slot:
+ *   Rec  recs[]:  key[20], meta u32, value u64 — 32 bytes, two per 64-byte cache line. meta = top 32 bits of
+ *                 the key's 64-bit hash with bit 0 forced on (0 = empty slot); the key's home slot is
+ *                 meta >> (32 - bits), so moves and growth never rehash keys. A lookup reads one cache line.
+ *   Link links[]: prev u32, next u32 (slot numbers, NIL = none), cls u16, linked u8 — 12 bytes, read only by
+ *                 the LRU operations.
+ * Per-class head (LRU end) / tail (MRU end) / length arrays grow on demand up to 65536 classes.
+ * When an entry moves slot (backward shift) its list neighbours are re-pointed; growth re-inserts every entry
+ * into the new arrays, leaving each one's new slot number behind in its old record to translate the links.
+ * Memory: 44 bytes per slot, 59–117 bytes per key (about 74 at 10 million keys). Arrays of 1 MiB and more are
+ * anonymous mappings advised to use transparent huge pages (fewer TLB misses on random probes).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 
@@ -23,267 +48,335 @@
 #define HASH_BYTES 16
 #define NIL 0xFFFFFFFFu
 #define MAX_CLS 65536
-#define PREFETCH_CHUNK 64
+#define MIN_BITS 6
+#define MAX_BITS 31                 /* 2^31 slots: up to 1.6 billion keys */
+#define CHUNK 32                    /* prefix_len hashes and prefetches this many keys ahead */
+#define BIG_BYTES ((size_t)1 << 20)
+#define HUGE_PAGE ((size_t)2 << 20)
 
-typedef struct {
-    uint8_t key[KEY_BYTES];
-    uint16_t cls;
-    uint8_t linked;
-    uint8_t pad;
-    uint32_t prev, next;
-    uint64_t value;
-} Entry;
+typedef struct { uint8_t key[KEY_BYTES]; uint32_t meta; uint64_t value; } Rec;
+typedef struct { uint32_t prev, next; uint16_t cls; uint8_t linked, pad; } Link;
 
 typedef struct {
     PyObject_HEAD
-    Entry *entries;
-    uint32_t n, ecap;
-    uint64_t *slots;
-    uint32_t mask;            /* slots - 1 (power of two) */
-    uint32_t *head, *tail, *clen;
-    uint32_t ncls;            /* classes allocated */
-    uint64_t mutations;
+    Rec *recs;
+    Link *links;
+    uint32_t bits, mask;            /* 2^bits slots, mask = 2^bits - 1 */
+    uint32_t n;                     /* keys */
+    uint32_t *head, *tail, *clen;   /* per class: LRU slot, MRU slot, linked keys */
+    uint32_t ncls;                  /* classes allocated in those three arrays */
 } KeyTable;
 
 static inline uint64_t load64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static inline uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
-/* Big arrays live in anonymous mappings advised to use huge pages: at tens of millions of keys a lookup's random
- * accesses would otherwise miss the TLB as well as the caches. Mappings are zero-filled by the kernel. */
-static void *big_alloc(size_t bytes) {
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+/* ---- memory: calloc below 1 MiB, else a 2 MiB-aligned anonymous mapping advised for huge pages ---- */
+static size_t big_round(size_t bytes) { return bytes < BIG_BYTES ? bytes : (bytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1); }
+
+static void *big_alloc(size_t bytes) {   /* zero-filled */
+    if (bytes < BIG_BYTES) return calloc(1, bytes);
+    size_t len = big_round(bytes), span = len + HUGE_PAGE;
+    uint8_t *p = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
+    uint8_t *a = (uint8_t *)(((uintptr_t)p + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+    if (a > p) munmap(p, (size_t)(a - p));
+    if (p + span > a + len) munmap(a + len, (size_t)(p + span - (a + len)));
 #ifdef MADV_HUGEPAGE
-    if (bytes >= (2u << 20)) madvise(p, bytes, MADV_HUGEPAGE);
+    madvise(a, len, MADV_HUGEPAGE);
 #endif
-    return p;
+    return a;
 }
 
-static void big_free(void *p, size_t bytes) { if (p) munmap(p, bytes); }
+static void big_free(void *p, size_t bytes) {
+    if (!p) return;
+    if (bytes < BIG_BYTES) free(p); else munmap(p, big_round(bytes));
+}
 
-static inline uint64_t hash_key(const uint8_t *k) {
-    uint64_t h = load64(k + 4) ^ (load64(k + 12) * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)load32(k) << 17);
+/* ---- hashing: the 16-byte block hash is already uniform; mix in the namespace, then murmur3's finalizer ---- */
+static inline uint32_t meta_of(const uint8_t *prefix, const uint8_t *h16) {
+    uint64_t h = load64(h16) ^ (load64(h16 + 8) * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)load32(prefix) * 0xC2B2AE3D27D4EB4Full);
     h ^= h >> 33; h *= 0xff51afd7ed558ccdull; h ^= h >> 33; h *= 0xc4ceb9fe1a85ec53ull; h ^= h >> 33;
-    return h;
+    return (uint32_t)(h >> 32) | 1u;
 }
 
-/* Slot index holding the key, or -1; *hole receives the first empty slot of its probe chain. */
-static int64_t find(KeyTable *t, const uint8_t *key, uint64_t h, uint32_t *hole) {
-    uint32_t tag = (uint32_t)(h >> 32), i = (uint32_t)h & t->mask;
+static inline uint32_t home_of(const KeyTable *t, uint32_t meta) { return meta >> (32 - t->bits); }
+
+static inline int key_eq(const Rec *r, const uint8_t *prefix, const uint8_t *h16) {
+    return load32(r->key) == load32(prefix) && load64(r->key + 4) == load64(h16) && load64(r->key + 12) == load64(h16 + 8);
+}
+
+/* Slot holding the key, or -1 with *hole (if given) set to the empty slot ending its probe run. */
+static inline int64_t find(const KeyTable *t, const uint8_t *prefix, const uint8_t *h16, uint32_t meta, uint32_t *hole) {
+    uint32_t i = home_of(t, meta);
     for (;;) {
-        uint64_t s = t->slots[i];
-        if (s == 0) { if (hole) *hole = i; return -1; }
-        if ((uint32_t)(s >> 32) == tag && memcmp(t->entries[(uint32_t)s - 1].key, key, KEY_BYTES) == 0) return i;
+        const Rec *r = &t->recs[i];
+        if (r->meta == 0) { if (hole) *hole = i; return -1; }
+        if (r->meta == meta && key_eq(r, prefix, h16)) return i;
         i = (i + 1) & t->mask;
     }
 }
 
-static int grow_slots(KeyTable *t, uint32_t nslots) {
-    uint64_t *slots = big_alloc((size_t)nslots * 8);
-    if (!slots) { PyErr_NoMemory(); return -1; }
-    big_free(t->slots, (size_t)(t->mask + 1) * 8);
-    t->slots = slots;
-    t->mask = nslots - 1;
-    for (uint32_t e = 0; e < t->n; e++) {
-        uint64_t h = hash_key(t->entries[e].key);
-        uint32_t i = (uint32_t)h & t->mask;
-        while (slots[i]) i = (i + 1) & t->mask;
-        slots[i] = (h & 0xFFFFFFFF00000000ull) | (uint64_t)(e + 1);
-    }
-    return 0;
-}
-
+/* ---- per-class LRU lists over slot numbers: head = least recently used, tail = most ---- */
 static int ensure_cls(KeyTable *t, uint32_t cls) {
     if (cls < t->ncls) return 0;
     uint32_t n = t->ncls ? t->ncls : 16;
     while (n <= cls) n *= 2;
     if (n > MAX_CLS) n = MAX_CLS;
-    uint32_t *h = PyMem_Realloc(t->head, n * 4), *tl = NULL, *c = NULL;
+    uint32_t *h = PyMem_Realloc(t->head, n * 4u);
     if (h) t->head = h;
-    tl = h ? PyMem_Realloc(t->tail, n * 4) : NULL;
+    uint32_t *tl = h ? PyMem_Realloc(t->tail, n * 4u) : NULL;
     if (tl) t->tail = tl;
-    c = tl ? PyMem_Realloc(t->clen, n * 4) : NULL;
-    if (!c) { PyErr_NoMemory(); return -1; }
+    uint32_t *c = tl ? PyMem_Realloc(t->clen, n * 4u) : NULL;
+    if (!c) { PyErr_NoMemory(); return -1; }   /* the arrays that did grow are simply larger than ncls says */
     t->clen = c;
     for (uint32_t i = t->ncls; i < n; i++) { t->head[i] = t->tail[i] = NIL; t->clen[i] = 0; }
     t->ncls = n;
     return 0;
 }
 
-static void lru_unlink(KeyTable *t, uint32_t e) {
-    Entry *x = &t->entries[e];
+static void lru_unlink(KeyTable *t, uint32_t i) {
+    Link *x = &t->links[i];
     if (!x->linked) return;
-    if (x->prev != NIL) t->entries[x->prev].next = x->next; else t->head[x->cls] = x->next;
-    if (x->next != NIL) t->entries[x->next].prev = x->prev; else t->tail[x->cls] = x->prev;
+    if (x->prev != NIL) t->links[x->prev].next = x->next; else t->head[x->cls] = x->next;
+    if (x->next != NIL) t->links[x->next].prev = x->prev; else t->tail[x->cls] = x->prev;
     x->linked = 0; x->prev = x->next = NIL;
     t->clen[x->cls]--;
 }
 
-static void lru_push(KeyTable *t, uint32_t e) {   /* at the MRU end (tail) */
-    Entry *x = &t->entries[e];
+static void lru_push(KeyTable *t, uint32_t i) {   /* at the MRU end */
+    Link *x = &t->links[i];
     x->prev = t->tail[x->cls]; x->next = NIL;
-    if (x->prev != NIL) t->entries[x->prev].next = e; else t->head[x->cls] = e;
-    t->tail[x->cls] = e;
+    if (x->prev != NIL) t->links[x->prev].next = i; else t->head[x->cls] = i;
+    t->tail[x->cls] = i;
     x->linked = 1;
     t->clen[x->cls]++;
 }
 
+static inline void lru_touch(KeyTable *t, uint32_t i) {
+    if (t->links[i].linked && t->tail[t->links[i].cls] != i) { lru_unlink(t, i); lru_push(t, i); }
+}
+
+/* ---- table maintenance ---- */
+static int alloc_arrays(uint32_t bits, Rec **recs, Link **links) {
+    size_t n = (size_t)1 << bits;
+    *recs = big_alloc(n * sizeof(Rec));
+    *links = big_alloc(n * sizeof(Link));
+    if (*recs && *links) return 0;
+    big_free(*recs, n * sizeof(Rec)); big_free(*links, n * sizeof(Link));
+    PyErr_NoMemory();
+    return -1;
+}
+
+static void free_arrays(KeyTable *t) {
+    size_t n = (size_t)t->mask + 1;
+    big_free(t->recs, n * sizeof(Rec)); big_free(t->links, n * sizeof(Link));
+    t->recs = NULL; t->links = NULL;
+}
+
+/* Re-insert every entry into 2^bits new slots. Pass 1 copies records and links (links still in old slot numbers)
+ * and leaves each entry's new slot in its old record's value field; pass 2 translates the links through them. */
+static int resize(KeyTable *t, uint32_t bits) {
+    Rec *nr; Link *nl;
+    if (alloc_arrays(bits, &nr, &nl) < 0) return -1;
+    Rec *orecs = t->recs;
+    uint32_t omask = t->mask, nmask = (uint32_t)(((uint64_t)1 << bits) - 1), shift = 32 - bits;
+    for (uint64_t s = 0; s <= omask; s++) {
+        if (!orecs[s].meta) continue;
+        uint32_t i = orecs[s].meta >> shift;
+        while (nr[i].meta) i = (i + 1) & nmask;
+        nr[i] = orecs[s]; nl[i] = t->links[s];
+        orecs[s].value = i;
+    }
+    for (uint64_t i = 0; i <= nmask; i++) {
+        if (!nr[i].meta || !nl[i].linked) continue;
+        if (nl[i].prev != NIL) nl[i].prev = (uint32_t)orecs[nl[i].prev].value;
+        if (nl[i].next != NIL) nl[i].next = (uint32_t)orecs[nl[i].next].value;
+    }
+    for (uint32_t c = 0; c < t->ncls; c++) {
+        if (t->head[c] != NIL) t->head[c] = (uint32_t)orecs[t->head[c]].value;
+        if (t->tail[c] != NIL) t->tail[c] = (uint32_t)orecs[t->tail[c]].value;
+    }
+    free_arrays(t);
+    t->recs = nr; t->links = nl; t->bits = bits; t->mask = nmask;
+    return 0;
+}
+
+/* Move the entry in slot `from` to the empty slot `to`, re-pointing its list neighbours. */
+static void move_slot(KeyTable *t, uint32_t from, uint32_t to) {
+    t->recs[to] = t->recs[from];
+    Link *x = &t->links[to];
+    *x = t->links[from];
+    if (!x->linked) return;
+    if (x->prev != NIL) t->links[x->prev].next = to; else t->head[x->cls] = to;
+    if (x->next != NIL) t->links[x->next].prev = to; else t->tail[x->cls] = to;
+}
+
+/* Remove the entry in slot i: unlink it, then shift back each later entry of the run that may fill the hole
+ * (one whose home is not cyclically within (hole, its slot]). */
+static void remove_at(KeyTable *t, uint32_t i) {
+    lru_unlink(t, i);
+    for (uint32_t j = (i + 1) & t->mask; t->recs[j].meta; j = (j + 1) & t->mask) {
+        uint32_t home = home_of(t, t->recs[j].meta);
+        if (((j - home) & t->mask) >= ((j - i) & t->mask)) { move_slot(t, j, i); i = j; }
+    }
+    memset(&t->recs[i], 0, sizeof(Rec));
+    t->links[i] = (Link){NIL, NIL, 0, 0, 0};
+    t->n--;
+}
+
 /* ---- argument helpers ---- */
 static int get_key(PyObject *o, const uint8_t **k) {
-    if (!PyBytes_Check(o)) { PyErr_Format(PyExc_TypeError, "key must be bytes, not %.100s", Py_TYPE(o)->tp_name); return -1; }
-    if (PyBytes_GET_SIZE(o) != KEY_BYTES) { PyErr_Format(PyExc_ValueError, "key must be %d bytes, got %zd", KEY_BYTES, PyBytes_GET_SIZE(o)); return -1; }
+    if (!PyBytes_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "key must be bytes, not %.100s", Py_TYPE(o)->tp_name); return -1;
+    }
+    if (PyBytes_GET_SIZE(o) != KEY_BYTES) {
+        PyErr_Format(PyExc_ValueError, "key must be %d bytes, got %zd", KEY_BYTES, PyBytes_GET_SIZE(o)); return -1;
+    }
     *k = (const uint8_t *)PyBytes_AS_STRING(o);
     return 0;
 }
 
-static int64_t lookup_entry(KeyTable *t, PyObject *keyobj, int raise) {
+static int get_u64(PyObject *o, uint64_t *v) {
+    PyObject *i = PyNumber_Index(o);
+    if (!i) return -1;
+    unsigned long long x = PyLong_AsUnsignedLongLong(i);   /* OverflowError if negative or >= 2**64 */
+    Py_DECREF(i);
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *v = x;
+    return 0;
+}
+
+static int get_cls(PyObject *o, uint32_t *cls) {
+    PyObject *i = PyNumber_Index(o);
+    if (!i) return -1;
+    int overflow;
+    long c = PyLong_AsLongAndOverflow(i, &overflow);
+    Py_DECREF(i);
+    if (c == -1 && PyErr_Occurred()) return -1;
+    if (overflow || c < 0 || c >= MAX_CLS) { PyErr_Format(PyExc_ValueError, "cls must be in 0..65535, got %R", o); return -1; }
+    *cls = (uint32_t)c;
+    return 0;
+}
+
+/* Arguments of a METH_FASTCALL | METH_KEYWORDS method, by position or name, into out[0..nmax); nreq required. */
+static int parse_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                      const char *const *names, int nreq, int nmax, PyObject **out) {
+    if (nargs > nmax) { PyErr_Format(PyExc_TypeError, "%s() takes at most %d arguments (%zd given)", fn, nmax, nargs); return -1; }
+    for (int i = 0; i < nmax; i++) out[i] = i < nargs ? args[i] : NULL;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        int i = 0;
+        while (i < nmax && PyUnicode_CompareWithASCIIString(name, names[i]) != 0) i++;
+        if (i == nmax) { PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fn, name); return -1; }
+        if (out[i]) { PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fn, names[i]); return -1; }
+        out[i] = args[nargs + k];
+    }
+    for (int i = 0; i < nreq; i++)
+        if (!out[i]) { PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fn, names[i]); return -1; }
+    return 0;
+}
+
+/* Slot of the key; -1 if absent (KeyError set when `raise`); -2 on a bad key (error set). */
+static int64_t lookup(KeyTable *t, PyObject *keyobj, int raise) {
     const uint8_t *k;
     if (get_key(keyobj, &k) < 0) return -2;
-    int64_t s = find(t, k, hash_key(k), NULL);
-    if (s < 0) { if (raise) PyErr_SetObject(PyExc_KeyError, keyobj); return raise ? -2 : -1; }
-    return (int64_t)((uint32_t)t->slots[s] - 1);
+    int64_t s = find(t, k, k + 4, meta_of(k, k + 4), NULL);
+    if (s < 0 && raise) { PyErr_SetObject(PyExc_KeyError, keyobj); return -2; }
+    return s;
 }
 
 /* ---- methods ---- */
 static PyObject *kt_get(KeyTable *t, PyObject *key) {
-    int64_t e = lookup_entry(t, key, 0);
-    if (e == -2) return NULL;
-    if (e < 0) Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong(t->entries[e].value);
-}
-
-static PyObject *kt_insert(KeyTable *t, PyObject *args, PyObject *kw) {
-    static char *names[] = {"key", "value", "cls", NULL};
-    PyObject *keyobj, *valobj; int cls; const uint8_t *k;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOi:insert", names, &keyobj, &valobj, &cls)) return NULL;
-    if (get_key(keyobj, &k) < 0) return NULL;
-    unsigned long long v = PyLong_AsUnsignedLongLong(valobj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    if (cls < 0 || cls >= MAX_CLS) { PyErr_Format(PyExc_ValueError, "cls must be in 0..65535, got %d", cls); return NULL; }
-    if (ensure_cls(t, (uint32_t)cls) < 0) return NULL;
-    uint64_t h = hash_key(k);
-    uint32_t hole;
-    if (find(t, k, h, &hole) >= 0) { PyErr_SetString(PyExc_ValueError, "key already present"); return NULL; }
-    if ((uint64_t)(t->n + 1) * 4 > (uint64_t)(t->mask + 1) * 3) {
-        if (grow_slots(t, (t->mask + 1) * 2) < 0) return NULL;
-        find(t, k, h, &hole);
-    }
-    if (t->n == t->ecap) {
-        uint32_t ncap = t->ecap ? t->ecap + t->ecap / 2 : 64;
-        Entry *ne = big_alloc((size_t)ncap * sizeof(Entry));
-        if (!ne) return PyErr_NoMemory();
-        if (t->n) memcpy(ne, t->entries, (size_t)t->n * sizeof(Entry));
-        big_free(t->entries, (size_t)t->ecap * sizeof(Entry));
-        t->entries = ne; t->ecap = ncap;
-    }
-    uint32_t e = t->n++;
-    Entry *x = &t->entries[e];
-    memcpy(x->key, k, KEY_BYTES);
-    x->cls = (uint16_t)cls; x->value = v; x->linked = 0; x->pad = 0;
-    lru_push(t, e);
-    t->slots[hole] = (h & 0xFFFFFFFF00000000ull) | (uint64_t)(e + 1);
-    t->mutations++;
-    Py_RETURN_NONE;
-}
-
-static PyObject *kt_set_value(KeyTable *t, PyObject *args) {
-    PyObject *keyobj, *valobj;
-    if (!PyArg_ParseTuple(args, "OO:set_value", &keyobj, &valobj)) return NULL;
-    unsigned long long v = PyLong_AsUnsignedLongLong(valobj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    int64_t e = lookup_entry(t, keyobj, 1);
-    if (e < 0) return NULL;
-    t->entries[e].value = v;
-    Py_RETURN_NONE;
-}
-
-/* Backward-shift deletion at slot i, then move the last entry into entry e's place. */
-static void delete_at(KeyTable *t, uint32_t i, uint32_t e) {
-    uint32_t j = i;
-    for (;;) {
-        j = (j + 1) & t->mask;
-        uint64_t s = t->slots[j];
-        if (s == 0) break;
-        uint32_t home = (uint32_t)hash_key(t->entries[(uint32_t)s - 1].key) & t->mask;
-        /* move s back to i if its home is not cyclically within (i, j] */
-        if (((j - home) & t->mask) >= ((j - i) & t->mask)) { t->slots[i] = s; i = j; }
-    }
-    t->slots[i] = 0;
-    lru_unlink(t, e);
-    uint32_t last = --t->n;
-    if (e != last) {
-        Entry *src = &t->entries[last];
-        int was_linked = src->linked;
-        if (was_linked) {  /* re-point neighbours at the new position */
-            if (src->prev != NIL) t->entries[src->prev].next = e; else t->head[src->cls] = e;
-            if (src->next != NIL) t->entries[src->next].prev = e; else t->tail[src->cls] = e;
-        }
-        t->entries[e] = *src;
-        int64_t s = find(t, src->key, hash_key(src->key), NULL);
-        t->slots[s] = (t->slots[s] & 0xFFFFFFFF00000000ull) | (uint64_t)(e + 1);
-    }
-}
-
-static PyObject *kt_remove(KeyTable *t, PyObject *keyobj) {
-    const uint8_t *k;
-    if (get_key(keyobj, &k) < 0) return NULL;
-    int64_t s = find(t, k, hash_key(k), NULL);
+    int64_t s = lookup(t, key, 0);
+    if (s == -2) return NULL;
     if (s < 0) Py_RETURN_NONE;
-    uint32_t e = (uint32_t)t->slots[s] - 1;
-    uint64_t v = t->entries[e].value;
-    delete_at(t, (uint32_t)s, e);
-    t->mutations++;
+    return PyLong_FromUnsignedLongLong(t->recs[s].value);
+}
+
+static PyObject *kt_insert(KeyTable *t, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"key", "value", "cls"};
+    PyObject *a[3]; const uint8_t *k; uint64_t v; uint32_t cls, hole;
+    if (parse_args("insert", args, nargs, kwnames, names, 3, 3, a) < 0 || get_key(a[0], &k) < 0 ||
+        get_u64(a[1], &v) < 0 || get_cls(a[2], &cls) < 0 || ensure_cls(t, cls) < 0)
+        return NULL;
+    uint32_t meta = meta_of(k, k + 4);
+    if (find(t, k, k + 4, meta, &hole) >= 0) { PyErr_SetString(PyExc_ValueError, "key already present"); return NULL; }
+    if ((uint64_t)(t->n + 1) * 4 > ((uint64_t)t->mask + 1) * 3) {
+        if (t->bits >= MAX_BITS) { PyErr_SetString(PyExc_MemoryError, "KeyTable is full"); return NULL; }
+        if (resize(t, t->bits + 1) < 0) return NULL;
+        find(t, k, k + 4, meta, &hole);
+    }
+    Rec *r = &t->recs[hole];
+    memcpy(r->key, k, KEY_BYTES); r->meta = meta; r->value = v;
+    t->links[hole] = (Link){NIL, NIL, (uint16_t)cls, 0, 0};
+    lru_push(t, hole);
+    t->n++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *kt_set_value(KeyTable *t, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"key", "value"};
+    PyObject *a[2]; uint64_t v;
+    if (parse_args("set_value", args, nargs, kwnames, names, 2, 2, a) < 0) return NULL;
+    int64_t s = lookup(t, a[0], 1);
+    if (s < 0 || get_u64(a[1], &v) < 0) return NULL;
+    t->recs[s].value = v;
+    Py_RETURN_NONE;
+}
+
+static PyObject *kt_remove(KeyTable *t, PyObject *key) {
+    int64_t s = lookup(t, key, 0);
+    if (s == -2) return NULL;
+    if (s < 0) Py_RETURN_NONE;
+    uint64_t v = t->recs[s].value;
+    remove_at(t, (uint32_t)s);
     return PyLong_FromUnsignedLongLong(v);
 }
 
-static PyObject *kt_touch(KeyTable *t, PyObject *keyobj) {
-    int64_t e = lookup_entry(t, keyobj, 0);
-    if (e == -2) return NULL;
-    if (e < 0) Py_RETURN_FALSE;
-    if (t->entries[e].linked) { lru_unlink(t, (uint32_t)e); lru_push(t, (uint32_t)e); }
+static PyObject *kt_touch(KeyTable *t, PyObject *key) {
+    int64_t s = lookup(t, key, 0);
+    if (s == -2) return NULL;
+    if (s < 0) Py_RETURN_FALSE;
+    lru_touch(t, (uint32_t)s);
     Py_RETURN_TRUE;
 }
 
-static PyObject *kt_unlink(KeyTable *t, PyObject *keyobj) {
-    int64_t e = lookup_entry(t, keyobj, 1);
-    if (e < 0) return NULL;
-    lru_unlink(t, (uint32_t)e);
+static PyObject *kt_unlink(KeyTable *t, PyObject *key) {
+    int64_t s = lookup(t, key, 1);
+    if (s < 0) return NULL;
+    lru_unlink(t, (uint32_t)s);
     Py_RETURN_NONE;
 }
 
-static PyObject *kt_relink(KeyTable *t, PyObject *keyobj) {
-    int64_t e = lookup_entry(t, keyobj, 1);
-    if (e < 0) return NULL;
-    if (!t->entries[e].linked) lru_push(t, (uint32_t)e);
+static PyObject *kt_relink(KeyTable *t, PyObject *key) {
+    int64_t s = lookup(t, key, 1);
+    if (s < 0) return NULL;
+    if (!t->links[s].linked) lru_push(t, (uint32_t)s);
     Py_RETURN_NONE;
 }
 
-static PyObject *kt_is_linked(KeyTable *t, PyObject *keyobj) {
-    int64_t e = lookup_entry(t, keyobj, 1);
-    if (e < 0) return NULL;
-    return PyBool_FromLong(t->entries[e].linked);
+static PyObject *kt_is_linked(KeyTable *t, PyObject *key) {
+    int64_t s = lookup(t, key, 1);
+    if (s < 0) return NULL;
+    return PyBool_FromLong(t->links[s].linked);
 }
 
-static PyObject *kt_cls_of(KeyTable *t, PyObject *keyobj) {
-    int64_t e = lookup_entry(t, keyobj, 1);
-    if (e < 0) return NULL;
-    return PyLong_FromLong(t->entries[e].cls);
+static PyObject *kt_cls_of(KeyTable *t, PyObject *key) {
+    int64_t s = lookup(t, key, 1);
+    if (s < 0) return NULL;
+    return PyLong_FromLong(t->links[s].cls);
 }
 
-static int get_cls(PyObject *o, uint32_t *cls) {
-    long c = PyLong_AsLong(o);
-    if (c == -1 && PyErr_Occurred()) return -1;
-    if (c < 0 || c >= MAX_CLS) { PyErr_Format(PyExc_ValueError, "cls must be in 0..65535, got %ld", c); return -1; }
-    *cls = (uint32_t)c;
-    return 0;
+static PyObject *rec_item(const Rec *r) {
+    return Py_BuildValue("(y#K)", (const char *)r->key, (Py_ssize_t)KEY_BYTES, (unsigned long long)r->value);
 }
 
 static PyObject *kt_oldest(KeyTable *t, PyObject *clsobj) {
     uint32_t cls;
     if (get_cls(clsobj, &cls) < 0) return NULL;
     if (cls >= t->ncls || t->head[cls] == NIL) Py_RETURN_NONE;
-    Entry *x = &t->entries[t->head[cls]];
-    return Py_BuildValue("(y#K)", (const char *)x->key, (Py_ssize_t)KEY_BYTES, (unsigned long long)x->value);
+    return rec_item(&t->recs[t->head[cls]]);
 }
 
 static PyObject *kt_class_len(KeyTable *t, PyObject *clsobj) {
@@ -292,114 +385,122 @@ static PyObject *kt_class_len(KeyTable *t, PyObject *clsobj) {
     return PyLong_FromUnsignedLong(cls < t->ncls ? t->clen[cls] : 0);
 }
 
-static PyObject *kt_prefix_len(KeyTable *t, PyObject *args, PyObject *kw) {
-    static char *names[] = {"prefix", "hashes", "touch", NULL};
-    Py_buffer prefix, hashes; int touch = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*y*|p:prefix_len", names, &prefix, &hashes, &touch)) return NULL;
+/* The lookup hot path. Keys go in chunks: hash each and prefetch its home slot's cache line (and the links when
+ * touching), then probe. At 10 million keys every probe is a memory miss; this way the misses of a chunk overlap
+ * instead of following one another. */
+static PyObject *kt_prefix_len(KeyTable *t, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"prefix", "hashes", "touch"};
+    PyObject *a[3];
+    if (parse_args("prefix_len", args, nargs, kwnames, names, 2, 3, a) < 0) return NULL;
+    int touch = a[2] ? PyObject_IsTrue(a[2]) : 0;
+    if (touch < 0) return NULL;
+    Py_buffer pb, hb;
+    if (PyObject_GetBuffer(a[0], &pb, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(a[1], &hb, PyBUF_SIMPLE) < 0) { PyBuffer_Release(&pb); return NULL; }
     PyObject *result = NULL;
-    if (prefix.len != 4) { PyErr_Format(PyExc_ValueError, "prefix must be 4 bytes, got %zd", prefix.len); goto done; }
-    if (hashes.len % HASH_BYTES) { PyErr_Format(PyExc_ValueError, "hashes must be a multiple of 16 bytes, got %zd", hashes.len); goto done; }
-    /* In chunks: hash every key and prefetch its home slot, then prefetch the candidate entries, then probe.
-     * A lookup of 32 keys in a table far larger than the caches then waits for ~2 rounds of memory misses
-     * instead of 64 in a row. */
-    uint8_t keys[PREFETCH_CHUNK][KEY_BYTES];
-    uint64_t hs[PREFETCH_CHUNK];
-    Py_ssize_t n = 0, total = hashes.len / HASH_BYTES;
-    int stop = 0;
-    for (Py_ssize_t base = 0; base < total && !stop; base += PREFETCH_CHUNK) {
-        Py_ssize_t m = total - base < PREFETCH_CHUNK ? total - base : PREFETCH_CHUNK;
-        for (Py_ssize_t j = 0; j < m; j++) {
-            memcpy(keys[j], prefix.buf, 4);
-            memcpy(keys[j] + 4, (const uint8_t *)hashes.buf + (base + j) * HASH_BYTES, HASH_BYTES);
-            hs[j] = hash_key(keys[j]);
-            __builtin_prefetch(&t->slots[(uint32_t)hs[j] & t->mask]);
+    if (pb.len != 4) { PyErr_Format(PyExc_ValueError, "prefix must be 4 bytes, got %zd", pb.len); goto done; }
+    if (hb.len % HASH_BYTES) { PyErr_Format(PyExc_ValueError, "hashes must be a multiple of 16 bytes, got %zd", hb.len); goto done; }
+    const uint8_t *prefix = pb.buf, *hashes = hb.buf;
+    uint32_t metas[CHUNK];
+    Py_ssize_t total = hb.len / HASH_BYTES, n = 0;
+    while (n < total) {
+        Py_ssize_t m = total - n < CHUNK ? total - n : CHUNK, j;
+        for (j = 0; j < m; j++) {
+            metas[j] = meta_of(prefix, hashes + (n + j) * HASH_BYTES);
+            uint32_t home = home_of(t, metas[j]);
+            __builtin_prefetch(&t->recs[home]);
+            if (touch) __builtin_prefetch(&t->links[home]);
         }
-        for (Py_ssize_t j = 0; j < m; j++) {
-            uint64_t s = t->slots[(uint32_t)hs[j] & t->mask];
-            if (s && (uint32_t)(s >> 32) == (uint32_t)(hs[j] >> 32)) __builtin_prefetch(&t->entries[(uint32_t)s - 1]);
+        for (j = 0; j < m; j++) {
+            int64_t s = find(t, prefix, hashes + (n + j) * HASH_BYTES, metas[j], NULL);
+            if (s < 0) break;
+            if (touch) lru_touch(t, (uint32_t)s);
         }
-        for (Py_ssize_t j = 0; j < m; j++, n++) {
-            int64_t s = find(t, keys[j], hs[j], NULL);
-            if (s < 0) { stop = 1; break; }
-            if (touch) {
-                uint32_t e = (uint32_t)t->slots[s] - 1;
-                if (t->entries[e].linked) { lru_unlink(t, e); lru_push(t, e); }
-            }
-        }
+        n += j;
+        if (j < m) break;
     }
     result = PyLong_FromSsize_t(n);
 done:
-    PyBuffer_Release(&prefix);
-    PyBuffer_Release(&hashes);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&hb);
     return result;
 }
 
 static PyObject *kt_items(KeyTable *t, PyObject *unused) {
     PyObject *list = PyList_New(t->n);
     if (!list) return NULL;
-    for (uint32_t e = 0; e < t->n; e++) {
-        PyObject *item = Py_BuildValue("(y#K)", (const char *)t->entries[e].key, (Py_ssize_t)KEY_BYTES,
-                                       (unsigned long long)t->entries[e].value);
+    Py_ssize_t k = 0;
+    for (uint64_t s = 0; s <= t->mask && k < (Py_ssize_t)t->n; s++) {
+        if (!t->recs[s].meta) continue;
+        PyObject *item = rec_item(&t->recs[s]);
         if (!item) { Py_DECREF(list); return NULL; }
-        PyList_SET_ITEM(list, e, item);
+        PyList_SET_ITEM(list, k++, item);
     }
-    return list;
+    PyObject *it = PyObject_GetIter(list);   /* an iterator over the snapshot, like the fallback's */
+    Py_DECREF(list);
+    return it;
 }
 
 static PyObject *kt_nbytes(KeyTable *t, PyObject *unused) {
-    size_t b = sizeof(KeyTable) + (size_t)t->ecap * sizeof(Entry) + (size_t)(t->mask + 1) * 8 + (size_t)t->ncls * 12;
+    size_t slots = (size_t)t->mask + 1;
+    size_t b = sizeof(KeyTable) + big_round(slots * sizeof(Rec)) + big_round(slots * sizeof(Link)) + (size_t)t->ncls * 12;
     return PyLong_FromSize_t(b);
 }
 
 static Py_ssize_t kt_len(KeyTable *t) { return t->n; }
 
 static int kt_contains(KeyTable *t, PyObject *key) {
-    int64_t e = lookup_entry(t, key, 0);
-    return e == -2 ? -1 : e >= 0;
+    int64_t s = lookup(t, key, 0);
+    return s == -2 ? -1 : s >= 0;
+}
+
+/* ---- lifecycle: __new__ makes a usable empty table; __init__ may size it for capacity_hint keys ---- */
+static PyObject *kt_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    KeyTable *t = (KeyTable *)type->tp_alloc(type, 0);
+    if (!t) return NULL;
+    t->bits = MIN_BITS; t->mask = (1u << MIN_BITS) - 1;
+    if (alloc_arrays(MIN_BITS, &t->recs, &t->links) < 0) { Py_DECREF(t); return NULL; }
+    return (PyObject *)t;
 }
 
 static int kt_init(KeyTable *t, PyObject *args, PyObject *kw) {
     static char *names[] = {"capacity_hint", NULL};
     Py_ssize_t hint = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|n:KeyTable", names, &hint)) return -1;
-    if (hint < 0 || hint > 0x3FFFFFFF) { PyErr_SetString(PyExc_ValueError, "capacity_hint out of range"); return -1; }
-    uint32_t nslots = 64;
-    while ((uint64_t)nslots * 3 < (uint64_t)hint * 4) nslots *= 2;
-    if (t->slots) { PyErr_SetString(PyExc_RuntimeError, "KeyTable is already initialised"); return -1; }
-    if (hint) {
-        t->entries = big_alloc((size_t)hint * sizeof(Entry));
-        if (!t->entries) { PyErr_NoMemory(); return -1; }
-        t->ecap = (uint32_t)hint;
+    if (hint < 0 || (uint64_t)hint * 4 > ((uint64_t)1 << MAX_BITS) * 3) {
+        PyErr_Format(PyExc_ValueError, "capacity_hint must be in 0..%llu", (((unsigned long long)1 << MAX_BITS) * 3) / 4);
+        return -1;
     }
-    t->slots = big_alloc((size_t)nslots * 8);
-    if (!t->slots) { PyErr_NoMemory(); return -1; }
-    t->mask = nslots - 1;
-    return 0;
+    uint32_t bits = MIN_BITS;
+    while (((uint64_t)1 << bits) * 3 < (uint64_t)hint * 4) bits++;
+    if (bits <= t->bits) return 0;
+    if (t->n) { PyErr_SetString(PyExc_RuntimeError, "KeyTable is already in use"); return -1; }
+    return resize(t, bits);
 }
 
 static void kt_dealloc(KeyTable *t) {
-    big_free(t->entries, (size_t)t->ecap * sizeof(Entry));
-    if (t->slots) big_free(t->slots, (size_t)(t->mask + 1) * 8);
+    free_arrays(t);
     PyMem_Free(t->head); PyMem_Free(t->tail); PyMem_Free(t->clen);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
+#define FAST(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL | METH_KEYWORDS
 static PyMethodDef kt_methods[] = {
-    {"get", (PyCFunction)kt_get, METH_O, "value of key, or None (no LRU effect)"},
-    {"insert", (PyCFunction)(void (*)(void))kt_insert, METH_VARARGS | METH_KEYWORDS, "insert(key, value, cls): new key at the MRU end of cls"},
-    {"set_value", (PyCFunction)kt_set_value, METH_VARARGS, "set_value(key, value)"},
-    {"remove", (PyCFunction)kt_remove, METH_O, "remove key; returns its value or None"},
-    {"touch", (PyCFunction)kt_touch, METH_O, "move a linked key to the MRU end; False if absent"},
-    {"unlink", (PyCFunction)kt_unlink, METH_O, "take key out of its LRU list"},
-    {"relink", (PyCFunction)kt_relink, METH_O, "put key back at the MRU end"},
-    {"is_linked", (PyCFunction)kt_is_linked, METH_O, "whether key is an eviction candidate"},
-    {"cls_of", (PyCFunction)kt_cls_of, METH_O, "class of key"},
-    {"oldest", (PyCFunction)kt_oldest, METH_O, "(key, value) of the LRU linked key of cls, or None"},
-    {"class_len", (PyCFunction)kt_class_len, METH_O, "linked keys in cls"},
-    {"prefix_len", (PyCFunction)(void (*)(void))kt_prefix_len, METH_VARARGS | METH_KEYWORDS,
-     "prefix_len(prefix, hashes, touch=False): leading keys present"},
-    {"items", (PyCFunction)kt_items, METH_NOARGS, "list of (key, value)"},
-    {"nbytes", (PyCFunction)kt_nbytes, METH_NOARGS, "bytes of memory held"},
+    {"get", (PyCFunction)kt_get, METH_O, "get(key, /): the value of key, or None (no LRU effect)"},
+    {"insert", FAST(kt_insert), "insert(key, value, cls): a new key, linked at the MRU end of cls"},
+    {"set_value", FAST(kt_set_value), "set_value(key, value); KeyError if absent"},
+    {"remove", (PyCFunction)kt_remove, METH_O, "remove(key, /): drop key; its old value, or None if absent"},
+    {"touch", (PyCFunction)kt_touch, METH_O, "touch(key, /): a linked key to the MRU end; False if absent"},
+    {"unlink", (PyCFunction)kt_unlink, METH_O, "unlink(key, /): out of its LRU list (pinned); KeyError if absent"},
+    {"relink", (PyCFunction)kt_relink, METH_O, "relink(key, /): back at the MRU end; KeyError if absent"},
+    {"is_linked", (PyCFunction)kt_is_linked, METH_O, "is_linked(key, /): whether key is an eviction candidate"},
+    {"cls_of", (PyCFunction)kt_cls_of, METH_O, "cls_of(key, /): the class of key"},
+    {"oldest", (PyCFunction)kt_oldest, METH_O, "oldest(cls, /): (key, value) of the LRU linked key of cls, or None"},
+    {"class_len", (PyCFunction)kt_class_len, METH_O, "class_len(cls, /): linked keys in cls"},
+    {"prefix_len", FAST(kt_prefix_len), "prefix_len(prefix, hashes, touch=False): how many leading keys are present"},
+    {"items", (PyCFunction)kt_items, METH_NOARGS, "items(): iterator of (key, value) over a snapshot"},
+    {"nbytes", (PyCFunction)kt_nbytes, METH_NOARGS, "nbytes(): bytes of memory the table holds"},
+    {"__sizeof__", (PyCFunction)kt_nbytes, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -410,8 +511,8 @@ static PyTypeObject KeyTableType = {
     .tp_name = "kvstore._kvindex.KeyTable",
     .tp_basicsize = sizeof(KeyTable),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Map 20-byte keys to u64 values, with an intrusive LRU list per class.",
-    .tp_new = PyType_GenericNew,
+    .tp_doc = "KeyTable(capacity_hint=0): map 20-byte keys to u64 values, with an intrusive LRU list per class.",
+    .tp_new = kt_new,
     .tp_init = (initproc)kt_init,
     .tp_dealloc = (destructor)kt_dealloc,
     .tp_methods = kt_methods,
@@ -425,6 +526,8 @@ PyMODINIT_FUNC PyInit__kvindex(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&KeyTableType);
-    if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) { Py_DECREF(&KeyTableType); Py_DECREF(m); return NULL; }
+    if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
+        Py_DECREF(&KeyTableType); Py_DECREF(m); return NULL;
+    }
     return m;
 }
