@@ -45,11 +45,12 @@ def _parser() -> argparse.ArgumentParser:
         c.set_defaults(func=func)
     c = sub.add_parser("ls", help="namespaces and their blocks")
     c.add_argument("--ns", type=int, help="also list this namespace's block hashes")
+    c.add_argument("--tier", choices=["host", "ssd"], default="host", help="ssd: blocks on SSD per namespace")
     c.add_argument("--limit", type=int, default=20)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_ls)
-    c = sub.add_parser("resize", help="grow or shrink the host pool online")
-    c.add_argument("size", help="new capacity, e.g. 16GiB")
+    c = sub.add_parser("resize", help="grow or shrink a tier online: `resize 16GiB` (host), `resize ssd 1TiB`")
+    c.add_argument("what", nargs="+", metavar="[TIER] SIZE", help="tier (host or ssd, default host) and capacity")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_resize)
     c = sub.add_parser("evict", help="evict unpinned blocks")
@@ -143,6 +144,12 @@ def _us(seconds: float | None) -> str:
 def cmd_ls(args: argparse.Namespace) -> int:
     with _client(args) as c:
         data = c.list(args.ns, args.limit)
+    if args.tier == "ssd":
+        if "ssd" not in data:
+            raise ValueError("this daemon has no SSD tier (set ssd.dir)")
+        rows = [[r["ns"] if r["ns"] is not None else "-", r["digest"][:12], r["blocks"]] for r in data["ssd"]]
+        _out(args, data["ssd"], _table(["ns", "digest", "blocks on ssd"], rows))
+        return 0
     rows = [[n["id"], n["model"], n["group"], n["adapter"] or "-", n["tp"], n["role"], n["digest"][:12],
              n["blocks"], format_size(n["bytes"]), format_size(n["slot_bytes"])] for n in data["namespaces"]]
     text = _table(["ns", "model", "group", "adapter", "tp", "role", "digest", "blocks", "bytes", "block"], rows)
@@ -155,8 +162,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_resize(args: argparse.Namespace) -> int:
+    if len(args.what) > 2 or (len(args.what) == 2 and args.what[0] not in ("host", "ssd")):
+        raise ValueError("usage: kvstore resize [host|ssd] SIZE")
+    tier = args.what[0] if len(args.what) == 2 else "host"
     with _client(args) as c:
-        r = c.resize(parse_size(args.size))
+        r = c.resize(parse_size(args.what[-1]), tier)
+    if tier == "ssd":
+        _out(args, r, f"ssd tier capacity {format_size(r['capacity'])} (files {format_size(r['mapped_bytes'])}): "
+                      f"evicted {r['evicted']} block(s), in {r['seconds'] * 1e3:.2f} ms")
+        return 0
     _out(args, r, f"host pool capacity {format_size(r['capacity'])} (mapped {format_size(r['mapped_bytes'])}): "
                   f"released {r['released_segments']} segment(s), evicted {r['evicted']} block(s), "
                   f"{format_size(r['draining_bytes'])} draining behind pins, in {r['seconds'] * 1e3:.2f} ms")

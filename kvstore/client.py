@@ -185,8 +185,8 @@ class Client:
     def list(self, ns: int | None = None, limit: int = 100) -> dict[str, Any]:
         return self.call("list", **({"ns": ns, "limit": limit} if ns is not None else {}))
 
-    def resize(self, nbytes: int) -> dict[str, Any]:
-        return self.call("resize", bytes=nbytes)
+    def resize(self, nbytes: int, tier: str = "host") -> dict[str, Any]:
+        return self.call("resize", bytes=nbytes, tier=tier)
 
     def evict(self, nbytes: int = 0, everything: bool = False, ns: int | None = None) -> dict[str, Any]:
         fields: dict[str, Any] = {"all": everything} if everything else {"bytes": nbytes}

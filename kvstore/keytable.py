@@ -176,8 +176,8 @@ else:
     KeyTable = PyKeyTable
     if os.environ.get("KVSTORE_NO_NATIVE", "") in ("", "0"):
         try:
-            from kvstore._kvindex import KeyTable
+            from kvstore._kvindex import KeyTable as _NativeKeyTable
         except ImportError:
             pass
         else:
-            NATIVE = True
+            KeyTable, NATIVE = _NativeKeyTable, True

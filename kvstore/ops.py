@@ -176,6 +176,10 @@ def op_list(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
                      "geometry": s.geometry.to_dict(), "slot_bytes": n.slot_bytes, "blocks": n.blocks,
                      "bytes": n.blocks * n.slot_bytes})
     reply: dict[str, Any] = {"namespaces": rows}
+    if st.index.ssd is not None:
+        known = {n.digest.hex(): n.id for n in st.index.namespaces.values()}
+        reply["ssd"] = [{"digest": d, "ns": known.get(d), "blocks": n}
+                        for d, n in st.index.ssd.stats()["namespaces"].items()]
     if "ns" in m:
         ns = st.index.namespaces.get(m["ns"])
         if ns is None:
@@ -186,12 +190,29 @@ def op_list(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_resize(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    tier = m.get("tier", "host")
+    if tier == "ssd":
+        return _resize_ssd(st, m["bytes"])
+    if tier != "host":
+        raise ProtocolError(Code.BAD_REQUEST, f"resize: unknown tier {tier[:32]!r}; tiers: host, ssd")
     seg = st.pool.segment_bytes
     if m["bytes"] < seg:
         raise ProtocolError(Code.BAD_REQUEST, f"resize: {m['bytes']} bytes is below one segment ({seg} bytes)")
     r = st.index.resize(m["bytes"])
     return {"capacity": r.capacity, "released_segments": r.released_segments, "evicted": r.evicted,
             "draining_bytes": r.draining_bytes, "mapped_bytes": st.pool.mapped_bytes, "seconds": r.seconds}
+
+
+def _resize_ssd(st: State, nbytes: int) -> dict[str, Any]:
+    ssd = st.index.ssd
+    if ssd is None:
+        raise ProtocolError(Code.BAD_REQUEST, "resize: this daemon has no SSD tier (set ssd.dir)")
+    if nbytes < 1 << 20:
+        raise ProtocolError(Code.BAD_REQUEST, f"resize: the SSD tier needs at least 1 MiB, got {nbytes} bytes")
+    t0 = time.perf_counter()
+    evicted = ssd.resize(nbytes)
+    return {"tier": "ssd", "capacity": nbytes, "evicted": evicted, "mapped_bytes": ssd.store.file_bytes(),
+            "released_segments": 0, "draining_bytes": 0, "seconds": time.perf_counter() - t0}
 
 
 def op_evict(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:

@@ -88,7 +88,7 @@ SCHEMAS: dict[str, Schema] = {
     "delete": _KEYS,
     "stats": {},
     "list": {"ns": ("int", False), "limit": ("int", False)},
-    "resize": {"bytes": ("int", True)},
+    "resize": {"bytes": ("int", True), "tier": ("str", False)},
     "evict": {"ns": ("int", False), "bytes": ("int", False), "all": ("bool", False)},
     "prefetch": {"ns": ("int", True), "keys": ("keys", True), "wait": ("bool", False)},
 }

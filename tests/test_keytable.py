@@ -56,7 +56,8 @@ SCENARIOS = {
     "touch moves to the MRU end": ([("touch", 1, True)], {0: [2, 3, 1]}),
     "touch of the MRU key changes nothing": ([("touch", 3, True)], {0: [1, 2, 3]}),
     "touch of an absent key is False": ([("touch", 7, False)], {0: [1, 2, 3]}),
-    "get and set_value leave the order": ([("get", 1, 10), ("set_value", 1, 11, None), ("get", 1, 11)], {0: [1, 2, 3]}),
+    "get and set_value leave the order": ([("get", 1, 10), ("set_value", 1, 11, None), ("get", 1, 11)],
+                                          {0: [1, 2, 3]}),
     "unlink pins, twice is fine": ([("unlink", 2, None), ("unlink", 2, None), ("is_linked", 2, False),
                                     ("class_len", 0, 2), ("get", 2, 20)], {0: [1, 3]}),
     "touch keeps a pinned key unlinked": ([("unlink", 1, None), ("touch", 1, True), ("is_linked", 1, False)],
@@ -294,12 +295,13 @@ def test_random_operations_match_the_reference(T):
         if op not in ("oldest", "prefix_len"):
             assert t.get(key) == (vals[key][0] if key in vals else None)
     assert sorted(t.items()) == sorted((kk, v) for kk, (v, _) in vals.items())
+    pinned = sorted((kk, v) for kk, (v, c) in vals.items() if kk not in lru[c])
     for cls in range(4):                                            # drain every class in LRU order
         for key in list(lru[cls]):
             assert t.oldest(cls) == (key, vals[key][0])
             t.remove(key)
         assert t.oldest(cls) is None and t.class_len(cls) == 0
-    assert len(t) == 0
+    assert sorted(t.items()) == pinned and len(pinned) > 100        # the pinned keys were no candidates
 
 
 def outcome(t, op, args):
@@ -324,10 +326,11 @@ def test_native_details():
     t.insert(k(1), 1, 0)
     assert t.get(k(1)) == 1
     big = Native(capacity_hint=100_000)
+    big.insert(k(0), 0, 0)
     before = big.nbytes()
-    for i in range(100_000):
+    for i in range(1, 100_000):
         big.insert(k(i), i, 0)
-    assert big.nbytes() == before < 100_000 * 120   # the hint sized it: no growth
+    assert big.nbytes() == before < 100_000 * 130   # the hint sized it: no growth
     assert sys.getsizeof(big) >= before
     with pytest.raises(ValueError):
         Native(capacity_hint=-1)

@@ -246,3 +246,36 @@ def test_get_of_a_block_in_flight_reads_it_once(ssd_dir, daemons):
                 break
         assert s["counters"]["prefetched"] + s["counters"]["prefetch_skipped"] == 16
         assert s["tiers"][1]["counters"]["hits"] - reads == 16  # each block read from disk exactly once
+
+
+def test_resize_ssd_shrinks_the_files_below_the_new_cap(ssd_dir, daemons):
+    d = start(ssd_dir, daemons)
+    put(d, range(300))
+    with d.client() as c:
+        while c.stats()["tiers"][1]["staged_blocks"]:
+            time.sleep(0.02)
+        before = c.stats()["tiers"][1]
+        r = c.resize(1 << 20, tier="ssd")
+        after = c.stats()["tiers"][1]
+        assert r["mapped_bytes"] == after["mapped_bytes"] <= 1 << 20 < before["mapped_bytes"]
+        assert r["evicted"] == before["blocks"] - after["blocks"] > 0
+        size = sum(os.path.getsize(os.path.join(ssd_dir, f)) for f in os.listdir(ssd_dir) if f.endswith(".kvs"))
+        assert size <= 1 << 20                                   # the bytes on disk, not only the books
+    kept = [i for i, g in enumerate(read(d, list(range(172)))) if g is not None]
+    assert all(g == content(key(i)) for i, g in zip(kept, read(d, kept)))
+
+
+def test_cli_ls_ssd_and_resize_ssd(ssd_dir, daemons):
+    import json
+
+    d = start(ssd_dir, daemons)
+    put(d, range(200))
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "kvstore", "--socket", d.socket, *a],  # noqa: E731
+                                    capture_output=True, text=True, cwd=ROOT)
+    r = cli("ls", "--tier", "ssd", "--json")
+    rows = json.loads(r.stdout)
+    assert len(rows) == 1 and rows[0]["digest"] == spec().digest().hex() and rows[0]["blocks"] >= 72
+    r = cli("resize", "ssd", "2MiB", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["capacity"] == 2 << 20
+    r = cli("resize", "nvme", "2MiB")
+    assert r.returncode == 1 and "usage: kvstore resize [host|ssd] SIZE" in r.stderr

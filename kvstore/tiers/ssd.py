@@ -323,6 +323,33 @@ class SsdStore:
                 self._quarantine(cf, rec, bad[-1][2])
         return bad
 
+    def resize(self, capacity: int) -> int:
+        """Set the cap. Shrinking below the files' size cuts records from the ends of the largest files (those
+        holding blocks are evicted) and truncates them: the files never stay over the cap. Returns the evictions."""
+        self.capacity = capacity
+        evicted = 0
+        while self.file_bytes() > capacity:
+            cf = max(self.files.values(), key=lambda f: f.nrecords * f.record)
+            over = self.file_bytes() - capacity
+            cut = min(cf.nrecords, -(-over // cf.record))
+            tail = set(range(cf.nrecords - cut, cf.nrecords))
+            for key, (payload, rec, _) in list(self.index.items()):
+                if payload == cf.payload and rec in tail:
+                    del self.index[key]
+                    evicted += 1
+            cf.free = [r for r in cf.free if r not in tail]
+            cf.nrecords -= cut
+            os.ftruncate(cf.fd, cf.nrecords * cf.record)
+        self.counters["evictions"] += evicted
+        return evicted
+
+    def by_namespace(self) -> dict[bytes, int]:
+        """Blocks per namespace digest."""
+        out: Counter[bytes] = Counter()
+        for key in self.index:
+            out[key[:16]] += 1
+        return dict(out)
+
     # ----- accounting -----
     def file_bytes(self) -> int:
         return sum(cf.nrecords * cf.record for cf in self.files.values())

@@ -117,6 +117,11 @@ class SsdTier:
         with self.io:
             return self.store.delete(key[:16], key[16:]) or staged is not None
 
+    def resize(self, capacity: int) -> int:
+        with self.io:
+            self.cfg.capacity = capacity
+            return self.store.resize(capacity)
+
     # ----- inspection -----
     def stats(self) -> dict[str, Any]:
         with self.io, self.lock:
@@ -124,7 +129,8 @@ class SsdTier:
             return {"tier": "ssd", "capacity_bytes": self.cfg.capacity, "mapped_bytes": s.file_bytes(),
                     "used_bytes": s.used_bytes(), "resident_bytes": s.file_bytes(), "blocks": len(s.index),
                     "segments": len(s.files), "staged_blocks": len(self.staging), "staged_bytes": self.staged_bytes,
-                    "dropped": self.dropped, "rewrites_saved": self.rewrites_saved, "counters": dict(s.counters)}
+                    "dropped": self.dropped, "rewrites_saved": self.rewrites_saved, "counters": dict(s.counters),
+                    "namespaces": {d.hex(): n for d, n in s.by_namespace().items()}}
 
     def close(self) -> None:
         """Write what is staged, then close the store."""
