@@ -35,6 +35,8 @@ log = logging.getLogger("kvstore")
 FILE_RE = re.compile(r"^blocks-(\d+)\.kvs$")
 SYNC_POLICIES = ("always", "batch", "never")
 GROW_RECORDS = 64
+SCAN_CHUNK = 256          # records whose headers one scan task reads
+SCAN_THREADS = 16
 
 
 class StoreLocked(RuntimeError):
@@ -133,31 +135,35 @@ class SsdStore:
         return cf
 
     def _scan(self, cf: ClassFile) -> None:
-        """Rebuild the index from every record header; the newest copy of a key wins."""
-        buf = _aligned(HEADER_BYTES)
-        for rec in range(cf.nrecords):
-            n = os.preadv(cf.fd, [buf], rec * cf.record)
-            try:
-                h = parse_header(buf[:n])
-            except BadRecord as e:
-                self._quarantine(cf, rec, e.reason)
-                continue
-            if h is None or h.length != cf.payload:
-                if h is not None:
-                    self._quarantine(cf, rec, "wrong_length")
-                else:
-                    cf.free.append(rec)
-                continue
-            key = h.ns + h.hash
-            old = self.index.get(key)
-            if old is not None and old[2] > h.seq:
-                self._quarantine(cf, rec, "superseded")
-                continue
-            if old is not None:
-                self._quarantine(self.files[old[0]], old[1], "superseded")
-            self.index[key] = (cf.payload, rec, h.seq)
-            self.seq = max(self.seq, h.seq)
-        buf.close()
+        """Rebuild the index from every record header; the newest copy of a key wins. Headers are read by many
+        threads at once (a 4 KiB O_DIRECT read waits on the device, not the CPU), parsed here in record order."""
+        chunks = range(0, cf.nrecords, SCAN_CHUNK)
+        with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="kvstore-scan") as pool:
+            for start, headers in zip(chunks, pool.map(lambda s: _read_headers(cf, s), chunks)):
+                for i, raw in enumerate(headers):
+                    self._index_header(cf, start + i, raw)
+
+    def _index_header(self, cf: ClassFile, rec: int, raw: bytes) -> None:
+        try:
+            h = parse_header(raw)
+        except BadRecord as e:
+            self._quarantine(cf, rec, e.reason)
+            return
+        if h is None or h.length != cf.payload:
+            if h is not None:
+                self._quarantine(cf, rec, "wrong_length")
+            else:
+                cf.free.append(rec)
+            return
+        key = h.ns + h.hash
+        old = self.index.get(key)
+        if old is not None and old[2] > h.seq:
+            self._quarantine(cf, rec, "superseded")
+            return
+        if old is not None:
+            self._quarantine(self.files[old[0]], old[1], "superseded")
+        self.index[key] = (cf.payload, rec, h.seq)
+        self.seq = max(self.seq, h.seq)
 
     # ----- writes -----
     def put_many(self, items: Sequence[tuple[bytes, bytes, bytes | memoryview]]) -> int:
@@ -378,3 +384,16 @@ def _private_dir(path: str) -> None:
         raise PermissionError(f"ssd directory {path} belongs to uid {st.st_uid}, not to us")
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(path, 0o700)
+
+
+def _read_headers(cf: ClassFile, start: int) -> list[bytes]:
+    """(A scan thread.) The raw headers of records start .. start+SCAN_CHUNK-1."""
+    buf = _aligned(HEADER_BYTES)
+    try:
+        out = []
+        for rec in range(start, min(start + SCAN_CHUNK, cf.nrecords)):
+            n = os.preadv(cf.fd, [buf], rec * cf.record)
+            out.append(buf[:n])
+        return out
+    finally:
+        buf.close()
