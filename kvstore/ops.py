@@ -104,20 +104,34 @@ def op_abort(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_acquire(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
-    """Pin the longest present prefix; blocks that only the SSD tier holds are promoted into host slots first."""
+    """Pin the longest present prefix; blocks that only the SSD tier holds are promoted into host slots first, and a
+    block already being promoted (by a prefetch or another get) is waited for, never read twice."""
     ns = st.index.namespace(m["ns"], h)
     keys = split_keys(m["keys"])
-    gids = st.index.acquire(ns, keys, h)
-    while st.index.ssd is not None and len(gids) < len(keys):
-        if ns.prefix + keys[len(gids)] in st.index.promoting:   # in flight (a prefetch): wait, never read twice
-            st.changed.wait(timeout=PROMOTION_WAIT_S)
-            more = st.index.acquire(ns, keys[len(gids):], h)
-        else:
-            more = _promote(st, ns, keys[len(gids):], h)
+    gids: list[int] = []
+    while len(gids) < len(keys):
+        rest = keys[len(gids):]
+        more = st.index.acquire(ns, rest, h)
+        if not more and st.index.ssd is not None:
+            if ns.prefix + rest[0] in st.index.promoting:
+                if not _wait_promoted(st, ns.prefix + rest[0]):
+                    break                               # still in flight: the prefix so far
+                continue
+            more = _promote(st, ns, rest, h)
         if not more:
             break
         gids += more
     return {"slots": gids, "generation": st.pool.generation}
+
+
+def _wait_promoted(st: State, key: bytes) -> bool:
+    deadline = time.monotonic() + PROMOTION_WAIT_S
+    while key in st.index.promoting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        st.changed.wait(left)
+    return True
 
 
 def _promote(st: State, ns: Namespace, keys: list[bytes], h: Holdings) -> list[int]:
