@@ -36,6 +36,7 @@
  * into the new arrays, leaving each one's new slot number behind in its old record to translate the links.
  * Memory: 44 bytes per slot, 59–117 bytes per key (about 74 at 10 million keys). Arrays of 1 MiB and more are
  * anonymous mappings advised to use transparent huge pages (fewer TLB misses on random probes).
+ * prefix_len, the hot path, overlaps the memory misses of up to 32 keys (see there).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -51,11 +52,14 @@
 #define MIN_BITS 6
 #define MAX_BITS 31                 /* 2^31 slots: up to 1.6 billion keys */
 #define CHUNK 32                    /* prefix_len hashes and prefetches this many keys ahead */
+#define CACHED_BYTES ((size_t)4 << 20)   /* records up to this size: prefix_len assumes cache hits */
+#define RECS_PER_LINE 2              /* 64-byte cache lines of 32-byte records, arrays 64-byte aligned */
 #define BIG_BYTES ((size_t)1 << 20)
 #define HUGE_PAGE ((size_t)2 << 20)
 
 typedef struct { uint8_t key[KEY_BYTES]; uint32_t meta; uint64_t value; } Rec;
 typedef struct { uint32_t prev, next; uint16_t cls; uint8_t linked, pad; } Link;
+_Static_assert(sizeof(Rec) == 32 && sizeof(Link) == 12, "record layout");
 
 typedef struct {
     PyObject_HEAD
@@ -70,11 +74,15 @@ typedef struct {
 static inline uint64_t load64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static inline uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
-/* ---- memory: calloc below 1 MiB, else a 2 MiB-aligned anonymous mapping advised for huge pages ---- */
+/* ---- memory: aligned_alloc below 1 MiB, else a 2 MiB-aligned anonymous mapping advised for huge pages ---- */
 static size_t big_round(size_t bytes) { return bytes < BIG_BYTES ? bytes : (bytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1); }
 
-static void *big_alloc(size_t bytes) {   /* zero-filled */
-    if (bytes < BIG_BYTES) return calloc(1, bytes);
+static void *big_alloc(size_t bytes) {   /* zero-filled, 64-byte aligned */
+    if (bytes < BIG_BYTES) {
+        void *p = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        if (p) memset(p, 0, bytes);
+        return p;
+    }
     size_t len = big_round(bytes), span = len + HUGE_PAGE;
     uint8_t *p = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
@@ -105,15 +113,19 @@ static inline int key_eq(const Rec *r, const uint8_t *prefix, const uint8_t *h16
     return load32(r->key) == load32(prefix) && load64(r->key + 4) == load64(h16) && load64(r->key + 12) == load64(h16 + 8);
 }
 
-/* Slot holding the key, or -1 with *hole (if given) set to the empty slot ending its probe run. */
-static inline int64_t find(const KeyTable *t, const uint8_t *prefix, const uint8_t *h16, uint32_t meta, uint32_t *hole) {
-    uint32_t i = home_of(t, meta);
+/* Slot holding the key, or -1 with *hole (if given) set to the empty slot ending its probe run; from slot i on. */
+static inline int64_t find_from(const KeyTable *t, const uint8_t *prefix, const uint8_t *h16, uint32_t meta,
+                                uint32_t i, uint32_t *hole) {
     for (;;) {
         const Rec *r = &t->recs[i];
         if (r->meta == 0) { if (hole) *hole = i; return -1; }
         if (r->meta == meta && key_eq(r, prefix, h16)) return i;
         i = (i + 1) & t->mask;
     }
+}
+
+static inline int64_t find(const KeyTable *t, const uint8_t *prefix, const uint8_t *h16, uint32_t meta, uint32_t *hole) {
+    return find_from(t, prefix, h16, meta, home_of(t, meta), hole);
 }
 
 /* ---- per-class LRU lists over slot numbers: head = least recently used, tail = most ---- */
@@ -385,9 +397,10 @@ static PyObject *kt_class_len(KeyTable *t, PyObject *clsobj) {
     return PyLong_FromUnsignedLong(cls < t->ncls ? t->clen[cls] : 0);
 }
 
-/* The lookup hot path. Keys go in chunks: hash each and prefetch its home slot's cache line (and the links when
- * touching), then probe. At 10 million keys every probe is a memory miss; this way the misses of a chunk overlap
- * instead of following one another. */
+/* The lookup hot path, a chunk of keys at a time: hash each key and prefetch its home slot's cache line (and its
+ * links when touching); probe each key within that line, prefetching the next line for a probe run that goes on;
+ * then finish those runs in order and count (and touch) up to the first absent key. At 10 million keys every line
+ * is a memory miss: this way the misses of a chunk overlap instead of following one another. */
 static PyObject *kt_prefix_len(KeyTable *t, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"prefix", "hashes", "touch"};
     PyObject *a[3];
@@ -401,20 +414,47 @@ static PyObject *kt_prefix_len(KeyTable *t, PyObject *const *args, Py_ssize_t na
     if (pb.len != 4) { PyErr_Format(PyExc_ValueError, "prefix must be 4 bytes, got %zd", pb.len); goto done; }
     if (hb.len % HASH_BYTES) { PyErr_Format(PyExc_ValueError, "hashes must be a multiple of 16 bytes, got %zd", hb.len); goto done; }
     const uint8_t *prefix = pb.buf, *hashes = hb.buf;
-    uint32_t metas[CHUNK];
+    uint32_t metas[CHUNK], at[CHUNK];   /* at: the key's slot, or (pending) where its probe run goes on */
+    uint8_t pending[CHUNK];
     Py_ssize_t total = hb.len / HASH_BYTES, n = 0;
+    int cached = ((size_t)t->mask + 1) * sizeof(Rec) <= CACHED_BYTES;
     while (n < total) {
-        Py_ssize_t m = total - n < CHUNK ? total - n : CHUNK, j;
+        Py_ssize_t m = total - n < CHUNK ? total - n : CHUNK, j, stop;
+        const uint8_t *h16 = hashes + n * HASH_BYTES;
         for (j = 0; j < m; j++) {
-            metas[j] = meta_of(prefix, hashes + (n + j) * HASH_BYTES);
+            metas[j] = meta_of(prefix, h16 + j * HASH_BYTES);
             uint32_t home = home_of(t, metas[j]);
             __builtin_prefetch(&t->recs[home]);
             if (touch) __builtin_prefetch(&t->links[home]);
         }
-        for (j = 0; j < m; j++) {
-            int64_t s = find(t, prefix, hashes + (n + j) * HASH_BYTES, metas[j], NULL);
-            if (s < 0) break;
-            if (touch) lru_touch(t, (uint32_t)s);
+        if (cached) {                   /* the table fits in the caches: probe each key to its end, in order */
+            for (j = 0; j < m; j++) {
+                int64_t s = find(t, prefix, h16 + j * HASH_BYTES, metas[j], NULL);
+                if (s < 0) break;
+                if (touch) lru_touch(t, (uint32_t)s);
+            }
+            n += j;
+            if (j < m) break;
+            continue;
+        }
+        for (j = 0, stop = m; j < stop; j++) {
+            uint32_t i = home_of(t, metas[j]);
+            pending[j] = 0;
+            for (;;) {
+                const Rec *r = &t->recs[i];
+                if (r->meta == 0) { stop = j; break; }
+                if (r->meta == metas[j] && key_eq(r, prefix, h16 + j * HASH_BYTES)) { at[j] = i; break; }
+                i = (i + 1) & t->mask;
+                if (i % RECS_PER_LINE == 0) { pending[j] = 1; at[j] = i; __builtin_prefetch(&t->recs[i]); break; }
+            }
+        }
+        for (j = 0; j < stop; j++) {
+            if (pending[j]) {
+                int64_t s = find_from(t, prefix, h16 + j * HASH_BYTES, metas[j], at[j], NULL);
+                if (s < 0) break;
+                at[j] = (uint32_t)s;
+            }
+            if (touch) lru_touch(t, at[j]);
         }
         n += j;
         if (j < m) break;
@@ -427,6 +467,7 @@ done:
 }
 
 static PyObject *kt_items(KeyTable *t, PyObject *unused) {
+    (void)unused;
     PyObject *list = PyList_New(t->n);
     if (!list) return NULL;
     Py_ssize_t k = 0;
@@ -442,6 +483,7 @@ static PyObject *kt_items(KeyTable *t, PyObject *unused) {
 }
 
 static PyObject *kt_nbytes(KeyTable *t, PyObject *unused) {
+    (void)unused;
     size_t slots = (size_t)t->mask + 1;
     size_t b = sizeof(KeyTable) + big_round(slots * sizeof(Rec)) + big_round(slots * sizeof(Link)) + (size_t)t->ncls * 12;
     return PyLong_FromSize_t(b);
@@ -456,6 +498,7 @@ static int kt_contains(KeyTable *t, PyObject *key) {
 
 /* ---- lifecycle: __new__ makes a usable empty table; __init__ may size it for capacity_hint keys ---- */
 static PyObject *kt_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    (void)args; (void)kw;
     KeyTable *t = (KeyTable *)type->tp_alloc(type, 0);
     if (!t) return NULL;
     t->bits = MIN_BITS; t->mask = (1u << MIN_BITS) - 1;
@@ -519,7 +562,9 @@ static PyTypeObject KeyTableType = {
     .tp_as_sequence = &kt_as_sequence,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kvindex", "Native key table of the kvstore index.", -1, NULL};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_kvindex", .m_doc = "Native key table of the kvstore index.", .m_size = -1,
+};
 
 PyMODINIT_FUNC PyInit__kvindex(void) {
     if (PyType_Ready(&KeyTableType) < 0) return NULL;

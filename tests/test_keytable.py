@@ -223,6 +223,26 @@ def test_growth_keeps_values_and_lru_order(T):
     assert (len(t), t.get(k(2)), t.get(k(3)), t.nbytes() > 10_000 * 20) == (10_000, None, 9, True)
 
 
+def test_prefix_len_in_a_table_larger_than_the_caches(T):
+    """150 000 keys: the native prefix_len then probes in two passes (home cache lines first, then the probe runs
+    that go on); its counts and touches must be those of one key at a time."""
+    rng = random.Random(5)
+    t = T()
+    for i in range(150_000):
+        t.insert(k(i), i, i % 2)
+    for _ in range(300):
+        ids = [rng.randrange(160_000) for _ in range(rng.choice([1, 5, 32, 70]))]   # ids >= 150 000 are absent
+        want = next((n for n, i in enumerate(ids) if i >= 150_000), len(ids))
+        assert t.prefix_len(NS, hashes(*ids)) == want
+    ids = list(range(1000, 1040)) + [150_001, 0]                    # 0, after an absent key, is not touched
+    assert t.prefix_len(NS, hashes(*ids), touch=True) == 40
+    evicted = []
+    while len(evicted) < 505:
+        evicted.append(int.from_bytes(t.oldest(0)[0][4:], "big"))
+        t.remove(k(evicted[-1]))
+    assert evicted == list(range(0, 1000, 2)) + [1040, 1042, 1044, 1046, 1048]   # 1000..1038 went to the MRU end
+
+
 def random_ops(seed: int, steps: int, universe: int = 3000):
     rng = random.Random(seed)
     keys = [k(i, ns=rng.randrange(3)) for i in range(universe)]
