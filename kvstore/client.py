@@ -157,6 +157,10 @@ class Client:
                 self._segments.pop(sid).close()   # released by a shrink
             self.generation = reply["generation"]
 
+    def mapped_segments(self) -> dict[int, np.ndarray]:
+        """The segments this client has mapped, by id: what a GPU connector registers as pinned memory once."""
+        return {sid: seg.arr for sid, seg in self._segments.items() if seg.arr is not None}
+
     def slot(self, gid: int) -> np.ndarray:
         """The shared bytes of one slot (writable uint8 view)."""
         seg = self._segments.get(gid >> 32)

@@ -1,0 +1,363 @@
+"""kvstore's vLLM connector (KVConnectorBase_V1): vLLM's block hashes become kvstore keys, KV pages move to and
+from the daemon's shared-memory slots, one Layer Block at a time. Thin: no cache of its own, and the daemon is
+never a reason for the engine to stop (no hits while it is away, one log line, reconnect later).
+
+    vllm serve MODEL --block-size 32 --prefix-caching-hash-algo sha256_cbor --kv-transfer-config \\
+      '{"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connectors.vllm_connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket": "/run/user/1000/kvstore/kvstore.sock"}}'
+
+Scheduler side: `get_num_new_matched_tokens` asks the daemon for the longest stored prefix of the request's block
+hashes (never the block holding the last prompt token, which vLLM always computes); `build_connector_meta` tells
+the worker which blocks to load (hits) and which full blocks were completed this step and must be saved.
+Worker side: loads are acquired (pinned) in `start_load_kv` and copied layer by layer in `wait_for_layer_load`;
+saves are reserved at the first `save_kv_layer` of a step, written layer by layer, and committed when the last
+layer is in. A block that could not be loaded is reported by `get_block_ids_with_load_errors`, so vLLM recomputes
+it (with `kv_load_failure_policy: recompute`).
+
+extra config: socket (default: $KVSTORE_SERVER_SOCKET or the daemon's default), model / group / salt (namespace
+overrides), retry_s (5), timeout_s (5), save (true), load (true).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from connectors.vllm_layout import CpuPages, CudaMover, DaemonLink, engine_identity, layer_order, make_spec
+from kvstore.client import KVStoreError, Lease, Reservation
+from kvstore.keys import block_key
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvstore")  # under "vllm": shown by vLLM's own log handler
+
+
+@dataclass
+class Transfer:
+    """Blocks of one request to load or save: 16-byte keys and the engine's block ids, position by position."""
+    req_id: str
+    adapter: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    stored_upto: int = 0          # blocks [0, stored_upto) are in the daemon or already handed to the worker
+
+
+def _adapter(request: Any) -> str:
+    lora = getattr(request, "lora_request", None)
+    return str(lora.lora_name) if lora is not None else ""
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.load_enabled = bool(extra.get("load", True))
+        self.save_enabled = bool(extra.get("save", True))
+        who = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        self.disabled: str | None = None
+        # scheduler state
+        self._reqs: dict[str, _ReqState] = {}
+        self._loads: dict[str, Transfer] = {}
+        self._hit_start: dict[str, int] = {}
+        # worker state
+        self._layers: dict[str, int] = {}
+        self._kv: dict[int, Any] = {}
+        self._pages: dict[int, CpuPages] = {}
+        self._cuda: CudaMover | None = None
+        self._leases: list[tuple[Transfer, Lease, set[int]]] = []
+        self._reservations: list[tuple[Transfer, Reservation, set[int]]] | None = None
+        self._load_errors: set[int] = set()
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            try:
+                tp_rank = int(get_tensor_model_parallel_rank())
+            except (AssertionError, RuntimeError):
+                tp_rank = 0
+        try:
+            self.geometry, fields = engine_identity(vllm_config, kv_cache_config, extra)
+        except ValueError as e:
+            self.disabled = str(e)
+            log.warning("kvstore connector disabled: %s", e)
+            self.link = None
+            return
+        if fields["hash_algo"] not in ("sha256_cbor",):
+            log.warning("kvstore: prefix_caching_hash_algo=%s; use sha256_cbor so that engine processes agree on "
+                        "block hashes (keys of different algorithms never meet)", fields["hash_algo"])
+        geometry = self.geometry
+        self.link = DaemonLink(extra.get("socket"), lambda adapter: make_spec(geometry, fields, tp_rank, adapter),
+                               who, retry_s=float(extra.get("retry_s", 5.0)),
+                               timeout_s=float(extra.get("timeout_s", 5.0)))
+        log.info("kvstore connector (%s): model %s, %s, tp %d/%d", who, fields["model"], self.geometry, tp_rank,
+                 fields["tp_size"])
+
+    # ======================= scheduler side =======================
+
+    def _keys(self, request: Request, start: int, end: int) -> list[bytes]:
+        return [block_key(h) for h in request.block_hashes[start:end]]
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.link is None or not self.load_enabled:
+            return 0, False
+        # the last token (of the prompt, or of what a resumed request holds) is always computed by the engine
+        usable = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        start = num_computed_tokens // self.block_size
+        if usable <= start:
+            return 0, False
+        ns = self.link.namespace(_adapter(request))
+        if ns is None:
+            return 0, False
+        try:
+            n = ns.lookup(self._keys(request, start, usable))   # keys are chained: a hit at `start` names the prefix
+        except KVStoreError as e:
+            log.debug("kvstore lookup refused: %s", e)
+            return 0, False
+        except (ConnectionError, OSError) as e:
+            self.link.failed(e)
+            return 0, False
+        self._hit_start[request.request_id] = start     # where the external tokens begin (the local hit's end)
+        return n * self.block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self.link is None:
+            return
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _ReqState(request)
+        if num_external_tokens <= 0:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        start = self._hit_start.pop(request.request_id, request.num_computed_tokens // self.block_size)
+        end = start + num_external_tokens // self.block_size
+        self._loads[request.request_id] = Transfer(request.request_id, _adapter(request),
+                                                   self._keys(request, start, end), block_ids[start:end])
+        state.stored_upto = max(state.stored_upto, end)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVStoreConnectorMetadata()
+        if self.link is None:
+            return meta
+        steps: list[tuple[str, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            steps.append((new.req_id, new.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            steps.append((req_id, cached.num_computed_tokens[i]))
+        for req_id, computed in steps:
+            state = self._reqs[req_id]
+            load = self._loads.pop(req_id, None)
+            if load is not None:
+                meta.loads.append(load)
+            if not self.save_enabled:
+                continue
+            # blocks whose every token has KV once this step has run, and whose hash vLLM has computed
+            done = (computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // self.block_size
+            hi = min(done, len(state.request.block_hashes), len(state.block_ids))
+            if hi > state.stored_upto:
+                meta.saves.append(Transfer(req_id, _adapter(state.request),
+                                           self._keys(state.request, state.stored_upto, hi),
+                                           state.block_ids[state.stored_upto:hi]))
+                state.stored_upto = hi
+        self._loads.clear()     # loads of requests not scheduled after all are asked again when they are
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        for d in (self._reqs, self._loads, self._hit_start):
+            d.pop(request.request_id, None)
+        return False, None      # saves are synchronous within the step: nothing holds the blocks afterwards
+
+    # ======================= worker side =======================
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.link is None:
+            return
+        names = layer_order(list(kv_caches))
+        if len(names) != self.geometry.layers:
+            self._disable(f"{len(names)} KV tensors for {self.geometry.layers} attention layers")
+            return
+        for i, name in enumerate(names):
+            kv = kv_caches[name]
+            self._layers[name] = i
+            self._kv[i] = kv
+            page_bytes = kv[0].numel() * kv[0].element_size()
+            if page_bytes != self.geometry.layer_bytes or not kv[0].is_contiguous():
+                self._disable(f"layer {name}: a page is {page_bytes} bytes (shape {tuple(kv.shape)}), the "
+                              f"namespace's geometry expects contiguous pages of {self.geometry.layer_bytes}")
+                return
+            if kv.device.type == "cuda":
+                if self._cuda is None:
+                    self._cuda = CudaMover(kv.device)
+            else:
+                self._pages[i] = CpuPages(kv)
+
+    def _disable(self, why: str) -> None:
+        log.warning("kvstore connector disabled: %s", why)
+        self.disabled = why
+        if self.link is not None:
+            self.link.close()
+        self.link = None
+
+    def _io_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, KVStoreError):
+            log.warning("kvstore: request refused: %s", exc)
+        elif self.link is not None:
+            self.link.failed(exc)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self.link is None or not isinstance(meta, KVStoreConnectorMetadata):
+            return
+        for t in meta.loads:
+            ns = self.link.namespace(t.adapter)
+            if ns is None:
+                self._load_errors.update(t.block_ids)
+                continue
+            try:
+                lease = ns.acquire(t.keys)
+            except Exception as e:  # noqa: BLE001 - any failure here means: recompute these blocks
+                self._io_failed(e)
+                self._load_errors.update(t.block_ids)
+                continue
+            n = len(lease)
+            if n < len(t.keys):     # evicted since the scheduler's lookup: the rest is recomputed
+                self._load_errors.update(t.block_ids[n:])
+            part = Transfer(t.req_id, t.adapter, t.keys[:n], t.block_ids[:n])
+            if self._cuda is not None and self.link.client is not None:
+                self._cuda.register_segments(self.link.client)
+                for li in range(self.geometry.layers):   # everything enqueued now; each layer waits its event
+                    a, b = self.geometry.layer_range(li)
+                    self._cuda.load_layer(li, self._kv[li], part.block_ids, lease.views, a, b)
+            self._leases.append((part, lease, set()))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        li = self._layers.get(layer_name)
+        if li is None or not self._leases:
+            return
+        if self._cuda is not None:
+            self._cuda.wait_layer(li)
+            return
+        pages = self._pages[li]
+        for t, lease, done in self._leases:
+            if li in done or not t.block_ids:
+                continue
+            try:
+                lease.read_layer(li, [pages.page(b) for b in t.block_ids])
+                done.add(li)
+            except Exception as e:  # noqa: BLE001
+                self._io_failed(e)
+                self._load_errors.update(t.block_ids)
+                t.block_ids = []
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        li = self._layers.get(layer_name)
+        meta = self._connector_metadata
+        if li is None or self.link is None or not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
+            return
+        if self._reservations is None:
+            self._reservations = []
+            for t in meta.saves:
+                ns = self.link.namespace(t.adapter)
+                if ns is None:
+                    continue
+                try:
+                    self._reservations.append((t, ns.reserve(t.keys), set()))
+                except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
+                    self._io_failed(e)
+        a, b = self.geometry.layer_range(li)
+        for t, res, done in self._reservations:
+            if res.done or not res.reserved:
+                continue
+            try:
+                if self._cuda is not None:
+                    if self.link.client is not None:
+                        self._cuda.register_segments(self.link.client)
+                    ids = [t.block_ids[p] for p in res.reserved]     # res.views are the reserved slots
+                    self._cuda.save_layer(self._kv[li], ids, res.views, a, b)
+                else:
+                    pages = self._pages[li]
+                    res.write_layer(li, [pages.page(bid) for bid in t.block_ids])
+                done.add(li)
+                if len(done) == self.geometry.layers:
+                    if self._cuda is not None:
+                        self._cuda.sync()
+                    res.commit()
+            except Exception as e:  # noqa: BLE001
+                self._io_failed(e)
+                res.done = True
+
+    def wait_for_save(self) -> None:
+        for _, res, _ in self._reservations or []:
+            if not res.done:          # some layer never came: publish nothing half-written
+                try:
+                    res.abort()
+                except Exception as e:  # noqa: BLE001
+                    self._io_failed(e)
+        self._reservations = None
+        for t, _lease, done in self._leases:
+            if self._cuda is None and t.block_ids and len(done) < self.geometry.layers:
+                self._load_errors.update(t.block_ids)     # a layer was never loaded
+        self._release_leases()
+
+    def _release_leases(self) -> None:
+        leases, self._leases = self._leases, []
+        if self._cuda is not None and leases:
+            self._cuda.sync()
+        for _, lease, _ in leases:
+            try:
+                lease.release()
+            except Exception as e:  # noqa: BLE001
+                self._io_failed(e)
+        if leases and self.link is not None and self.link.client is not None:
+            try:
+                self.link.client.flush()
+            except Exception as e:  # noqa: BLE001
+                self._io_failed(e)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        if errors:
+            log.warning("kvstore: %d block(s) could not be loaded; vLLM recomputes them", len(errors))
+        return errors
+
+    def shutdown(self) -> None:
+        if self.link is not None:
+            self._release_leases()
+            self.link.close()

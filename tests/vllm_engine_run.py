@@ -1,0 +1,95 @@
+"""Run by tests/test_vllm_connector.py in fresh processes (vLLM wants a process of its own).
+
+    python tests/vllm_engine_run.py build DIR SEED [DIR SEED ...]   # tiny random Llamas + WordLevel tokenizers
+    python tests/vllm_engine_run.py run --model DIR --socket PATH --steps '[{...}, ...]'
+
+`run` starts one vLLM engine (in-process engine core, CPU, block size 32, no local prefix caching, sha256_cbor
+hashes) with kvstore's connector and generates greedily once per step. Each step is {"tokens": [...],
+"max_tokens": N, "wait": PATH or null}: with "wait", the script prints `WAIT PATH` and waits for PATH to exist before
+generating (the test changes the daemon meanwhile). After each step it prints one line
+`RESULT {"output": [...], "num_cached_tokens": n, "seconds": s}`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK_SIZE = 32
+VOCAB_WORDS = 1020
+
+
+def build(path: str, seed: int) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "<pad>"] + [f"w{i}" for i in range(VOCAB_WORDS)]
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    cfg = LlamaConfig(vocab_size=len(words), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=3, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():                 # larger weights than the default init: outputs depend visibly on the KV
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+
+
+def run(model: str, socket: str, steps: list[dict], extra: dict) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    sys.path.insert(0, ROOT)               # connectors/ must be importable in the engine-core process
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    ktc = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm_connector",
+                           kv_role="kv_both", kv_load_failure_policy="recompute",
+                           kv_connector_extra_config={"socket": socket, "retry_s": 0.5, "timeout_s": 5, **extra})
+    llm = LLM(model=model, dtype="float32", block_size=BLOCK_SIZE, enable_prefix_caching=False,
+              prefix_caching_hash_algo="sha256_cbor", max_model_len=1024, seed=0, enforce_eager=True,
+              kv_transfer_config=ktc)
+    for step in steps:
+        if step.get("wait"):
+            print(f"WAIT {step['wait']}", flush=True)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(step["wait"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nobody created {step['wait']}")
+                time.sleep(0.05)
+        params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 16), ignore_eos=True)
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=step["tokens"])], params, use_tqdm=False)[0]
+        result = {"output": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
+                  "seconds": round(time.perf_counter() - t0, 3)}
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def main() -> None:
+    if sys.argv[1] == "build":
+        for path, seed in zip(sys.argv[2::2], sys.argv[3::2]):
+            build(path, int(seed))
+        return
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--steps", required=True)
+    ap.add_argument("--extra", default="{}")
+    a = ap.parse_args()
+    run(a.model, a.socket, json.loads(a.steps), json.loads(a.extra))
+
+
+if __name__ == "__main__":
+    main()
