@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import ctypes
+import ctypes.util
 import io
+import mmap
 import os
 import pstats
 import socket
@@ -37,7 +40,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Daemon, Table, progress, summary, write_json  # noqa: E402
+from common import Daemon, Table, busy_cpus, progress, summary, warn_if_busy, write_json  # noqa: E402
 
 from kvstore.geometry import Geometry  # noqa: E402
 from kvstore.keys import NamespaceSpec  # noqa: E402
@@ -48,6 +51,7 @@ BATCH = 32
 MiB, GiB = 1 << 20, 1 << 30
 SEGMENT = 64 * MiB
 SHRINK = 256 * MiB          # what a resize releases: 4 segments of 32 blocks
+DAEMON_OPS = ("reserve", "commit", "acquire", "release")
 
 assert BLOCK == 2 * MiB
 
@@ -152,7 +156,8 @@ def put_get(d: Daemon, threads: int, blocks: int, reps: int, warm: int, profile:
     dsts = [np.ones(BLOCK, np.uint8) for _ in range(blocks)]           # touched: no page faults in the timing
     check = np.empty(BLOCK, np.uint8)
     memcpy = Memcpy(threads)
-    out: dict[str, list[float]] = {"memcpy": [], "put": [], "get": []}
+    out: dict[str, list[float]] = {"memcpy": [], "put": [], "get": [], "memcpy_batch": [],
+                                   **{f"daemon_{op}": [] for op in DAEMON_OPS}}
     gb = blocks * BLOCK / 1e9
     try:
         with d.client(copy_threads=threads) as c:
@@ -162,6 +167,7 @@ def put_get(d: Daemon, threads: int, blocks: int, reps: int, warm: int, profile:
                 t0 = time.perf_counter()
                 memcpy(dsts, srcs)
                 t1 = time.perf_counter()
+                before = c.stats()["latency"]
                 if profile and rep >= warm:
                     profile.enable()
                 r = ns.put(hs, srcs, batch=BATCH)
@@ -170,6 +176,7 @@ def put_get(d: Daemon, threads: int, blocks: int, reps: int, warm: int, profile:
                 t3 = time.perf_counter()
                 if profile:
                     profile.disable()
+                after = c.stats()["latency"]
                 if r.stored != blocks or n != blocks:
                     raise RuntimeError(f"put {r}, got {n} of {blocks}: is the pool big enough?")
                 for i in (0, blocks - 1):               # the bytes went through the slots (fresh buffer, untimed)
@@ -181,6 +188,10 @@ def put_get(d: Daemon, threads: int, blocks: int, reps: int, warm: int, profile:
                     out["memcpy"].append(gb / (t1 - t0))
                     out["put"].append(gb / (t2 - t1))
                     out["get"].append(gb / (t3 - t2))
+                    for op in DAEMON_OPS:       # the daemon's own time in this put+get, per batch of 32
+                        spent = after.get(op, {}).get("sum", 0.0) - before.get(op, {}).get("sum", 0.0)
+                        out[f"daemon_{op}"].append(spent * BATCH / blocks)
+                    out["memcpy_batch"].append((t1 - t0) * BATCH / blocks)
     finally:
         memcpy.close()
     return out
@@ -262,6 +273,35 @@ def lookups(d: Daemon, rounds: int, per_round: int, profile: cProfile.Profile | 
 
 
 # ----- resize -----
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def punch_floor(src: np.ndarray) -> float:
+    """The kernel's part of a shrink, without the daemon: 4 memfds of 64 MiB, written through a mapping that stays
+    open (as a client's does), then their pages punched out (FALLOC_FL_PUNCH_HOLE | KEEP_SIZE). Seconds."""
+    fds = [os.memfd_create("bench-floor", os.MFD_CLOEXEC) for _ in range(SHRINK // SEGMENT)]
+    maps = []
+    try:
+        for fd in fds:
+            os.ftruncate(fd, SEGMENT)
+            m = mmap.mmap(fd, SEGMENT, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            a = np.frombuffer(m, np.uint8).reshape(-1, BLOCK)
+            a[:] = src
+            del a
+            maps.append(m)
+        t0 = time.perf_counter()
+        for fd in fds:
+            if _libc.fallocate(fd, 0x02 | 0x01, 0, SEGMENT) != 0:
+                raise OSError(ctypes.get_errno(), "fallocate(PUNCH_HOLE)")
+        return time.perf_counter() - t0
+    finally:
+        for m in maps:
+            m.close()
+        for fd in fds:
+            os.close(fd)
+
+
 class Watcher:
     """Another client that looks up 32 keys back to back on its own connection (in a thread), to see how long a
     resize keeps every other client waiting."""
@@ -301,13 +341,15 @@ class Watcher:
 
 
 def resize(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
-    """Release 256 MiB of a full pool and grow it back, for each pool size, sizes taking turns. Between
-    repetitions the released room is filled again (untimed, but its time is kept: new segments fault in)."""
+    """Release 256 MiB of a full pool and grow it back, for each pool size, sizes taking turns with each other and
+    with the kernel's floor (punching the same bytes out of memfds directly). Between repetitions the released
+    room is filled again (untimed, but its time is kept: new segments fault in)."""
     src = [np.random.default_rng(9).integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(BATCH)]
     refill_blocks = SHRINK // BLOCK
     out: dict[int, dict[str, Any]] = {s: {"shrink_daemon": [], "shrink_client": [], "grow_daemon": [],
                                           "grow_client": [], "refill": [], "stall": [], "fill_s": 0.0}
                                      for s in sizes}
+    floor: list[float] = []
     daemons = {s: Daemon(str(s), "64MiB") for s in sizes}
     try:
         for dm in daemons.values():
@@ -341,6 +383,9 @@ def resize(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
             fill(s)
             out[s]["fill_s"] = time.perf_counter() - t0
         for rep in range(reps + 1):                              # repetition 0 is the warm-up
+            f = punch_floor(src[0])
+            if rep:
+                floor.append(f)
             for s in (sizes if rep % 2 else sizes[::-1]):
                 c = clients[s]
                 watchers[s].start()
@@ -370,6 +415,8 @@ def resize(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
     finally:
         for dm in daemons.values():
             dm.stop()
+    for s in sizes:
+        out[s]["kernel_punch"] = floor
     return out
 
 
@@ -377,16 +424,18 @@ def resize(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer repetitions, no 8 GiB pool (a smoke run)")
-    p.add_argument("--reps", type=int, help="timed repetitions of put/get (default 25, quick 5)")
+    p.add_argument("--reps", type=int, help="timed repetitions of put/get (default 40, quick 5)")
     p.add_argument("--blocks", type=int, default=128, help="blocks per put/get repetition (default 128)")
     p.add_argument("--profile", action="store_true", help="cProfile the client during timed put/get/lookup "
                                                            "(slows them; for finding hot spots, not for figures)")
     args = p.parse_args()
-    reps = args.reps or (5 if args.quick else 25)
+    reps = args.reps or (5 if args.quick else 40)
     rounds, per_round = (4, 500) if args.quick else (10, 1000)
     sizes = [GiB] if args.quick else [GiB, 8 * GiB]
+    rz_reps = 3 if args.quick else 21
     prof = cProfile.Profile() if args.profile else None
     started = time.perf_counter()
+    load_before = warn_if_busy()
 
     pg: dict[int, dict[str, list[float]]] = {}
     with Daemon("1GiB", "64MiB") as d:
@@ -396,8 +445,8 @@ def main() -> None:
         progress(f"lookup of 32 keys / daemon ping / raw socket: {rounds} × {per_round} each, in turns")
         lk = lookups(d, rounds, per_round, prof)
     progress(f"resize at {' and '.join(f'{s // GiB} GiB' for s in sizes)}: fill, then "
-             f"{3 if args.quick else 9} reps of −256 MiB and back")
-    rz = resize(sizes, 3 if args.quick else 9)
+             f"{rz_reps} reps of −256 MiB and back")
+    rz = resize(sizes, rz_reps)
 
     t = Table(["figure", "kvstore: median (IQR)", "baseline: median (IQR)", "ratio", "target", "result"])
     verdicts: dict[str, dict[str, Any]] = {}
@@ -418,14 +467,23 @@ def main() -> None:
     res: dict[str, Any] = {"block_bytes": BLOCK, "batch": BATCH, "blocks_per_rep": args.blocks, "reps": reps,
                            "quick": args.quick}
     for threads, limit in ((1, 0.9), (2, 0.8)):
-        o: dict[str, Any] = {k: summary(v) for k, v in pg[threads].items()}
+        raw = pg[threads]
+        o: dict[str, Any] = {k: summary(raw[k]) for k in ("memcpy", "put", "get")}
         for op in ("put", "get"):      # per-repetition ratios: each against the memcpy run just before it
-            o[f"{op}_over_memcpy"] = summary([a / b for a, b in zip(pg[threads][op], pg[threads]["memcpy"])])
+            o[f"{op}_over_memcpy"] = summary([a / b for a, b in zip(raw[op], raw["memcpy"])])
         res[f"copy_threads_{threads}_gbps"] = o
+        res[f"copy_threads_{threads}_per_batch_us"] = {k: summary(v, 1e6) for k, v in raw.items()
+                                                        if k.startswith(("daemon_", "memcpy_batch"))}
         for op in ("put", "get"):
             ratio = o[op]["median"] / o["memcpy"]["median"]
             row(f"{op}, {threads} copy thread{'s' * (threads > 1)}", o[op], o["memcpy"], "GB/s",
                 f"≥ {limit}× memcpy {threads}t", ratio >= limit)
+    both = {k: pg[1][k] + pg[2][k] for k in pg[1] if k.startswith(("daemon_", "memcpy_batch"))}
+    copy_batch = summary(pg[1]["memcpy_batch"], 1e6)
+    for op, (a, b) in (("put", ("reserve", "commit")), ("get", ("acquire", "release"))):
+        spent = summary([x + y for x, y in zip(both[f"daemon_{a}"], both[f"daemon_{b}"])], 1e6)
+        row(f"daemon time per {op} batch ({a}+{b}) vs memcpy 1t", spent, copy_batch, "µs",
+            digits=0)
     res["roundtrip_us"] = {}
     for place, kinds in lk.items():
         us = {k: summary(v, 1e6) for k, v in kinds.items()}
@@ -449,11 +507,14 @@ def main() -> None:
         "≤ 1.2× at 1 GiB" if r8 else "(8 GiB skipped)",
         big["shrink_daemon"]["median"] <= 1.2 * r1["shrink_daemon"]["median"] if r8 else None)
     row(f"resize −256 MiB at {at}, client", big["shrink_client"], base and base["shrink_client"], "ms")
+    row(f"resize −256 MiB at {at}, daemon, vs kernel punch of 256 MiB", big["shrink_daemon"], big["kernel_punch"],
+        "ms")
     row(f"resize +256 MiB at {at}, client", big["grow_client"], base and base["grow_client"], "ms", digits=3)
     row(f"other client's longest lookup during the shrink, {at}", big["stall"], base and base["stall"], "ms")
     row(f"refill 256 MiB after the grow, {at}", big["refill"], base and base["refill"], "ms")
     print(t)
     res["verdicts"] = verdicts
+    res["load_average"] = {"before": load_before, "after": busy_cpus()}
     res["seconds"] = time.perf_counter() - started
     if prof is not None:
         buf = io.StringIO()

@@ -111,6 +111,23 @@ class Daemon:
         self.stop()
 
 
+def busy_cpus() -> float:
+    """CPUs kept busy by other work right now: the 1-minute load average (a benchmark on a shared machine should
+    say so next to its figures)."""
+    try:
+        return float(open("/proc/loadavg").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def warn_if_busy(limit: float = 0.5) -> float:
+    load = busy_cpus()
+    if load > limit:
+        progress(f"warning: load average {load:.2f} before the run: other work shares this machine's "
+                 f"{os.cpu_count()} CPUs and the figures will be noisy")
+    return load
+
+
 def machine() -> dict[str, Any]:
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
