@@ -337,7 +337,7 @@ class Index:
             key = self.policy.victim(cls)
             stale = self._staler_segment(slot_bytes, key) if len(self.pool.classes) > 1 else None
             if stale is not None:
-                self._retire(stale)          # memory moves to this block size: the pool fits a new segment
+                self._retire(stale, inline=True)   # memory moves to this block size: a new segment fits
             elif key is not None:
                 self._remove(key, evicted=True)
             elif not self._reclaim_other(slot_bytes):
@@ -374,16 +374,17 @@ class Index:
         while idle and not self.pool.fits(slot_bytes):
             seg = min(idle, key=lambda s: s.live)
             idle.remove(seg)
-            self._retire(seg)
+            self._retire(seg, inline=True)
         return self.pool.fits(slot_bytes)
 
-    def _retire(self, seg: Segment) -> int:
+    def _retire(self, seg: Segment, inline: bool = False) -> int:
         """Drain a segment and evict its unpinned blocks; it is released now if nothing holds it, else at the
         last release or commit. Returns the blocks evicted."""
         self.pool.drain(seg)
+        seg.urgent = inline
         n = self._empty(seg)
         if seg.live == 0 and seg.id in self.pool.segments:
-            self.pool.release(seg)
+            self.pool.release(seg, inline)
         return n
 
     def _empty(self, seg: Segment) -> int:
@@ -419,7 +420,7 @@ class Index:
         seg = self.pool.segment_of(gid)
         self.pool.free(gid)
         if seg.draining and seg.live == 0:
-            self.pool.release(seg)
+            self.pool.release(seg, seg.urgent)
 
     def _drop_reservation(self, key: bytes, gid: int) -> None:
         del self.pending[key]

@@ -248,6 +248,7 @@ def snapshot(st: State) -> dict[str, Any]:
                 "free": sum(len(s.free) for s in c.segments.values())} for c in pool.classes.values()]
     host = {"tier": "host", "capacity_bytes": pool.capacity, "mapped_bytes": pool.mapped_bytes,
             "used_bytes": pool.used_bytes, "resident_bytes": pool.resident_bytes(), "blocks": len(idx.table),
+            "reaping_bytes": pool.reaping_bytes,
             "segments": len(pool.segments), "segment_bytes": pool.segment_bytes, "classes": classes}
     counters = {k: idx.counters[k] for k in ("lookups", "hits", "misses", "puts", "gets", "evictions", "deletes",
                                              "aborts", "demotions", "dropped", "promotions", "prefetched",

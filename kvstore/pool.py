@@ -8,8 +8,9 @@ share a segment).
 - allocate / free are O(1): a free-slot stack per segment and an ordered set of segments with free slots per size.
 - capacity is exact: the bytes of all live segments never exceed it; a segment is only created if it fits.
 - growing moves nothing: it raises the cap, and segments are created when a size needs room.
-- releasing a segment punches its pages out of the memfd first, so the memory returns to the system at once even
-  while a client still maps it (that client then reads zeros, never a fault), then closes it.
+- releasing a segment hands it to a reaper thread that punches its pages out of the memfd (so the memory returns
+  to the system even while a client still maps it: that client then reads zeros, never a fault) and closes it;
+  until then its bytes still count against the cap.
 
 A slot's global id (gid) is `segment_id << 32 | slot_index`; segment ids are never reused.
 """
@@ -19,6 +20,8 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import queue
+import threading
 from dataclasses import dataclass, field
 
 _FALLOC_FL_KEEP_SIZE = 0x01
@@ -55,6 +58,7 @@ class Segment:
     busy: int = 0                 # slots reserved or pinned: they keep the segment alive
     draining: bool = False        # chosen for release: allocates nothing, released when busy reaches 0
     mm: mmap.mmap | None = None   # the daemon's own mapping, made when it first moves bytes (SSD tier)
+    urgent: bool = False          # released for an allocation that waits: punched inline, not by the reaper
 
     @property
     def size(self) -> int:
@@ -77,6 +81,10 @@ class HostPool:
         self.mapped_bytes = 0
         self.used_bytes = 0
         self.generation = 0          # bumps when a segment is created or released
+        self.reaping_bytes = 0       # released segments not yet punched out of memory
+        self._reap_lock = threading.Lock()
+        self._to_reap: queue.SimpleQueue[Segment | None] = queue.SimpleQueue()
+        self._reaper: threading.Thread | None = None
         self._next_id = 1
 
     # ----- sizing -----
@@ -87,7 +95,7 @@ class HostPool:
         return self.slots_per_segment(slot_bytes) * slot_bytes
 
     def fits(self, slot_bytes: int) -> bool:
-        return self.mapped_bytes + self.segment_size(slot_bytes) <= self.capacity
+        return self.mapped_bytes + self.reaping_bytes + self.segment_size(slot_bytes) <= self.capacity
 
     # ----- slots -----
     def allocate(self, slot_bytes: int) -> int | None:
@@ -153,8 +161,9 @@ class HostPool:
         seg.draining = True
         self.classes[seg.slot_bytes].with_free.pop(seg.id, None)
 
-    def release(self, seg: Segment) -> None:
-        """Return an empty segment's memory to the system. The caller has emptied it."""
+    def release(self, seg: Segment, inline: bool = False) -> None:
+        """Return an empty segment's memory to the system (the caller has emptied it): in the background, or
+        `inline` when an allocation is waiting for exactly this memory."""
         assert seg.live == 0, f"segment {seg.id} still holds {seg.live} slots"
         cls = self.classes[seg.slot_bytes]
         del cls.segments[seg.id]
@@ -164,13 +173,32 @@ class HostPool:
         del self.segments[seg.id]
         self.mapped_bytes -= seg.size
         self.generation += 1
-        try:
-            punch_hole(seg.fd, seg.size)
-        finally:
-            _unmap(seg)
-            os.close(seg.fd)
+        if inline:
+            _punch_and_close(seg)
+            return
+        with self._reap_lock:
+            self.reaping_bytes += seg.size
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap, name="kvstore-reaper", daemon=True)
+            self._reaper.start()
+        self._to_reap.put(seg)
+
+    def _reap(self) -> None:
+        """Punch released segments out of memory away from the state lock (the kernel's share of a shrink, ~50 ms
+        per 256 MiB here, would otherwise stall every client). Until a segment is punched its bytes still count
+        against the cap (`fits`), so the cap holds for the memory really in use."""
+        while True:
+            seg = self._to_reap.get()
+            if seg is None:
+                return
+            _punch_and_close(seg)
+            with self._reap_lock:
+                self.reaping_bytes -= seg.size
 
     def close(self) -> None:
+        if self._reaper is not None:
+            self._to_reap.put(None)
+            self._reaper.join()
         for seg in list(self.segments.values()):
             _unmap(seg)
             os.close(seg.fd)
@@ -190,3 +218,13 @@ def _unmap(seg: Segment) -> None:
         except BufferError:
             pass  # a view still alive; the mapping goes with it, and the pages are punched already
         seg.mm = None
+
+
+def _punch_and_close(seg: Segment) -> None:
+    try:
+        punch_hole(seg.fd, seg.size)
+    except OSError:
+        pass   # closing frees the memory as soon as no client maps it
+    finally:
+        _unmap(seg)
+        os.close(seg.fd)

@@ -41,7 +41,8 @@ class CapSampler(threading.Thread):
             while not self.stop.is_set():
                 host = c.stats()["tiers"][0]
                 self.capacity = host["capacity_bytes"]
-                self.worst = max(self.worst, host["mapped_bytes"], host["resident_bytes"])
+                self.worst = max(self.worst, host["mapped_bytes"] + host["reaping_bytes"],
+                                 host["resident_bytes"] + host["reaping_bytes"])
                 self.samples += 1
 
 
