@@ -229,7 +229,9 @@ class Namespace:
             yield blob[i:i + step]
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of `hashes` the daemon holds."""
+        """How many leading blocks of `hashes` the daemon holds (in any tier)."""
+        if len(hashes) <= self.client.max_keys:       # the common case: one message
+            return int(self.client.call("lookup", ns=self.id, keys=pack_keys(hashes))["n"])
         total = 0
         for blob in self._batches(hashes):
             n = self.client.call("lookup", ns=self.id, keys=blob)["n"]

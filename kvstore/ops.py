@@ -84,7 +84,7 @@ def op_segments(st: State, h: Holdings, m: dict[str, Any]) -> Reply:
 def op_lookup(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     ns = st.index.namespace(m["ns"], h)
     n, host = st.index.lookup(ns, m["keys"])
-    return {"n": n, "tiers": {"host": host, "ssd": n - host}}
+    return {"n": n, "host": host}          # flat: the rest of the prefix is on SSD
 
 
 def op_reserve(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:

@@ -64,7 +64,7 @@ def test_evicted_blocks_are_demoted_then_promoted_byte_exact(ssd_dir, daemons):
     with d.client() as c:
         ns = c.namespace(spec())
         r = c.call("lookup", ns=ns.id, keys=b"".join(key(i) for i in range(300)))
-        assert r["n"] == 300 and r["tiers"]["ssd"] == 300 - r["tiers"]["host"] > 0
+        assert r["n"] == 300 and 0 < r["host"] < 300     # the rest of the prefix is on SSD
         s = c.stats()
         assert s["counters"]["demotions"] == s["counters"]["evictions"] >= 172
         assert s["tiers"][0]["mapped_bytes"] <= s["tiers"][0]["capacity_bytes"]
@@ -193,7 +193,7 @@ def test_prefetch_promotes_into_free_space_ahead_of_the_get(ssd_dir, daemons):
         c.evict(everything=True)                    # all 200 on SSD now, the host pool empty
         r = ns.prefetch([key(i) for i in range(32)], wait=True)
         assert r == {"queued": 32, "done": 32, "skipped": 0}
-        assert c.call("lookup", ns=ns.id, keys=b"".join(key(i) for i in range(32)))["tiers"]["host"] == 32
+        assert c.call("lookup", ns=ns.id, keys=b"".join(key(i) for i in range(32)))["host"] == 32
         before = c.stats()["counters"]
         outs = [bytearray(GEOM.full_bytes) for _ in range(32)]
         assert ns.get([key(i) for i in range(32)], outs) == 32
