@@ -154,10 +154,7 @@ class Index:
             key = ns.prefix + h
             if self.ssd is None or key in self.table or key in self.pending or not self.ssd.has(ns.digest + h):
                 break
-            if evict:
-                gid, status = self._reserve_one(key, ns.slot_bytes, cls, holder)
-            else:
-                gid, status = self._reserve_free(key, ns.slot_bytes, holder)
+            gid, status = self._reserve_one(key, ns.slot_bytes, cls, holder, evict)
             if status != RESERVED:
                 break
             self.promoting.add(key)
@@ -200,22 +197,15 @@ class Index:
             status.append(st)
         return gids, status
 
-    def _reserve_one(self, key: bytes, slot_bytes: int, cls: int, holder: Holdings) -> tuple[int, int]:
+    def _reserve_one(self, key: bytes, slot_bytes: int, cls: int, holder: Holdings,
+                     evict: bool = True) -> tuple[int, int]:
+        """A slot for one key not stored yet; without `evict`, from free space only (a prefetch)."""
         if key in self.table:
             self.policy.accessed(key)
             return 0, EXISTS
         if key in self.pending:
             return 0, IN_PROGRESS
-        gid = self._allocate(slot_bytes, cls)
-        if gid is None:
-            return 0, NO_SPACE
-        self.pending[key] = gid
-        holder.reserved[key] = gid
-        self.pool.segment_of(gid).busy += 1
-        return gid, RESERVED
-
-    def _reserve_free(self, key: bytes, slot_bytes: int, holder: Holdings) -> tuple[int, int]:
-        gid = self.pool.allocate(slot_bytes)
+        gid = self._allocate(slot_bytes, cls) if evict else self.pool.allocate(slot_bytes)
         if gid is None:
             return 0, NO_SPACE
         self.pending[key] = gid
