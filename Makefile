@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_pool.py
 	$(BIN)/python bench/bench_index.py
 	$(BIN)/python bench/bench_ssd.py
+	$(BIN)/python bench/bench_ssd_tier.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info kvstore/*.so
