@@ -11,8 +11,11 @@ Guarantees
 - Keys carry their namespace id, so namespaces never see each other's blocks.
 - Allocation never exceeds the pool's cap: a full size class evicts its least valuable unpinned block (the policy
   decides), or reclaims an idle segment of another size, or answers "no space".
+- With an SSD tier, an evicted block is demoted (its bytes staged for the disk) instead of dropped; lookups count
+  blocks in either tier; `plan_promotion` reserves host slots for blocks only the SSD holds and
+  `finish_promotion` publishes them after the caller has read them in, unless a delete came in between.
 
-All methods run under the daemon's state lock.
+All methods run under the daemon's state lock (promotion reads happen between plan and finish, without it).
 """
 from __future__ import annotations
 
