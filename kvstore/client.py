@@ -19,6 +19,7 @@ import itertools
 import mmap
 import os
 import socket
+import zlib
 from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -252,9 +253,10 @@ class Namespace:
         if len(keys) > self.client.max_keys * HASH_BYTES:
             raise ValueError(f"acquire takes at most {self.client.max_keys} blocks at a time")
         reply = self.client.call("acquire", ns=self.id, keys=keys)
-        return Lease(self, reply["slots"])
+        return Lease(self, reply["slots"], reply.get("crcs"))
 
-    def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32) -> PutResult:
+    def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32,
+            checksum: bool = False) -> PutResult:
         """Store whole blocks: reserve → copy → commit, `batch` blocks per reserve.
 
         Commits are pipelined: a batch is copied in parts and each part's commit is sent without waiting, so the
@@ -265,7 +267,7 @@ class Namespace:
         result = PutResult()
         for i in range(0, len(hashes), batch):
             with self.reserve(hashes[i:i + batch]) as r:
-                r.write_and_commit(blocks[i:i + batch])
+                r.write_and_commit(blocks[i:i + batch], checksum=checksum)
             result.add(r)
         self.client.flush()
         return result
@@ -352,14 +354,17 @@ class Reservation:
         srcs = self.ns._check([blocks[i] for i in self.reserved], self.ns.block_bytes, "block", False)
         self.ns.client.copier.copy(list(zip(self.views, srcs)))
 
-    def write_and_commit(self, blocks: Sequence[Any], part: int = 8) -> None:
+    def write_and_commit(self, blocks: Sequence[Any], part: int = 8, checksum: bool = False) -> None:
         """Copy whole blocks and commit them `part` at a time without waiting for the replies (read by the
-        client's next call or `flush`). A block is visible once its part's commit is booked."""
+        client's next call or `flush`). A block is visible once its part's commit is booked. With `checksum`,
+        each block's CRC-32 goes with its commit, so readers can verify what they copy."""
         pos = self.reserved
         srcs = self.ns._check([blocks[i] for i in pos], self.ns.block_bytes, "block", False)
         for start in range(0, len(pos), part):
-            self.ns.client.copier.copy(list(zip(self.views[start:start + part], srcs[start:start + part])))
-            self.ns.client.send("commit", ns=self.ns.id, keys=self._keys_at(pos[start:start + part]))
+            views = self.views[start:start + part]
+            self.ns.client.copier.copy(list(zip(views, srcs[start:start + part])))
+            extra = {"crcs": [_crc(v) for v in views]} if checksum else {}
+            self.ns.client.send("commit", ns=self.ns.id, keys=self._keys_at(pos[start:start + part]), **extra)
             self._committed = start + part
         self.done = True
 
@@ -369,12 +374,18 @@ class Reservation:
         arrs = self.ns._check([srcs[i] for i in self.reserved], b - a, "layer block", False)
         self.ns.client.copier.copy([(v[a:b], s) for v, s in zip(self.views, arrs)])
 
-    def commit(self) -> int:
+    def checksums(self) -> list[int]:
+        """CRC-32 of each reserved slot as it is now (all layers written): what `commit(crcs=...)` takes."""
+        return [_crc(v) for v in self.views]
+
+    def commit(self, crcs: Sequence[int] | None = None) -> int:
+        """Publish the reserved blocks; `crcs` (one per reserved block, e.g. `checksums()`) lets readers verify."""
         self.done = True
         pos = self.reserved
         if not pos:
             return 0
-        return int(self.ns.client.call("commit", ns=self.ns.id, keys=self._keys_at(pos))["n"])
+        extra = {"crcs": list(crcs)} if crcs is not None else {}
+        return int(self.ns.client.call("commit", ns=self.ns.id, keys=self._keys_at(pos), **extra)["n"])
 
     def abort(self) -> None:
         self.done = True
@@ -393,13 +404,22 @@ class Reservation:
 class Lease:
     """Pinned blocks (the longest stored prefix of the hashes asked): readable until `release()`."""
 
-    def __init__(self, ns: Namespace, gids: list[int]) -> None:
+    def __init__(self, ns: Namespace, gids: list[int], crcs: list[int | None] | None = None) -> None:
         self.ns = ns
         self.gids = gids
+        self.crcs = crcs or [None] * len(gids)
         self.views = ns.client._views(gids)
         self.released = False
 
     def __len__(self) -> int:
+        return len(self.gids)
+
+    def verified_prefix(self) -> int:
+        """How many leading blocks are provably the bytes committed: each block committed with a CRC-32 is checked
+        against its slot now; one committed without is taken as it is. A mismatch (the slot was altered) ends it."""
+        for i, (view, crc) in enumerate(zip(self.views, self.crcs)):
+            if crc is not None and _crc(view) != crc:
+                return i
         return len(self.gids)
 
     def read_blocks(self, outs: Sequence[Any]) -> None:
@@ -423,3 +443,8 @@ class Lease:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _crc(arr: np.ndarray) -> int:
+    """CRC-32 of a slot's bytes (zlib releases the GIL on large buffers)."""
+    return zlib.crc32(arr.data)

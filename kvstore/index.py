@@ -200,6 +200,13 @@ class Index:
             status.append(st)
         return gids, status
 
+    def crcs_of(self, gids: list[int]) -> list[int | None]:
+        out = []
+        for gid in gids:
+            seg, slot = self._seg_slot(gid)
+            out.append(seg.crc[slot])
+        return out
+
     def _reserve_one(self, key: bytes, slot_bytes: int, cls: int, holder: Holdings,
                      evict: bool = True) -> tuple[int, int]:
         """A slot for one key not stored yet; without `evict`, from free space only (a prefetch)."""
@@ -216,8 +223,13 @@ class Index:
         self.pool.segment_of(gid).busy += 1
         return gid, RESERVED
 
-    def commit(self, ns: Namespace, keys: list[bytes], holder: Holdings) -> int:
+    def commit(self, ns: Namespace, keys: list[bytes], holder: Holdings, crcs: list[int] | None = None) -> int:
+        """Publish reserved blocks. `crcs`, if given, is each block's CRC-32 as its writer computed it: readers get
+        it back with the slot and can prove the bytes they copy are the bytes that were committed."""
         full = [ns.prefix + h for h in keys]
+        if crcs is not None and (len(crcs) != len(keys) or any(c > 0xFFFFFFFF for c in crcs)):
+            raise ProtocolError(Code.BAD_REQUEST, f"commit: crcs must be one CRC-32 per key ({len(keys)}), "
+                                                  f"got {len(crcs)} value(s); nothing was committed")
         if len(set(full)) != len(full):
             raise ProtocolError(Code.BAD_REQUEST, "commit: a key appears twice; nothing was committed")
         missing = [i for i, k in enumerate(full) if k not in holder.reserved]
@@ -225,18 +237,19 @@ class Index:
             raise ProtocolError(Code.NOT_FOUND, f"commit: {len(missing)} key(s) not reserved by this connection "
                                                 f"(first at position {missing[0]}); nothing was committed")
         cls = self._class_ids[ns.slot_bytes]
-        for key in full:
+        for i, key in enumerate(full):
             gid = holder.reserved.pop(key)
             del self.pending[key]
-            self._publish(ns, key, gid, cls)
+            self._publish(ns, key, gid, cls, crcs[i] if crcs is not None else None)
         self.counters["puts"] += len(full)
         self._clock += 1
         return len(full)
 
-    def _publish(self, ns: Namespace, key: bytes, gid: int, cls: int) -> None:
+    def _publish(self, ns: Namespace, key: bytes, gid: int, cls: int, crc: int | None = None) -> None:
         seg, slot = self._seg_slot(gid)
         seg.keys[slot] = key
         seg.used[slot] = self._clock
+        seg.crc[slot] = crc
         self.table.insert(key, gid, cls)
         self._unbusy(seg)
         ns.blocks += 1

@@ -95,7 +95,7 @@ def op_reserve(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 def op_commit(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     ns = st.index.namespace(m["ns"], h)
-    return {"n": st.index.commit(ns, split_keys(m["keys"]), h)}
+    return {"n": st.index.commit(ns, split_keys(m["keys"]), h, m.get("crcs"))}
 
 
 def op_abort(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +121,7 @@ def op_acquire(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
         if not more:
             break
         gids += more
-    return {"slots": gids, "generation": st.pool.generation}
+    return {"slots": gids, "crcs": st.index.crcs_of(gids), "generation": st.pool.generation}
 
 
 def _wait_promoted(st: State, key: bytes) -> bool:

@@ -81,7 +81,7 @@ SCHEMAS: dict[str, Schema] = {
     "segments": {"ids": ("ints", True)},
     "lookup": _KEYS,
     "reserve": _KEYS,
-    "commit": _KEYS,
+    "commit": {**_KEYS, "crcs": ("ints", False)},
     "abort": _KEYS,
     "acquire": _KEYS,
     "release": {"slots": ("ints", True)},

@@ -156,3 +156,33 @@ def test_commit_with_a_key_twice_is_refused_whole(daemon):
         assert e.value.code == "bad_request" and "twice" in e.value.message
         assert ns.lookup(hashes(2)) == 0 and c.stats()["reserved"] == 2
         assert res.commit() == 2
+
+
+def test_checksummed_blocks_prove_their_bytes_to_readers(daemon):
+    with daemon.client() as writer, daemon.client() as reader, daemon.client() as vandal:
+        w = writer.namespace(spec())
+        hs = hashes(6)
+        assert w.put(hs, [block(i) for i in range(6)], checksum=True).stored == 6
+        r = reader.namespace(spec())
+        with r.acquire(hs) as lease:
+            assert all(c is not None for c in lease.crcs) and lease.verified_prefix() == 6
+        # another client scribbles over block 3's slot in place
+        with vandal.namespace(spec()).acquire(hs[3:4]) as bad:
+            bad.views[0][100:110] = 0x5A
+        with r.acquire(hs) as lease:
+            assert lease.verified_prefix() == 3           # the reader finds out before it uses the bytes
+        w.put(hashes(1, start=50), [block(50)])           # committed without a checksum: taken as it is
+        with r.acquire(hashes(1, start=50)) as lease:
+            assert lease.crcs == [None] and lease.verified_prefix() == 1
+
+
+def test_commit_with_wrong_number_of_crcs_is_refused(daemon):
+    with daemon.client() as c:
+        ns = c.namespace(spec())
+        res = ns.reserve(hashes(2))
+        with pytest.raises(KVStoreError) as e:
+            res.commit(crcs=[1])
+        assert e.value.code == "bad_request" and "one CRC-32 per key" in e.value.message
+        assert ns.lookup(hashes(2)) == 0
+        res.done = False
+        assert res.commit(crcs=res.checksums()) == 2
