@@ -12,8 +12,9 @@ hashes (never the block holding the last prompt token, which vLLM always compute
 the worker which blocks to load (hits) and which full blocks were completed this step and must be saved.
 Worker side: loads are acquired (pinned) in `start_load_kv` and copied layer by layer in `wait_for_layer_load`;
 saves are reserved at the first `save_kv_layer` of a step, written layer by layer, and committed when the last
-layer is in. A block that could not be loaded is reported by `get_block_ids_with_load_errors`, so vLLM recomputes
-it (with `kv_load_failure_policy: recompute`).
+layer is in, with each block's CRC-32. A load first checks every block against its CRC-32; a block that is missing,
+altered or could not be loaded is reported by `get_block_ids_with_load_errors`, so vLLM recomputes it (with
+`kv_load_failure_policy: recompute`) instead of using bad KV.
 
 extra config: socket (default: $KVSTORE_SERVER_SOCKET or the daemon's default), model / group / salt (namespace
 overrides), retry_s (5), timeout_s (5), save (true), load (true).
@@ -256,8 +257,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._io_failed(e)
                 self._load_errors.update(t.block_ids)
                 continue
-            n = len(lease)
-            if n < len(t.keys):     # evicted since the scheduler's lookup: the rest is recomputed
+            n = lease.verified_prefix()     # each block's bytes checked against the CRC-32 its writer committed
+            if n < len(lease):
+                log.warning("kvstore: block %d of request %s does not match its checksum: recomputed", n, t.req_id)
+            if n < len(t.keys):     # evicted since the scheduler's lookup, or altered: the rest is recomputed
                 self._load_errors.update(t.block_ids[n:])
             part = Transfer(t.req_id, t.adapter, t.keys[:n], t.block_ids[:n])
             if self._cuda is not None and self.link.client is not None:
@@ -318,7 +321,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 if len(done) == self.geometry.layers:
                     if self._cuda is not None:
                         self._cuda.sync()
-                    res.commit()
+                    res.commit(crcs=res.checksums())   # readers verify the bytes before they use them
             except Exception as e:  # noqa: BLE001
                 self._io_failed(e)
                 res.done = True
