@@ -197,3 +197,21 @@ def test_two_models_never_hit_each_other(models, tmp_path, start_daemon):
         rows = sorted((r["model"], r["blocks"]) for r in c.list()["namespaces"])
     assert rows == [(m1, 6), (m2, 6)]
     print(f"\nmodel A {a}\nmodel B {c1} {c2}")
+
+
+def test_hit_survives_a_daemon_restart_through_the_ssd_tier(models, tmp_path, start_daemon):
+    m1, _ = models
+    ssd = str(tmp_path / "ssd")
+    daemon = start_daemon(capacity="64MiB", segment="1MiB", env={"KVSTORE_SSD_DIR": ssd})
+    (a,), _ = run_engine(m1, daemon, [step()], tmp_path / "a.log")
+    with daemon.client() as c:
+        assert c.evict(everything=True)["blocks"] == 6   # an operator's flush: every block demoted to SSD
+    assert daemon.stop() == 0                           # graceful: the staged blocks are written first
+    daemon.start()                                      # a new process: the host pool is empty, the SSD is not
+    with daemon.client() as c:
+        assert c.stats()["tiers"][1]["blocks"] == 6
+    (b,), _ = run_engine(m1, daemon, [step()], tmp_path / "b.log")
+    assert (b["num_cached_tokens"], b["output"]) == (HIT, a["output"])
+    with daemon.client() as c:
+        assert c.stats()["counters"]["promotions"] == 6   # the prefix came back from SSD
+    print(f"\nA {a}\nB after a restart {b}")
