@@ -37,11 +37,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check kvstore connectors tests bench
 	$(BIN)/mypy
 
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python bench/bench_pool.py
 	$(BIN)/python bench/bench_index.py
 	$(BIN)/python bench/bench_ssd.py
 	$(BIN)/python bench/bench_ssd_tier.py
+	$(BIN)/python bench/bench_vllm_ttft.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info kvstore/*.so

@@ -17,7 +17,8 @@ altered or could not be loaded is reported by `get_block_ids_with_load_errors`, 
 `kv_load_failure_policy: recompute`) instead of using bad KV.
 
 extra config: socket (default: $KVSTORE_SERVER_SOCKET or the daemon's default), model / group / salt (namespace
-overrides), retry_s (5), timeout_s (5), save (true), load (true).
+overrides), retry_s (5), timeout_s (5), save (true), load (true), verify (true: blocks carry a CRC-32, checked
+before they are loaded; false trades that proof for less CPU per block).
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self.load_enabled = bool(extra.get("load", True))
         self.save_enabled = bool(extra.get("save", True))
+        self.verify = bool(extra.get("verify", True))
         who = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self.disabled: str | None = None
         # scheduler state
@@ -257,7 +259,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._io_failed(e)
                 self._load_errors.update(t.block_ids)
                 continue
-            n = lease.verified_prefix()     # each block's bytes checked against the CRC-32 its writer committed
+            n = lease.verified_prefix() if self.verify else len(lease)   # bytes checked against their CRC-32
             if n < len(lease):
                 log.warning("kvstore: block %d of request %s does not match its checksum: recomputed", n, t.req_id)
             if n < len(t.keys):     # evicted since the scheduler's lookup, or altered: the rest is recomputed
@@ -321,7 +323,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 if len(done) == self.geometry.layers:
                     if self._cuda is not None:
                         self._cuda.sync()
-                    res.commit(crcs=res.checksums())   # readers verify the bytes before they use them
+                    res.commit(crcs=res.checksums() if self.verify else None)   # readers can verify
             except Exception as e:  # noqa: BLE001
                 self._io_failed(e)
                 res.done = True
