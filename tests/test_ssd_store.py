@@ -70,6 +70,15 @@ def _corrupt(ssd_dir: str, record: int, offset: int, data: bytes) -> None:
         f.write(data)
 
 
+def stored_then_corrupted(ssd_dir: str, n: int, record: int, offset: int, data: bytes) -> SsdStore:
+    """Store blocks 0..n-1, stop, overwrite `data` at `offset` in `record`, and open the store again."""
+    s = open_store(ssd_dir)
+    s.put_many([(NS, h(i), payload(i)) for i in range(n)])
+    s.close()
+    _corrupt(ssd_dir, record, offset, data)
+    return open_store(ssd_dir)
+
+
 @pytest.mark.parametrize("where, data, reason", [
     (HEADER_BYTES + 5000, b"\xff", "payload_checksum"),     # a flipped byte in the payload
     (HEADER_BYTES, bytes(PAYLOAD), "payload_checksum"),    # the payload zero-filled
@@ -77,11 +86,7 @@ def _corrupt(ssd_dir: str, record: int, offset: int, data: bytes) -> None:
     (0, b"NOTOURS!", "foreign"),                            # another program's bytes
 ])
 def test_corrupt_record_is_a_quarantined_miss(ssd_dir, where, data, reason):
-    s = open_store(ssd_dir)
-    s.put_many([(NS, h(i), payload(i)) for i in range(3)])
-    s.close()
-    _corrupt(ssd_dir, 1, where, data)
-    s = open_store(ssd_dir)
+    s = stored_then_corrupted(ssd_dir, 3, 1, where, data)
     assert read(s, 1) is None                        # never the wrong bytes
     assert s.counters[f"bad.{reason}"] == 1
     assert read(s, 0) == payload(0) and read(s, 2) == payload(2)
@@ -140,11 +145,7 @@ def test_newest_copy_wins_after_restart(ssd_dir):
 
 
 def test_verify_reports_then_fixes(ssd_dir):
-    s = open_store(ssd_dir)
-    s.put_many([(NS, h(i), payload(i)) for i in range(4)])
-    s.close()
-    _corrupt(ssd_dir, 2, HEADER_BYTES + 7, b"\x00\x01")
-    s = open_store(ssd_dir)
+    s = stored_then_corrupted(ssd_dir, 4, 2, HEADER_BYTES + 7, b"\x00\x01")
     bad = s.verify()
     assert [(rec, reason) for _, rec, reason in bad] == [(2, "payload_checksum")]
     assert s.verify() == bad                         # reporting changes nothing
@@ -177,11 +178,7 @@ def test_cli_verify(ssd_dir):
 
 
 def test_bad_record_in_a_batch_cuts_the_prefix_there(ssd_dir):
-    s = open_store(ssd_dir)
-    s.put_many([(NS, h(i), payload(i)) for i in range(6)])
-    s.close()
-    _corrupt(ssd_dir, 3, HEADER_BYTES + 100, b"\x99")
-    s = open_store(ssd_dir)
+    s = stored_then_corrupted(ssd_dir, 6, 3, HEADER_BYTES + 100, b"\x99")
     outs = [bytearray(PAYLOAD) for _ in range(6)]
     assert s.get_many(NS, [h(i) for i in range(6)], outs) == 3
     assert [bytes(o) for o in outs[:3]] == [payload(i) for i in range(3)]
