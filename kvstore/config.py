@@ -46,6 +46,19 @@ class SsdConfig:
 
 
 @dataclass(slots=True)
+class TrafficConfig:
+    policy: str = "weighted"            # weighted | fifo (no lanes: the benchmark's baseline)
+    share_store: float = 0.02           # minimum shares of the lower lanes; critical takes the rest
+    share_prefetch: float = 0.01
+    share_background: float = 0.01
+    queue_critical: int = 8192          # transfers waiting per lane and path; more is refused with "busy"
+    queue_store: int = 4096
+    queue_prefetch: int = 1024
+    queue_background: int = 1024
+    ssd_in_flight: int = 4              # transfers the SSD path runs at once (its worker threads)
+
+
+@dataclass(slots=True)
 class MetricsConfig:
     enabled: bool = False
     host: str = "127.0.0.1"
@@ -62,6 +75,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     ssd: SsdConfig = field(default_factory=SsdConfig)
+    traffic: TrafficConfig = field(default_factory=TrafficConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -69,8 +83,8 @@ class Config:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "metrics": MetricsConfig,
-            "log": LogConfig}
+SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "traffic": TrafficConfig,
+            "metrics": MetricsConfig, "log": LogConfig}
 SIZE_FIELDS = {("server", "max_frame_bytes"), ("pool", "capacity"), ("pool", "segment_bytes"), ("ssd", "capacity"),
                ("ssd", "staging_bytes")}
 EVICTION_POLICIES = ("lru",)
@@ -223,6 +237,27 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"ssd.prefetch_queue: must be 1..1048576, got {d.prefetch_queue}")
     if d.dir and d.capacity < 1 << 20:
         errors.append(f"ssd.capacity: must be at least 1MiB, got {d.capacity}")
+    errors += _check_traffic(cfg.traffic)
     if cfg.log.level not in LOG_LEVELS:
         errors.append(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}")
+    return errors
+
+
+def _check_traffic(t: TrafficConfig) -> list[str]:
+    errors = []
+    if t.policy not in ("weighted", "fifo"):
+        errors.append(f"traffic.policy: must be weighted or fifo, got {t.policy!r}")
+    shares = {"share_store": t.share_store, "share_prefetch": t.share_prefetch,
+              "share_background": t.share_background}
+    for name, v in shares.items():
+        if not 0 < v < 1:
+            errors.append(f"traffic.{name}: must be above 0 (a lane with no share could starve) and below 1, got {v}")
+    if sum(shares.values()) >= 0.5:
+        errors.append(f"traffic: the lower lanes' shares add up to {sum(shares.values()):.3f}; keep them below 0.5 "
+                      "so that critical reads take most of a contended path")
+    for name in ("queue_critical", "queue_store", "queue_prefetch", "queue_background"):
+        if not 1 <= getattr(t, name) <= 1 << 20:
+            errors.append(f"traffic.{name}: must be 1..1048576, got {getattr(t, name)}")
+    if not 1 <= t.ssd_in_flight <= 64:
+        errors.append(f"traffic.ssd_in_flight: must be 1..64, got {t.ssd_in_flight}")
     return errors

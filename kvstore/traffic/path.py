@@ -1,0 +1,310 @@
+"""One physical path (the SSD, later a NIC or a GPU link) and the arbiter in front of it.
+
+Every transfer on the path is a function that moves `nbytes` (a record read, a payload write, a sync), submitted in
+a lane. Each lane has a bounded FIFO queue: a full one refuses at once with `Busy`, so a producer learns of
+overload instead of piling up work. A fixed set of worker threads is the path's in-flight limit; each free worker
+takes the next transfer chosen by the arbiter:
+
+- `weighted` (the default): self-clocked weighted fair queueing over bytes. A transfer of n bytes in lane l gets
+  the finish tag max(V, F_l) + n / share_l, where F_l is lane l's last tag and V the tag of the transfer last
+  started; the smallest tag goes next. Lanes with work split the path in proportion to their shares (critical
+  0.96 against 0.01 for background: about 96 critical bytes for every background byte while both wait), an idle
+  lane lends its share to the others, and no lane with a share above zero ever starves. Besides, lower lanes may
+  hold at most `workers - 1` workers, so a critical read never waits for a whole batch of background work to
+  drain: at worst for the one transfer ahead of it on its worker's device.
+- `fifo`: one queue in arrival order, the baseline the benchmark compares with.
+
+The path also knows itself — bytes queued per lane, in flight, the bandwidth measured over its busy time — and from
+that the expected completion time of a new transfer (`expected_s`), which the chooser uses to send a read by the
+path that will finish first (DualPath §6.1).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.metrics import Histogram
+from kvstore.traffic.lanes import DEFAULT_QUEUE, DEFAULT_SHARES, LANES, Lane
+
+log = logging.getLogger("kvstore")
+POLICIES = ("weighted", "fifo")
+DECAY_BUSY_S = 10.0          # the bandwidth estimate forgets the past by halves, every 10 s of busy time
+
+
+class Busy(Exception):
+    """A lane's queue is full: the producer should retry later (or drop what it wanted to do)."""
+
+    def __init__(self, path: str, lane: Lane, limit: int) -> None:
+        super().__init__(f"{path}: the {lane.label} lane's queue is full ({limit} transfers); try again later")
+        self.path = path
+        self.lane = lane
+
+
+@dataclass(eq=False, slots=True)
+class Transfer:
+    lane: Lane
+    nbytes: int
+    fn: Callable[[], Any]
+    future: Future[Any]
+    tag: Hashable | None
+    on_done: Callable[[Future[Any]], None] | None
+    queued_at: float
+    finish: float = 0.0
+
+
+@dataclass(slots=True)
+class LaneStats:
+    transfers: int = 0          # completed (ok or failed)
+    bytes: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+    escalated: int = 0
+    queued_bytes: int = 0
+    in_flight: int = 0
+    wait: Histogram = field(default_factory=Histogram)       # queued → started
+    latency: Histogram = field(default_factory=Histogram)    # queued → done
+
+
+class Path:
+    def __init__(self, name: str, workers: int = 4, shares: Mapping[Lane, float] | None = None,
+                 queue_limits: Mapping[Lane, int] | None = None, policy: str = "weighted",
+                 nominal_bps: float = 1e9, device: Callable[[Transfer], None] | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"traffic policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.name = name
+        self.policy = policy
+        self.workers = workers
+        self.shares = dict(DEFAULT_SHARES if shares is None else shares)
+        if any(self.shares.get(la, 0) <= 0 for la in LANES):
+            raise ValueError(f"{name}: every lane needs a share above 0, got {self.shares}")
+        self.limits = dict(DEFAULT_QUEUE if queue_limits is None else queue_limits)
+        # lower lanes leave one worker to critical reads (not in fifo, which is the no-lanes baseline)
+        self.low_limit = max(1, workers - 1) if policy == "weighted" else workers
+        self.nominal_bps = nominal_bps
+        self.device = device                    # called before each transfer: a test's gate, a slow-device model
+        self.queues: dict[Lane, deque[Transfer]] = {la: deque() for la in LANES}
+        self.lanes: dict[Lane, LaneStats] = {la: LaneStats() for la in LANES}
+        self._cond = threading.Condition()
+        self._vtime = 0.0
+        self._last: dict[Lane, float] = {la: 0.0 for la in LANES}
+        self._arrivals = 0
+        self._low_in_flight = 0
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self._busy_s = 0.0
+        self._done_bytes = 0.0
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"kvstore-{name}-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    # ----- producers -----
+    def submit(self, lane: Lane, nbytes: int, fn: Callable[[], Any], tag: Hashable | None = None,
+               on_done: Callable[[Future[Any]], None] | None = None) -> Future[Any]:
+        """Queue `fn` (moving `nbytes`) in `lane`; its future holds fn's result. `on_done(future)` runs on the
+        worker thread once the future is set. Raises Busy at once when the lane's queue is full."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: the path is closed")
+            q = self.queues[lane]
+            if len(q) >= self.limits[lane]:
+                self.lanes[lane].rejected += 1
+                raise Busy(self.name, lane, self.limits[lane])
+            t = Transfer(lane, nbytes, fn, Future(), tag, on_done, time.perf_counter())
+            self._tag(t)
+            q.append(t)
+            self.lanes[lane].queued_bytes += nbytes
+            self._cond.notify()
+            return t.future
+
+    def room(self, lane: Lane) -> int:
+        """How many more transfers the lane's queue takes now."""
+        with self._cond:
+            return self.limits[lane] - len(self.queues[lane])
+
+    def cancel(self, tag: Hashable) -> int:
+        """Drop the queued transfers carrying `tag` (their futures are cancelled); returns how many."""
+        with self._cond:
+            n = 0
+            for lane, q in self.queues.items():
+                for t in [t for t in q if t.tag == tag]:
+                    q.remove(t)
+                    t.future.cancel()
+                    self.lanes[lane].cancelled += 1
+                    self.lanes[lane].queued_bytes -= t.nbytes
+                    n += 1
+            return n
+
+    def escalate(self, tag: Hashable, lane: Lane) -> int:
+        """Move queued transfers carrying `tag` up to `lane` (a prefetch that a get now waits for becomes
+        critical); returns how many moved."""
+        with self._cond:
+            n = 0
+            for old, q in self.queues.items():
+                if old <= lane:
+                    continue
+                for t in [t for t in q if t.tag == tag]:
+                    q.remove(t)
+                    self.lanes[old].queued_bytes -= t.nbytes
+                    self.lanes[old].escalated += 1
+                    t.lane = lane
+                    self._tag(t)
+                    self.queues[lane].append(t)
+                    self.lanes[lane].queued_bytes += t.nbytes
+                    n += 1
+            if n:
+                self._cond.notify(n)
+            return n
+
+    def _tag(self, t: Transfer) -> None:
+        if self.policy == "fifo":
+            self._arrivals += 1
+            t.finish = float(self._arrivals)
+            return
+        start = max(self._vtime, self._last[t.lane])
+        t.finish = self._last[t.lane] = start + max(t.nbytes, 1) / self.shares[t.lane]
+
+    # ----- workers -----
+    def _next(self) -> Transfer | None:
+        with self._cond:
+            while True:
+                best: Transfer | None = None
+                for lane in LANES:
+                    q = self.queues[lane]
+                    if not q or (lane != Lane.CRITICAL and self._low_in_flight >= self.low_limit):
+                        continue
+                    if best is None or q[0].finish < best.finish:
+                        best = q[0]
+                if best is not None:
+                    self.queues[best.lane].popleft()
+                    self._vtime = max(self._vtime, best.finish) if self.policy == "weighted" else 0.0
+                    self._start(best)
+                    return best
+                if self._closed:
+                    return None
+                self._cond.wait()
+
+    def _start(self, t: Transfer) -> None:
+        s = self.lanes[t.lane]
+        s.queued_bytes -= t.nbytes
+        s.in_flight += 1
+        if t.lane != Lane.CRITICAL:
+            self._low_in_flight += 1
+        if self._in_flight == 0:
+            self._busy_since = time.perf_counter()
+        self._in_flight += 1
+        s.wait.observe(time.perf_counter() - t.queued_at)
+
+    def _work(self) -> None:
+        while (t := self._next()) is not None:
+            ok = t.future.set_running_or_notify_cancel()
+            if ok:
+                try:
+                    if self.device is not None:
+                        self.device(t)
+                    t.future.set_result(t.fn())
+                except BaseException as e:  # the producer sees it through the future
+                    t.future.set_exception(e)
+            self._finish(t, ok)
+            if ok and t.on_done is not None:
+                try:
+                    t.on_done(t.future)
+                except Exception:
+                    log.exception("%s: a transfer's completion handler failed", self.name)
+
+    def _finish(self, t: Transfer, ran: bool) -> None:
+        now = time.perf_counter()
+        with self._cond:
+            s = self.lanes[t.lane]
+            s.in_flight -= 1
+            if t.lane != Lane.CRITICAL:
+                self._low_in_flight -= 1
+            self._in_flight -= 1
+            if not ran:
+                s.cancelled += 1
+            else:
+                s.transfers += 1
+                failed = t.future.exception() is not None
+                s.failed += failed
+                if not failed:
+                    s.bytes += t.nbytes
+                    self._done_bytes += t.nbytes
+                s.latency.observe(now - t.queued_at)
+            if self._in_flight == 0:
+                self._busy_s += now - self._busy_since
+                if self._busy_s > DECAY_BUSY_S:
+                    self._busy_s /= 2
+                    self._done_bytes /= 2
+            if self._closed or (self._low_in_flight < self.low_limit and any(self.queues.values())):
+                self._cond.notify()
+
+    # ----- knowledge -----
+    def bandwidth(self) -> float:
+        """Bytes per second over the path's busy time (the nominal figure until it has moved enough to know)."""
+        with self._cond:
+            busy = self._busy_s + (time.perf_counter() - self._busy_since if self._in_flight else 0.0)
+            if busy < 0.01 or self._done_bytes < 1 << 20:
+                return self.nominal_bps
+            return self._done_bytes / busy
+
+    def expected_s(self, nbytes: int, lane: Lane) -> float:
+        """When a transfer of `nbytes` submitted now in `lane` would be done: the bytes the arbiter will serve
+        before it (its lane's queue; of each other lane, what its share lets through meanwhile), plus what is in
+        flight, over the measured bandwidth."""
+        bw = self.bandwidth()
+        with self._cond:
+            mine = self.lanes[lane].queued_bytes + nbytes
+            ahead = float(mine)
+            for other in LANES:
+                if other == lane:
+                    continue
+                queued = self.lanes[other].queued_bytes
+                ahead += queued if self.policy == "fifo" else min(queued, mine * self.shares[other] / self.shares[lane])
+            ahead += sum(s.in_flight for s in self.lanes.values()) * nbytes / max(self.workers, 1)
+        return ahead / bw
+
+    def stats(self) -> dict[str, Any]:
+        bw = self.bandwidth()
+        with self._cond:
+            lanes = {la.label: {"queued": len(self.queues[la]), "queued_bytes": s.queued_bytes,
+                                "in_flight": s.in_flight, "transfers": s.transfers, "bytes": s.bytes,
+                                "failed": s.failed, "cancelled": s.cancelled, "rejected": s.rejected,
+                                "escalated": s.escalated, "queue_limit": self.limits[la], "share": self.shares[la],
+                                "wait": s.wait.to_dict(), "latency": s.latency.to_dict()}
+                     for la, s in self.lanes.items()}
+            return {"path": self.name, "policy": self.policy, "workers": self.workers, "in_flight": self._in_flight,
+                    "bandwidth_bps": bw, "lanes": lanes}
+
+    def close(self) -> None:
+        """Cancel what is queued, let what runs finish, stop the workers."""
+        with self._cond:
+            self._closed = True
+            for lane, q in self.queues.items():
+                for t in q:
+                    t.future.cancel()
+                    self.lanes[lane].cancelled += 1
+                q.clear()
+                self.lanes[lane].queued_bytes = 0
+            self._cond.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=30)
+
+
+def choose(options: list[tuple[Path, int]], lane: Lane) -> int:
+    """Of several ways to fetch the same bytes — (path, bytes it would move) each — the index of the one expected
+    to finish first (DualPath §6.1); ties go to the earlier option, so list the local path first."""
+    best, best_s = 0, float("inf")
+    for i, (path, nbytes) in enumerate(options):
+        s = path.expected_s(nbytes, lane)
+        if s < best_s:
+            best, best_s = i, s
+    return best
