@@ -42,7 +42,6 @@ class SsdConfig:
     capacity: int = 16 << 30
     sync: str = "batch"
     staging_bytes: int = 256 << 20      # evicted blocks waiting in memory for their SSD write
-    prefetch_queue: int = 1024          # keys waiting to be prefetched; more is refused with "busy"
 
 
 @dataclass(slots=True)
@@ -233,8 +232,6 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"ssd.dir: must be an absolute path (or empty for no SSD tier), got {d.dir!r}")
     if d.sync not in ("always", "batch", "never"):
         errors.append(f"ssd.sync: must be one of always, batch, never, got {d.sync!r}")
-    if not 1 <= d.prefetch_queue <= 1 << 20:
-        errors.append(f"ssd.prefetch_queue: must be 1..1048576, got {d.prefetch_queue}")
     if d.dir and d.capacity < 1 << 20:
         errors.append(f"ssd.capacity: must be at least 1MiB, got {d.capacity}")
     errors += _check_traffic(cfg.traffic)

@@ -19,6 +19,8 @@ from kvstore.metrics import OpMetrics
 from kvstore.pool import HostPool
 from kvstore.prefetch import Prefetcher
 from kvstore.protocol import Code, ProtocolError, split_keys
+from kvstore.traffic import Lane, parse_lane
+from kvstore.traffic.manager import TrafficManager
 
 log = logging.getLogger("kvstore")
 MAX_FDS_PER_REPLY = 200     # below the kernel's SCM_MAX_FD (253)
@@ -36,6 +38,7 @@ class State:
     connections: int = 0
     started: float = field(default_factory=time.time)
     prefetcher: Prefetcher | None = None
+    traffic: TrafficManager | None = None
     changed: Condition = field(init=False)     # on `lock`: notified when a promotion or prefetch finishes
 
     def __post_init__(self) -> None:
@@ -103,28 +106,68 @@ def op_abort(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     return {"n": st.index.abort(ns, split_keys(m["keys"]), h)}
 
 
+class Stream:
+    """A streaming acquire's partial replies: blocks are sent as they land, in key order, so the client can start
+    copying the first ones while later ones are still on the SSD. Without `emit`, nothing is sent early."""
+
+    def __init__(self, st: State, emit: Callable[[dict[str, Any]], None] | None) -> None:
+        self.st = st
+        self.emit = emit
+        self.gids: list[int] = []
+        self.sent = 0
+
+    def flush(self) -> None:
+        """(Under the state lock.) Send the blocks not sent yet, with the lock released meanwhile."""
+        if self.emit is None or len(self.gids) == self.sent:
+            return
+        part = self.gids[self.sent:]
+        self.sent = len(self.gids)
+        fields = {"slots": part, "crcs": self.st.index.crcs_of(part)}
+        self.st.lock.release()
+        try:
+            self.emit(fields)
+        finally:
+            self.st.lock.acquire()
+
+    def rest(self) -> list[int]:
+        return self.gids[self.sent:]
+
+
 def op_acquire(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     """Pin the longest present prefix; blocks that only the SSD tier holds are promoted into host slots first, and a
-    block already being promoted (by a prefetch or another get) is waited for, never read twice."""
+    block already being promoted (by a prefetch or another get) is waited for, never read twice. With `stream`,
+    the blocks are reported in partial replies as they land; the last reply carries the rest."""
     ns = st.index.namespace(m["ns"], h)
     keys = split_keys(m["keys"])
-    gids: list[int] = []
+    try:
+        lane = parse_lane(m.get("lane", "critical"))
+    except ValueError as e:
+        raise ProtocolError(Code.BAD_REQUEST, f"acquire: {e}") from None
+    stream = Stream(st, m.get("_emit") if m.get("stream") else None)
+    gids = stream.gids
     while len(gids) < len(keys):
         rest = keys[len(gids):]
         more = st.index.acquire(ns, rest, h)
         if not more and st.index.ssd is not None:
+            stream.flush()
             if ns.prefix + rest[0] in st.index.promoting:
                 if not _wait_promoted(st, ns.prefix + rest[0]):
                     break                               # still in flight: the prefix so far
                 continue
-            more = _promote(st, ns, rest, h)
+            more = _promote(st, ns, rest, h, lane, stream)
+            if not more:
+                break
+            continue
         if not more:
             break
         gids += more
-    return {"slots": gids, "crcs": st.index.crcs_of(gids), "generation": st.pool.generation}
+    part = stream.rest()
+    return {"slots": part, "crcs": st.index.crcs_of(part), "generation": st.pool.generation}
 
 
 def _wait_promoted(st: State, key: bytes) -> bool:
+    if st.prefetcher is not None:
+        st.prefetcher.escalate(key)                     # a queued prefetch of it becomes critical
     deadline = time.monotonic() + PROMOTION_WAIT_S
     while key in st.index.promoting:
         left = deadline - time.monotonic()
@@ -134,16 +177,34 @@ def _wait_promoted(st: State, key: bytes) -> bool:
     return True
 
 
-def _promote(st: State, ns: Namespace, keys: list[bytes], h: Holdings) -> list[int]:
+def _promote(st: State, ns: Namespace, keys: list[bytes], h: Holdings, lane: Lane, stream: Stream) -> list[int]:
+    """Promote the leading SSD-only keys into pinned host slots; the disk reads run without the state lock, in
+    `lane`, and with a streaming acquire each block is published and sent as soon as the prefix reaches it."""
     plan = st.index.plan_promotion(ns, keys, h)
     if not plan:
         return []
     views = [st.pool.view(gid) for _, gid in plan]   # the reserved slots keep their segments mapped
     ssd = st.index.ssd
     assert ssd is not None
+    got: list[int] = []
+    done = [0, False]                                 # blocks finished early; a chunk came back short
+
+    def on_ready(n: int) -> None:                     # the session thread, without the state lock
+        with st.lock:
+            if done[1]:
+                return
+            chunk = plan[done[0]:n]
+            part = st.index.finish_promotion(ns, chunk, len(chunk), h)
+            done[0] = n
+            done[1] = len(part) < len(chunk)         # deleted meanwhile: the prefix ends there
+            got.extend(part)
+            stream.gids.extend(part)
+            st.changed.notify_all()
+            stream.flush()
+
     st.lock.release()                                 # the disk read runs without the state lock
     try:
-        n = ssd.read([ns.digest + key for key, _ in plan], views)
+        n = ssd.read([ns.digest + key for key, _ in plan], views, lane, on_ready if stream.emit else None)
     except OSError as e:
         log.error("ssd: promotion read failed (%s); serving the host prefix only", e)
         n = 0
@@ -151,9 +212,12 @@ def _promote(st: State, ns: Namespace, keys: list[bytes], h: Holdings) -> list[i
         for v in views:
             v.release()
         st.lock.acquire()
-    gids = st.index.finish_promotion(ns, plan, n, h)
+    if done[0] < len(plan):
+        part = st.index.finish_promotion(ns, plan[done[0]:], 0 if done[1] else max(n - done[0], 0), h)
+        got.extend(part)
+        stream.gids.extend(part)
     st.changed.notify_all()
-    return gids
+    return got
 
 
 def op_prefetch(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
@@ -161,7 +225,7 @@ def op_prefetch(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     ns = st.index.namespace(m["ns"], h)
     if st.prefetcher is None:
         raise ProtocolError(Code.BAD_REQUEST, "prefetch: this daemon has no SSD tier (set ssd.dir)")
-    ticket = st.prefetcher.submit(ns, split_keys(m["keys"]))
+    ticket = st.prefetcher.submit(ns, split_keys(m["keys"]))   # busy at once if the prefetch lane is full
     while m.get("wait") and ticket.pending:
         st.changed.wait(timeout=PROMOTION_WAIT_S)
     return {"queued": ticket.queued, "done": ticket.done, "skipped": ticket.skipped}
@@ -174,7 +238,10 @@ def op_release(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 def op_delete(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     ns = st.index.namespace(m["ns"], h)
-    return {"n": st.index.delete(ns, split_keys(m["keys"]))}
+    keys = split_keys(m["keys"])
+    if st.prefetcher is not None:
+        st.prefetcher.cancel(ns, keys)              # a queued prefetch of a deleted block is dropped unread
+    return {"n": st.index.delete(ns, keys)}
 
 
 def op_stats(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
@@ -224,7 +291,13 @@ def _resize_ssd(st: State, nbytes: int) -> dict[str, Any]:
     if nbytes < 1 << 20:
         raise ProtocolError(Code.BAD_REQUEST, f"resize: the SSD tier needs at least 1 MiB, got {nbytes} bytes")
     t0 = time.perf_counter()
-    evicted = ssd.resize(nbytes)
+    st.lock.release()                       # waits for a demotion batch in flight: not under the state lock
+    try:
+        evicted = ssd.resize(nbytes)
+    except RuntimeError as e:
+        raise ProtocolError(Code.BUSY, f"resize: {e}") from None
+    finally:
+        st.lock.acquire()
     return {"tier": "ssd", "capacity": nbytes, "evicted": evicted, "mapped_bytes": ssd.store.file_bytes(),
             "released_segments": 0, "draining_bytes": 0, "seconds": time.perf_counter() - t0}
 
@@ -252,11 +325,12 @@ def snapshot(st: State) -> dict[str, Any]:
             "segments": len(pool.segments), "segment_bytes": pool.segment_bytes, "classes": classes}
     counters = {k: idx.counters[k] for k in ("lookups", "hits", "misses", "puts", "gets", "evictions", "deletes",
                                              "aborts", "demotions", "dropped", "promotions", "prefetched",
-                                             "prefetch_skipped", "prefetch_busy")}
+                                             "prefetch_skipped", "prefetch_busy", "prefetch_cancelled")}
     counters["refused_connections"] = st.metrics.refused_connections
     return {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - st.started,
             "socket": st.config.server.socket, "counters": counters,
             "tiers": [host] + ([idx.ssd.stats()] if idx.ssd is not None else []),
+            "traffic": st.traffic.stats() if st.traffic is not None else [],
             "errors": dict(st.metrics.errors), "connections": st.connections,
             "latency": {op: hist.to_dict() for op, hist in st.metrics.latency.items()}, **idx.stats()}
 

@@ -1,20 +1,21 @@
 """Prefetch: promote SSD blocks into the host pool ahead of the get that will want them (PBKV §4.3, conservative).
 
-Only into free host space: a prefetch never evicts, so it never displaces a pinned or recently used block. Requests
-go through a bounded queue (`ssd.prefetch_queue` keys); a request that does not fit is refused at once with `busy`
-and queues nothing. One worker thread reads the blocks with the same promotion path as a get (the disk read runs
-without the state lock), and a get that meets a block still in flight waits for it instead of reading it twice.
-A delete that races a prefetch wins: the block is never published.
+Only into free host space: a prefetch never evicts, so it never displaces a pinned or recently used block. Each
+block is one transfer in the traffic manager's prefetch lane, whose bounded queue is the prefetch queue: a request
+that does not fit is refused at once with `busy` and queues nothing. A get that meets a block still queued moves
+its transfer up to the critical lane and waits for it instead of reading it twice; a delete of a block still queued
+cancels its transfer, and a delete that races a read in progress wins: the block is never published.
 """
 from __future__ import annotations
 
-import threading
-from collections import deque
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.index import Holdings, Namespace
 from kvstore.protocol import Code, ProtocolError
+from kvstore.traffic import Busy, Lane, Path
 
 if TYPE_CHECKING:
     from kvstore.ops import State
@@ -32,64 +33,102 @@ class Ticket:
         return self.queued - self.done - self.skipped
 
 
+@dataclass(eq=False)
+class _Flight:
+    ns: Namespace
+    plan: list[tuple[bytes, int]]
+    ticket: Ticket
+    view: memoryview
+    future: Future[Any] | None = None
+
+
 class Prefetcher:
-    def __init__(self, state: State, limit: int) -> None:
+    def __init__(self, state: State, path: Path) -> None:
         self.state = state
-        self.limit = limit
-        self.queue: deque[tuple[Namespace, bytes, Ticket]] = deque()
+        self.path = path
         self.holder = Holdings()                # the prefetcher's own reservations
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="kvstore-prefetch", daemon=True)
-        self._thread.start()
+        self.flights: dict[bytes, _Flight] = {}  # index key → its transfer
+        self._closed = False
 
     def submit(self, ns: Namespace, hashes: list[bytes]) -> Ticket:
-        """(Under the state lock.) Queue the keys, or refuse them all with `busy` if they do not fit."""
-        if len(self.queue) + len(hashes) > self.limit:
-            self.state.index.counters["prefetch_busy"] += 1
-            raise ProtocolError(Code.BUSY, f"prefetch: the queue holds {len(self.queue)} of {self.limit} keys; "
-                                           f"{len(hashes)} more do not fit, try again later")
+        """(Under the state lock.) Queue the keys' reads, or refuse them all with `busy` if they do not fit."""
+        st, idx = self.state, self.state.index
+        room = self.path.room(Lane.PREFETCH)
+        if room < len(hashes) or self._closed:
+            idx.counters["prefetch_busy"] += 1
+            raise ProtocolError(Code.BUSY, f"prefetch: the prefetch lane has room for {max(room, 0)} more blocks; "
+                                           f"{len(hashes)} do not fit, try again later")
         ticket = Ticket(len(hashes))
         self.holder.namespaces.add(ns.id)
-        self.queue.extend((ns, h, ticket) for h in hashes)
-        self.state.changed.notify_all()
+        assert idx.ssd is not None
+        for h in hashes:
+            plan = idx.plan_promotion(ns, [h], self.holder, evict=False)
+            if not plan:
+                self._skip(ticket)
+                continue
+            flight = _Flight(ns, plan, ticket, st.pool.view(plan[0][1]))
+            try:
+                flight.future = idx.ssd.read_async(ns.digest + h, flight.view, Lane.PREFETCH,
+                                                   lambda f, flight=flight: self._landed(flight, f))
+            except Busy:
+                flight.future = None
+            if flight.future is None:
+                self._finish(flight, ok=False)
+                continue
+            self.flights[ns.prefix + h] = flight
         return ticket
 
-    def _run(self) -> None:
-        st = self.state
-        with st.lock:
-            while not self._stop:
-                if not self.queue:
-                    st.changed.wait()
-                    continue
-                ns, h, ticket = self.queue.popleft()
-                ok = self._one(ns, h)
-                ticket.done += ok
-                ticket.skipped += not ok
-                st.index.counters["prefetched" if ok else "prefetch_skipped"] += 1
-                st.changed.notify_all()
+    def _skip(self, ticket: Ticket) -> None:
+        ticket.skipped += 1
+        self.state.index.counters["prefetch_skipped"] += 1
 
-    def _one(self, ns: Namespace, h: bytes) -> bool:
-        """(Under the state lock, released during the read.) Promote one block into a free slot, unpinned."""
+    def _landed(self, flight: _Flight, f: Future[Any]) -> None:
+        """(A path worker.) Publish the block, unpinned — unless it was deleted while it was read."""
+        ok = f.exception() is None and f.result() is True
+        with self.state.lock:
+            self._finish(flight, ok)
+
+    def _finish(self, flight: _Flight, ok: bool) -> None:
+        """(Under the state lock.)"""
         st, idx = self.state, self.state.index
-        plan = idx.plan_promotion(ns, [h], self.holder, evict=False)
-        if not plan or idx.ssd is None:
-            return False
-        view = st.pool.view(plan[0][1])
-        st.lock.release()
-        try:
-            n = idx.ssd.read([ns.digest + h], [view])
-        except OSError:
-            n = 0
-        finally:
-            view.release()
-            st.lock.acquire()
-        return bool(idx.finish_promotion(ns, plan, n, self.holder, pin=False))
+        flight.view.release()
+        self.flights.pop(flight.ns.prefix + flight.plan[0][0], None)
+        got = idx.finish_promotion(flight.ns, flight.plan, int(ok), self.holder, pin=False)
+        if got:
+            flight.ticket.done += 1
+            idx.counters["prefetched"] += 1
+        else:
+            self._skip(flight.ticket)
+        st.changed.notify_all()
+
+    def cancel(self, ns: Namespace, hashes: list[bytes]) -> int:
+        """(Under the state lock.) Drop the queued reads of these keys (they are being deleted); a read already
+        running is left to finish, and the index does not publish it. Returns how many were cancelled."""
+        n = 0
+        for h in hashes:
+            flight = self.flights.get(ns.prefix + h)
+            if flight is not None and self.path.cancel(ns.digest + h):
+                self.state.index.counters["prefetch_cancelled"] += 1
+                self._finish(flight, ok=False)
+                n += 1
+        return n
+
+    def escalate(self, key: bytes) -> bool:
+        """(Under the state lock.) A get waits for this key: its queued read becomes critical."""
+        flight = self.flights.get(key)
+        return flight is not None and self.path.escalate(flight.ns.digest + flight.plan[0][0], Lane.CRITICAL) > 0
 
     def queued(self) -> int:
-        return len(self.queue)
+        return len(self.flights)
 
-    def close(self) -> None:
-        with self.state.lock:
-            self._stop = True
-            self.state.changed.notify_all()
-        self._thread.join(timeout=5)
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel what is queued and wait for the reads in progress (their slots must outlive them)."""
+        st = self.state
+        with st.lock:
+            self._closed = True
+            for flight in list(self.flights.values()):
+                if self.path.cancel(flight.ns.digest + flight.plan[0][0]):
+                    self._finish(flight, ok=False)
+            deadline = time.monotonic() + timeout
+            while self.flights and time.monotonic() < deadline:
+                st.changed.wait(0.1)

@@ -83,7 +83,7 @@ SCHEMAS: dict[str, Schema] = {
     "reserve": _KEYS,
     "commit": {**_KEYS, "crcs": ("ints", False)},
     "abort": _KEYS,
-    "acquire": _KEYS,
+    "acquire": {**_KEYS, "lane": ("str", False), "stream": ("bool", False)},
     "release": {"slots": ("ints", True)},
     "delete": _KEYS,
     "stats": {},

@@ -26,6 +26,8 @@ from kvstore.protocol import Code, encode, error
 from kvstore.session import Session
 from kvstore.tiers.ssd import StoreLocked
 from kvstore.tiers.ssd_tier import SsdTier
+from kvstore.traffic import Path
+from kvstore.traffic.manager import TrafficManager
 from kvstore.units import format_size
 
 log = logging.getLogger("kvstore")
@@ -90,9 +92,9 @@ def _bind_unix(path: str) -> socket.socket:
     return sock
 
 
-def open_ssd(cfg: Config) -> SsdTier:
+def open_ssd(cfg: Config, path: Path) -> SsdTier:
     try:
-        return SsdTier(cfg.ssd).open()
+        return SsdTier(cfg.ssd, path).open()
     except StoreLocked as e:
         raise StartupError(str(e)) from None
     except OSError as e:
@@ -104,6 +106,7 @@ class Daemon:
         self.config = config
         pool = HostPool(config.pool.capacity, config.pool.segment_bytes)
         self.state = State(config, pool, Index(pool, config.pool.eviction))
+        self.traffic = self.state.traffic = TrafficManager(config.traffic)
         self.sessions: dict[int, tuple[Session, threading.Thread]] = {}
         self.stopping = threading.Event()
         self.listener: socket.socket | None = None
@@ -114,8 +117,9 @@ class Daemon:
     def serve(self) -> None:
         cfg = self.config
         if cfg.ssd.dir:
-            self.state.index.ssd = open_ssd(cfg)   # before the socket: a refused directory starts nothing
-            self.state.prefetcher = Prefetcher(self.state, cfg.ssd.prefetch_queue)
+            ssd_path = self.traffic.path("ssd", cfg.traffic.ssd_in_flight)
+            self.state.index.ssd = open_ssd(cfg, ssd_path)   # before the socket: a refused directory starts nothing
+            self.state.prefetcher = Prefetcher(self.state, ssd_path)
         self.listener = bind_unix(cfg.server.socket)
         self.listener.settimeout(0.2)
         try:
@@ -231,4 +235,5 @@ class Daemon:
             self.state.pool.close()
         if self.state.index.ssd is not None:
             self.state.index.ssd.close()     # writes what is staged: a graceful stop loses no demoted block
+        self.traffic.close()
         log.info("kvstore stopped")

@@ -36,7 +36,9 @@ class DaemonProc:
             self.wait_ready()
         return self
 
-    def wait_ready(self, timeout: float = 20.0) -> None:
+    def wait_ready(self, timeout: float = 20.0, scanned: bool = True) -> None:
+        """Until the daemon answers — and, with `scanned`, until its SSD tier has scanned its records (it serves
+        during the scan, but a block not scanned yet is a miss, which most tests do not want)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc is not None
@@ -44,10 +46,12 @@ class DaemonProc:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.read_log()}")
             try:
                 with Client(self.socket) as c:
-                    c.ping()
-                return
+                    tiers = c.stats()["tiers"] if scanned else []
+                if all(t.get("scan", {}).get("state", "ready") == "ready" for t in tiers):
+                    return
             except (ConnectionError, OSError):
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         raise TimeoutError(f"daemon not ready after {timeout} s:\n{self.read_log()}")
 
     def read_log(self) -> str:

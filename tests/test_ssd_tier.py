@@ -219,13 +219,13 @@ def test_prefetch_never_displaces_blocks(ssd_dir, daemons):
 def test_full_prefetch_queue_answers_busy_at_once(ssd_dir, daemons):
     from kvstore.client import KVStoreError
 
-    d = start(ssd_dir, daemons, KVSTORE_SSD_PREFETCH_QUEUE="4")
+    d = start(ssd_dir, daemons, KVSTORE_TRAFFIC_QUEUE_PREFETCH="4")
     put(d, range(200))
     with d.client() as c:
         ns = c.namespace(spec())
         with pytest.raises(KVStoreError) as e:
             ns.prefetch([key(i) for i in range(10)])
-        assert e.value.code == "busy" and "4 keys" in e.value.message
+        assert e.value.code == "busy" and "room for 4 more blocks" in e.value.message
         assert c.stats()["counters"]["prefetch_busy"] == 1
 
 
@@ -235,6 +235,10 @@ def test_get_of_a_block_in_flight_reads_it_once(ssd_dir, daemons):
     with d.client() as c:
         ns = c.namespace(spec())
         c.evict(everything=True)
+        for _ in range(500):                         # until every demoted block is on disk, not in staging
+            if c.stats()["tiers"][1]["staged_blocks"] == 0:
+                break
+            time.sleep(0.01)
         reads = c.stats()["tiers"][1]["counters"].get("hits", 0)
         ns.prefetch([key(i) for i in range(16)])    # no wait: the gets race the prefetcher
         outs = [bytearray(GEOM.full_bytes) for _ in range(16)]

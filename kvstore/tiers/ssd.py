@@ -3,14 +3,16 @@
 - One file per block size (`blocks-<payload bytes>.kvs`), made of fixed-size records (ssd_format); files grow in
   steps up to the tier's capacity, which they never exceed. The directory is 0700, the files 0600, and a lock file
   makes one daemon its only owner.
+- Every disk access is a transfer on the traffic manager's `ssd` path, in the caller's lane: a read an engine
+  waits on (critical) overtakes demotion writes and the restart scan (background), and several transfers are in
+  flight at once. The store's books (`lock`) are held only for dictionary updates, never across I/O.
 - `put_many` writes payloads, syncs (policy always | batch | never), writes headers, syncs: a record is durable
-  when it returns (with always or batch). Records are read back with O_DIRECT where the file system allows it.
-- `get` checks every header field against the key asked and the payload's checksum against its bytes: a record that
+  when it returns (with always or batch). A key deleted while its write is in flight is not published.
+- Reads check every header field against the key asked and the payload's checksum against its bytes: a record that
   fails is a miss, quarantined (its header zeroed, its space reused) and counted by reason. No wrong byte is served.
-- `open` scans the headers of every record to rebuild the index and the accounting; files that are not ours
-  (foreign names, temporaries, symlinks) are skipped.
-
-This is the store alone; demotion from the host pool, promotion and prefetch through the traffic lanes come next.
+- `open` starts a scan of every record header that rebuilds the index and the accounting while the daemon already
+  serves (a block not scanned yet is a miss); files that are not ours (foreign names, temporaries, symlinks) are
+  skipped. `wait=True` (tools, tests) returns only when the scan is done.
 """
 from __future__ import annotations
 
@@ -22,21 +24,26 @@ import os
 import queue
 import re
 import stat
+import threading
+import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.crash import crash_point
 from kvstore.tiers.ssd_format import HEADER_BYTES, BadRecord, Header, check_payload, padded, parse_header
+from kvstore.traffic import Busy, Lane, Path
 
 log = logging.getLogger("kvstore")
 FILE_RE = re.compile(r"^blocks-(\d+)\.kvs$")
 SYNC_POLICIES = ("always", "batch", "never")
 GROW_RECORDS = 64
-SCAN_CHUNK = 256          # records whose headers one scan task reads
-SCAN_THREADS = 16
+SCAN_CHUNK = 256          # records whose headers one scan transfer reads
+SCAN_IN_FLIGHT = 8        # scan transfers queued at once (the scan never fills the background lane)
+ZERO = bytes(HEADER_BYTES)
 
 
 class StoreLocked(RuntimeError):
@@ -51,8 +58,7 @@ class ClassFile:
     direct: bool
     nrecords: int = 0
     free: list[int] = field(default_factory=list)
-    buf: mmap.mmap = field(default_factory=lambda: _aligned(0))   # one record, aligned for O_DIRECT
-    spare: queue.SimpleQueue[mmap.mmap] = field(default_factory=queue.SimpleQueue)   # for the I/O threads
+    spare: queue.SimpleQueue[mmap.mmap] = field(default_factory=queue.SimpleQueue)   # record buffers for I/O
 
     def take(self) -> mmap.mmap:
         try:
@@ -65,27 +71,46 @@ class ClassFile:
         return HEADER_BYTES + padded(self.payload)
 
 
+@dataclass
+class Scan:
+    """Progress of the restart scan, as `stats` and the log show it."""
+    state: str = "idle"         # idle → scanning → ready
+    total: int = 0              # records to scan
+    done: int = 0
+    started: float = 0.0
+    seconds: float = 0.0
+
+
 def _aligned(n: int) -> mmap.mmap:
     return mmap.mmap(-1, max(n, mmap.PAGESIZE))
 
 
 class SsdStore:
-    def __init__(self, directory: str, capacity: int, sync: str = "batch", io_depth: int = 4) -> None:
+    def __init__(self, directory: str, capacity: int, sync: str = "batch", path: Path | None = None) -> None:
         if sync not in SYNC_POLICIES:
             raise ValueError(f"ssd sync policy must be one of {', '.join(SYNC_POLICIES)}, got {sync!r}")
         self.dir = directory
         self.capacity = capacity
         self.sync = sync
+        self.path = path if path is not None else Path("ssd", workers=4)   # standalone: tools and tests
+        self._own_path = path is None
+        self.lock = threading.Lock()         # the books below; never held across I/O
         self.files: dict[int, ClassFile] = {}
-        self.index: dict[bytes, tuple[int, int, int]] = {}    # ns + hash → (payload bytes, record, seq)
+        self.index: dict[bytes, tuple[int, int, int]] = {}    # ns + hash → (payload bytes, record, seq); LRU order
         self.counters: Counter[str] = Counter()
-        self.seq = 0
+        self.used = 0                        # bytes of the records in the index
+        self.scan = Scan()
+        self._seq = 0
+        self._writing: dict[bytes, int] = {}        # key → seq of its write in flight; a delete removes it
+        self._deleted_in_scan: set[bytes] = set()   # deleted before the scan found them
+        self._batch = threading.Lock()              # one put_many at a time; resize waits for it
+        self._scan_thread: threading.Thread | None = None
+        self._closing = False
+        self._zeroing = 0                           # header zeroings queued; close waits for them
         self._lock_fd = -1
-        # I/O and CRC-32 release the GIL: a few threads keep the disk and the checksum busy at once
-        self._io = ThreadPoolExecutor(io_depth, thread_name_prefix="kvstore-ssd")
 
     # ----- opening -----
-    def open(self, progress: Callable[[int, int], None] | None = None) -> "SsdStore":
+    def open(self, progress: Callable[[int, int], None] | None = None, wait: bool = True) -> "SsdStore":
         _private_dir(self.dir)
         self._lock_fd = os.open(os.path.join(self.dir, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
@@ -94,11 +119,14 @@ class SsdStore:
             os.close(self._lock_fd)
             raise StoreLocked(f"another kvstore daemon owns {self.dir} (its LOCK file is held); give each daemon "
                               f"its own ssd directory") from None
-        names = sorted(os.listdir(self.dir))
-        for i, name in enumerate(names):
+        for name in sorted(os.listdir(self.dir)):
             self._open_file(name)
-            if progress:
-                progress(i + 1, len(names))
+        self.scan = Scan("scanning", sum(cf.nrecords for cf in self.files.values()), 0, time.monotonic())
+        self._scan_thread = threading.Thread(target=self._scan_all, args=(progress,), name="kvstore-scan",
+                                             daemon=True)
+        self._scan_thread.start()
+        if wait:
+            self._scan_thread.join()
         return self
 
     def _open_file(self, name: str) -> None:
@@ -117,7 +145,6 @@ class SsdStore:
             self.counters["bad.torn_tail"] += 1
             log.warning("ssd: %s ends with %d bytes that are not a whole record: cut", path, size % cf.record)
             os.ftruncate(cf.fd, cf.nrecords * cf.record)
-        self._scan(cf)
 
     def _class_file(self, payload: int, path: str | None = None) -> ClassFile:
         cf = self.files.get(payload)
@@ -131,109 +158,206 @@ class SsdStore:
                     raise
                 fd, direct = os.open(path, flags, 0o600), False   # tmpfs and friends: no O_DIRECT
             cf = self.files[payload] = ClassFile(payload, path, fd, direct)
-            cf.buf = _aligned(cf.record)
         return cf
 
-    def _scan(self, cf: ClassFile) -> None:
-        """Rebuild the index from every record header; the newest copy of a key wins. Headers are read by many
-        threads at once (a 4 KiB O_DIRECT read waits on the device, not the CPU), parsed here in record order."""
-        chunks = range(0, cf.nrecords, SCAN_CHUNK)
-        with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="kvstore-scan") as pool:
-            for start, headers in zip(chunks, pool.map(lambda s: _read_headers(cf, s), chunks)):
-                for i, raw in enumerate(headers):
-                    self._index_header(cf, start + i, raw)
+    def _scan_all(self, progress: Callable[[int, int], None] | None) -> None:
+        """(The scan thread.) Read every record header in chunks, as background transfers a few at a time, and
+        index them; the newest copy of a key wins. Requests are served meanwhile."""
+        slots = threading.Semaphore(SCAN_IN_FLIGHT)
+        pending: list[Future[Any]] = []
+        step = max(1, self.scan.total // 10)
+        for cf in list(self.files.values()):
+            for start in range(0, cf.nrecords, SCAN_CHUNK):
+                while not slots.acquire(timeout=0.1):
+                    if self._closing:
+                        break
+                while not self._closing:
+                    try:
+                        pending.append(self.path.submit(
+                            Lane.BACKGROUND, min(SCAN_CHUNK, cf.nrecords - start) * HEADER_BYTES,
+                            lambda cf=cf, start=start: self._scan_chunk(cf, start),
+                            on_done=lambda f: slots.release()))
+                        break
+                    except Busy:
+                        time.sleep(0.01)
+                    except RuntimeError:             # the path closed under us
+                        self._closing = True
+                before = self.scan.done
+                pending = [f for f in pending if not f.done()]
+                if progress and (self.scan.done // step) != (before // step):
+                    progress(self.scan.done, self.scan.total)
+        for f in pending:
+            try:
+                f.result()
+            except (CancelledError, OSError) as e:
+                log.error("ssd: scan of %s stopped: %s", self.dir, e)
+        with self.lock:
+            self.scan.state = "stopped" if self._closing else "ready"
+            self.scan.seconds = time.monotonic() - self.scan.started
+            self._deleted_in_scan.clear()
+        if progress:
+            progress(self.scan.done, self.scan.total)
+
+    def _scan_chunk(self, cf: ClassFile, start: int) -> None:
+        """(A path worker.) Read and index the headers of records start .. start+SCAN_CHUNK-1."""
+        raws = []
+        with _aligned(HEADER_BYTES) as buf:
+            for rec in range(start, min(start + SCAN_CHUNK, cf.nrecords)):
+                n = os.preadv(cf.fd, [buf], rec * cf.record)
+                raws.append(buf[:n])
+        with self.lock:
+            for i, raw in enumerate(raws):
+                self._index_header(cf, start + i, raw)
+            self.scan.done += len(raws)
 
     def _index_header(self, cf: ClassFile, rec: int, raw: bytes) -> None:
         try:
             h = parse_header(raw)
         except BadRecord as e:
-            self._quarantine(cf, rec, e.reason)
+            self._quarantine_locked(cf, rec, e.reason)
             return
         if h is None or h.length != cf.payload:
             if h is not None:
-                self._quarantine(cf, rec, "wrong_length")
+                self._quarantine_locked(cf, rec, "wrong_length")
             else:
                 cf.free.append(rec)
             return
         key = h.ns + h.hash
+        if key in self._deleted_in_scan:
+            self._quarantine_locked(cf, rec, "deleted")
+            return
         old = self.index.get(key)
         if old is not None and old[2] > h.seq:
-            self._quarantine(cf, rec, "superseded")
+            self._quarantine_locked(cf, rec, "superseded")
             return
         if old is not None:
-            self._quarantine(self.files[old[0]], old[1], "superseded")
+            self._drop(key)
+            self._quarantine_locked(self.files[old[0]], old[1], "superseded")
         self.index[key] = (cf.payload, rec, h.seq)
-        self.seq = max(self.seq, h.seq)
+        self.used += cf.record
+        self._seq = max(self._seq, h.seq)
+
+    def _next_seq(self) -> int:
+        """Sequence numbers only order copies of one key; writes made during the scan must outrank any copy the
+        scan has not reached yet, hence the clock."""
+        self._seq = max(self._seq + 1, time.time_ns())
+        return self._seq
 
     # ----- writes -----
-    def put_many(self, items: Sequence[tuple[bytes, bytes, bytes | memoryview]]) -> int:
+    def put_many(self, items: Sequence[tuple[bytes, bytes, bytes | memoryview]],
+                 lane: Lane = Lane.BACKGROUND) -> int:
         """Store (namespace digest, block hash, payload) records; returns how many were stored (the rest found
-        no room). Durable on return unless the sync policy is never."""
-        jobs = []
-        for ns, h, payload in items:
-            cf = self._class_file(len(payload))
-            rec = self._free_record(cf)
-            if rec is None and self._evict_one(cf):
+        no room, or were deleted while being written). Durable on return unless the sync policy is never."""
+        with self._batch:
+            placed = self._place(items)
+            headers: list[tuple[ClassFile, int, Header]] = []
+            try:
+                writes = []
+                for cf, rec, key, seq, payload in placed:
+                    try:
+                        writes.append((cf, rec, key, seq, self.path.submit(
+                            lane, cf.record, lambda cf=cf, rec=rec, p=payload: self._write_payload(cf, rec, p))))
+                    except Busy as e:
+                        self._unplace(cf, rec, key, str(e))
+                for cf, rec, key, seq, job in writes:
+                    try:
+                        headers.append((cf, rec, Header(key[:16], key[16:], cf.payload, job.result(), seq)))
+                    except OSError as e:
+                        self._unplace(cf, rec, key, f"write_error: {e}")
+                if not headers:
+                    return 0
+                cfs = {cf for cf, _, _ in headers}
+                self.path.submit(lane, 0, lambda: self._sync(cfs, "always", "batch")).result()
+                crash_point("after_payload")
+                self.path.submit(lane, len(headers) * HEADER_BYTES, lambda: self._write_headers(headers)).result()
+                self.path.submit(lane, 0, lambda: self._sync(cfs, "always", "batch")).result()
+            except (OSError, Busy, RuntimeError) as e:      # a failed sync or header write: nothing is published
+                for cf, rec, header in headers:
+                    self._unplace(cf, rec, header.ns + header.hash, f"batch failed: {e}")
+                return 0
+            return self._publish(headers)
+
+    def _place(self, items: Sequence[tuple[bytes, bytes, bytes | memoryview]]) -> list[tuple[Any, ...]]:
+        placed = []
+        with self.lock:
+            for ns, h, payload in items:
+                cf = self._class_file(len(payload))
                 rec = self._free_record(cf)
-            if rec is None:
-                self.counters["full"] += 1
-                continue
-            self.seq += 1
-            jobs.append((cf, rec, ns, h, self.seq, self._io.submit(self._write_payload, cf, rec, payload)))
-        placed = [(cf, rec, Header(ns, h, cf.payload, job.result(), seq)) for cf, rec, ns, h, seq, job in jobs]
-        self._sync({cf for cf, _, _ in placed}, "always", "batch")
-        crash_point("after_payload")
-        for i, (cf, rec, header) in enumerate(placed):
-            self._write(cf, rec * cf.record, header.pack())
-            if i == len(placed) // 2:
-                crash_point("mid_header")
-        self._sync({cf for cf, _, _ in placed}, "always", "batch")
-        for cf, rec, header in placed:
-            key = header.ns + header.hash
-            old = self.index.get(key)
-            if old is not None:
-                self._release(self.files[old[0]], old[1])
-            self.index[key] = (cf.payload, rec, header.seq)
-        self.counters["writes"] += len(placed)
-        return len(placed)
+                if rec is None:
+                    rec = self._evict_one(cf)
+                if rec is None:
+                    self.counters["full"] += 1
+                    continue
+                seq = self._writing[ns + h] = self._next_seq()
+                placed.append((cf, rec, ns + h, seq, payload))
+        return placed
+
+    def _unplace(self, cf: ClassFile, rec: int, key: bytes, why: str) -> None:
+        log.error("ssd: writing a record to %s failed (%s); the block is not stored", cf.path, why)
+        with self.lock:
+            self.counters["write_errors"] += 1
+            self._writing.pop(key, None)
+            cf.free.append(rec)
+
+    def _publish(self, headers: list[tuple[ClassFile, int, Header]]) -> int:
+        stored = 0
+        with self.lock:
+            for cf, rec, header in headers:
+                key = header.ns + header.hash
+                if self._writing.get(key) != header.seq:          # deleted while it was being written
+                    self._zero_later(cf, rec)
+                    continue
+                del self._writing[key]
+                old = self.index.get(key)
+                if old is not None:
+                    self._drop(key)
+                    self.files[old[0]].free.append(old[1])
+                self.index[key] = (cf.payload, rec, header.seq)
+                self.used += cf.record
+                stored += 1
+            self.counters["writes"] += stored
+        return stored
 
     def _write_payload(self, cf: ClassFile, rec: int, payload: bytes | memoryview) -> int:
-        """(An I/O thread.) Write one payload; returns its CRC-32."""
+        """(A path worker.) Write one payload; returns its CRC-32. The record's old header (an evicted block's,
+        or a stale copy's) is zeroed first, in the same sync: a crash can leave an empty record, never an old
+        header over new bytes."""
         buf = cf.take()
         try:
             n = padded(len(payload))
             buf[:len(payload)] = payload
             crc = zlib.crc32(buf[:len(payload)])
+            os.pwritev(cf.fd, [ZERO_BUF], rec * cf.record)
             with memoryview(buf) as mv, mv[:n] as part:
                 os.pwritev(cf.fd, [part], rec * cf.record + HEADER_BYTES)
             return crc
         finally:
             cf.spare.put(buf)
 
-    def _write(self, cf: ClassFile, offset: int, data: bytes | memoryview) -> None:
-        """Write through the class's aligned buffer (O_DIRECT needs aligned memory, offsets and lengths)."""
-        n = padded(len(data))
-        cf.buf[:len(data)] = data
-        cf.buf[len(data):n] = bytes(n - len(data))
-        with memoryview(cf.buf) as mv, mv[:n] as part:
-            os.pwritev(cf.fd, [part], offset)
+    def _write_headers(self, headers: list[tuple[ClassFile, int, Header]]) -> None:
+        """(A path worker.) Each header through one aligned buffer (O_DIRECT needs aligned memory and offsets)."""
+        with _aligned(HEADER_BYTES) as buf:
+            for i, (cf, rec, header) in enumerate(headers):
+                buf[:] = header.pack()
+                os.pwritev(cf.fd, [buf], rec * cf.record)
+                if i == len(headers) // 2:
+                    crash_point("mid_header")
 
     def _sync(self, cfs: set[ClassFile], *policies: str) -> None:
         if self.sync in policies:
             for cf in cfs:
                 os.fdatasync(cf.fd)
 
-    def _evict_one(self, cf: ClassFile) -> bool:
-        """Make room at the cap: drop the least recently used record of this block size (the index is kept in
-        use order: reads move a key to its end)."""
+    def _evict_one(self, cf: ClassFile) -> int | None:
+        """(Under the lock.) Make room at the cap: the least recently used record of this block size (the index
+        is kept in use order: reads move a key to its end) is handed to the writer, which zeroes its header."""
         for key, (payload, rec, _) in self.index.items():
             if payload == cf.payload:
-                del self.index[key]
+                self._drop(key)
                 crash_point("mid_eviction")
-                self._release(cf, rec)
                 self.counters["evictions"] += 1
-                return True
-        return False
+                return rec
+        return None
 
     def _free_record(self, cf: ClassFile) -> int | None:
         if not cf.free:
@@ -245,76 +369,133 @@ class SsdStore:
             cf.nrecords += grow
         return cf.free.pop()
 
-    # ----- reads -----
-    def get(self, ns: bytes, h: bytes, out: memoryview | bytearray) -> bool:
-        """Read the block into `out` (len = payload bytes); False on a miss, with bad records quarantined."""
-        return self.get_many(ns, [h], [out]) == 1
+    def _drop(self, key: bytes) -> tuple[int, int, int]:
+        where = self.index.pop(key)
+        self.used -= self.files[where[0]].record
+        return where
 
-    def get_many(self, ns: bytes, hashes: Sequence[bytes], outs: Sequence[memoryview | bytearray]) -> int:
-        """Read blocks into `outs`, several in flight; returns the length of the prefix read and verified. The
-        first miss or bad record ends the prefix (a bad one is quarantined): never a partial hit past it."""
+    # ----- reads -----
+    def has(self, key: bytes) -> bool:
+        return key in self.index
+
+    def get(self, ns: bytes, h: bytes, out: memoryview | bytearray, lane: Lane = Lane.CRITICAL) -> bool:
+        """Read the block into `out` (len = payload bytes); False on a miss, with bad records quarantined."""
+        return self.get_many(ns, [h], [out], lane) == 1
+
+    def get_many(self, ns: bytes, hashes: Sequence[bytes], outs: Sequence[memoryview | bytearray],
+                 lane: Lane = Lane.CRITICAL, on_ready: Callable[[int], None] | None = None) -> int:
+        """Read blocks into `outs`, all in flight at once; returns the length of the prefix read and verified.
+        The first miss or bad record ends the prefix (a bad one is quarantined): never a partial hit past it.
+        `on_ready(n)` is called as the verified prefix grows, so a caller can hand out the first blocks while
+        later ones are still on the disk."""
         jobs = []
         for h, out in zip(hashes, outs):
-            where = self.index.get(ns + h)
-            if where is None or where[0] != len(out):
-                self.counters["misses" if where is None else "wrong_geometry"] += 1
+            job = self.read_async(ns + h, out, lane)
+            if job is None:
                 break
-            cf = self.files[where[0]]
-            jobs.append((h, cf, where[1], self._io.submit(self._read_payload, cf, where[1], ns, h, out)))
+            jobs.append(job)
         n = 0
-        for h, cf, rec, job in jobs:
-            try:
-                job.result()
-            except BadRecord as e:
-                if self.index.get(ns + h, (0, -1))[1] == rec:
-                    del self.index[ns + h]
-                    self._quarantine(cf, rec, e.reason)
+        while n < len(jobs):
+            if not _ok(jobs[n]):
                 break
             n += 1
-            self.index[ns + h] = self.index.pop(ns + h)      # most recently used
-        for _, _, _, job in jobs[n:]:
-            job.exception()                 # let every read finish before the caller reuses its buffers
-        self.counters["hits"] += n
+            while n < len(jobs) and jobs[n].done() and _ok(jobs[n]):
+                n += 1                                          # hand out what has landed, in one go
+            if on_ready is not None:
+                on_ready(n)
+        for job in jobs[n:]:
+            if not job.cancel():
+                _ok(job)                # let every read finish before the caller reuses its buffers
         return n
 
-    def _read_payload(self, cf: ClassFile, rec: int, ns: bytes, h: bytes, out: memoryview | bytearray) -> None:
-        """(An I/O thread.) Read one record, check it against the key and its checksum, copy the payload out."""
+    def read_async(self, key: bytes, out: memoryview | bytearray, lane: Lane,
+                   on_done: Callable[[Future[Any]], None] | None = None) -> Future[Any] | None:
+        """Submit a verified read of one block into `out`; None (counted) when the store does not hold it with
+        that size. The future's result is True, or False for a bad record (quarantined); Busy if the lane is
+        full."""
+        with self.lock:
+            where = self.index.get(key)
+            if where is None or where[0] != len(out):
+                self.counters["misses" if where is None else "wrong_geometry"] += 1
+                return None
+            cf = self.files[where[0]]
+        return self.path.submit(lane, cf.record, lambda: self.read_into(key, cf, where[1], out), tag=key,
+                                on_done=on_done)
+
+    def read_into(self, key: bytes, cf: ClassFile, rec: int, out: memoryview | bytearray) -> bool:
+        """(A path worker.) Read one record, check it against the key and its checksum, copy the payload out."""
         buf = cf.take()
         try:
             with memoryview(buf) as mv:
                 n = os.preadv(cf.fd, [mv], rec * cf.record)
                 header = parse_header(bytes(mv[:min(n, HEADER_BYTES)]))
-                if header is None or header.ns != ns or header.hash != h or header.length != len(out):
+                if header is None or header.ns + header.hash != key or header.length != len(out):
                     raise BadRecord("key_mismatch", "the record holds another block")
                 with mv[HEADER_BYTES:n] as payload:
                     check_payload(header, payload)
                     out[:] = payload[:header.length]
+        except BadRecord as e:
+            with self.lock:
+                if self.index.get(key, (0, -1))[1] == rec:    # not evicted or rewritten while we read
+                    self._drop(key)
+                    self._quarantine_locked(cf, rec, e.reason)
+            return False
         finally:
             cf.spare.put(buf)
+        with self.lock:
+            if key in self.index:
+                self.index[key] = self.index.pop(key)          # most recently used
+            self.counters["hits"] += 1
+        return True
 
+    # ----- deletes and bad records -----
     def delete(self, ns: bytes, h: bytes) -> bool:
-        where = self.index.pop(ns + h, None)
-        if where is not None:
-            self._release(self.files[where[0]], where[1])
-        return where is not None
+        """Forget the block; its header is zeroed (a background transfer) before its record is reused, so a
+        deleted block never comes back after a restart. A write in flight for it is not published."""
+        key = ns + h
+        with self.lock:
+            writing = self._writing.pop(key, None) is not None
+            where = self.index.get(key)
+            if where is not None:
+                self._drop(key)
+                self._zero_later(self.files[where[0]], where[1])
+            elif self.scan.state == "scanning":
+                self._deleted_in_scan.add(key)
+        return where is not None or writing
 
-    def _release(self, cf: ClassFile, rec: int) -> None:
-        self._write(cf, rec * cf.record, bytes(HEADER_BYTES))
-        cf.free.append(rec)
+    def _zero_later(self, cf: ClassFile, rec: int) -> None:
+        """(Under the lock.) Zero a record's header in the background, then free the record."""
+        def zero() -> None:
+            with self.lock:
+                if rec < cf.nrecords:                           # not cut by a shrink meanwhile
+                    os.pwritev(cf.fd, [ZERO_BUF], rec * cf.record)
+                    cf.free.append(rec)
 
-    def _quarantine(self, cf: ClassFile, rec: int, reason: str) -> None:
+        def zeroed(f: Future[Any]) -> None:
+            with self.lock:
+                self._zeroing -= 1
+        try:
+            self.path.submit(Lane.BACKGROUND, HEADER_BYTES, zero, on_done=zeroed)
+            self._zeroing += 1
+        except (Busy, RuntimeError):
+            if rec < cf.nrecords:
+                os.pwritev(cf.fd, [ZERO_BUF], rec * cf.record)
+                cf.free.append(rec)
+
+    def _quarantine_locked(self, cf: ClassFile, rec: int, reason: str) -> None:
         """A bad record is never read again: its header is zeroed and its space reused."""
         self.counters[f"bad.{reason}"] += 1
-        log.warning("ssd: record %d of %s is bad (%s): quarantined, served as a miss", rec, cf.path, reason)
-        self._release(cf, rec)
+        if reason != "deleted":
+            log.warning("ssd: record %d of %s is bad (%s): quarantined, served as a miss", rec, cf.path, reason)
+        self._zero_later(cf, rec)
 
     def verify(self, fix: bool = False) -> list[tuple[str, int, str]]:
         """Read every indexed record whole and check it: (file, record, reason) of each bad one. With `fix`, bad
-        records are quarantined; without, nothing on disk changes."""
+        records are quarantined; without, nothing on disk changes. An offline tool: reads in this thread."""
         bad = []
         for key, (payload, rec, _) in list(self.index.items()):
             cf = self.files[payload]
-            with memoryview(cf.buf) as mv:
+            with _aligned(cf.record) as buf, memoryview(buf) as mv:
                 n = os.preadv(cf.fd, [mv], rec * cf.record)
                 try:
                     header = parse_header(bytes(mv[:min(n, HEADER_BYTES)]))
@@ -325,53 +506,84 @@ class SsdStore:
                 except BadRecord as e:
                     bad.append((cf.path, rec, e.reason))
             if fix and bad and bad[-1][:2] == (cf.path, rec):
-                del self.index[key]
-                self._quarantine(cf, rec, bad[-1][2])
+                with self.lock:
+                    self._drop(key)
+                    self._quarantine_locked(cf, rec, bad[-1][2])
         return bad
 
     def resize(self, capacity: int) -> int:
         """Set the cap. Shrinking below the files' size cuts records from the ends of the largest files (those
-        holding blocks are evicted) and truncates them: the files never stay over the cap. Returns the evictions."""
-        self.capacity = capacity
-        evicted = 0
-        while self.file_bytes() > capacity:
-            cf = max(self.files.values(), key=lambda f: f.nrecords * f.record)
-            over = self.file_bytes() - capacity
-            cut = min(cf.nrecords, -(-over // cf.record))
-            tail = set(range(cf.nrecords - cut, cf.nrecords))
-            for key, (payload, rec, _) in list(self.index.items()):
-                if payload == cf.payload and rec in tail:
-                    del self.index[key]
-                    evicted += 1
-            cf.free = [r for r in cf.free if r not in tail]
-            cf.nrecords -= cut
-            os.ftruncate(cf.fd, cf.nrecords * cf.record)
-        self.counters["evictions"] += evicted
-        return evicted
+        holding blocks are evicted) and truncates them: the files never stay over the cap. Returns the evictions.
+        Waits for a write batch in flight; refused while the restart scan runs."""
+        with self._batch, self.lock:
+            if self.scan.state == "scanning":
+                raise RuntimeError(f"the SSD tier is still scanning ({self.scan.done} of {self.scan.total} "
+                                   "records); resize it when the scan is done")
+            self.capacity = capacity
+            evicted = 0
+            while self.file_bytes() > capacity:
+                cf = max(self.files.values(), key=lambda f: f.nrecords * f.record)
+                over = self.file_bytes() - capacity
+                cut = min(cf.nrecords, -(-over // cf.record))
+                first = cf.nrecords - cut
+                for key, (payload, rec, _) in list(self.index.items()):
+                    if payload == cf.payload and rec >= first:
+                        self._drop(key)
+                        evicted += 1
+                cf.free = [r for r in cf.free if r < first]
+                cf.nrecords = first
+                os.ftruncate(cf.fd, cf.nrecords * cf.record)
+            self.counters["evictions"] += evicted
+            return evicted
 
+    # ----- accounting -----
     def by_namespace(self) -> dict[bytes, int]:
         """Blocks per namespace digest."""
         out: Counter[bytes] = Counter()
-        for key in self.index:
-            out[key[:16]] += 1
+        with self.lock:
+            for key in self.index:
+                out[key[:16]] += 1
         return dict(out)
 
-    # ----- accounting -----
     def file_bytes(self) -> int:
         return sum(cf.nrecords * cf.record for cf in self.files.values())
 
     def used_bytes(self) -> int:
-        return sum(self.files[p].record for p, _, _ in self.index.values())
+        return self.used
+
+    def scan_status(self) -> dict[str, Any]:
+        s = self.scan
+        return {"state": s.state, "records": s.total, "scanned": s.done,
+                "seconds": s.seconds if s.state == "ready" else time.monotonic() - s.started}
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
+        self._closing = True             # a scan in progress stops submitting and finishes what it queued
+        if self._scan_thread is not None and self._scan_thread.is_alive():
+            self._scan_thread.join()
+        deadline = time.monotonic() + 10
+        while self._zeroing and time.monotonic() < deadline:     # deleted blocks stay deleted after a restart
+            time.sleep(0.005)
+        if self._own_path:
+            self.path.close()
         for cf in self.files.values():
             os.close(cf.fd)
-            cf.buf.close()
         self.files.clear()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+ZERO_BUF = _aligned(HEADER_BYTES)          # all zeros, aligned: the header of a deleted or bad record
+
+
+def _ok(job: Future[Any]) -> bool:
+    """A read's outcome: True only for a verified block (a failed or cancelled read is a miss)."""
+    try:
+        return job.result() is True
+    except (CancelledError, OSError) as e:
+        if isinstance(e, OSError):
+            log.error("ssd: read failed: %s", e)
+        return False
 
 
 def _private_dir(path: str) -> None:
@@ -384,16 +596,3 @@ def _private_dir(path: str) -> None:
         raise PermissionError(f"ssd directory {path} belongs to uid {st.st_uid}, not to us")
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(path, 0o700)
-
-
-def _read_headers(cf: ClassFile, start: int) -> list[bytes]:
-    """(A scan thread.) The raw headers of records start .. start+SCAN_CHUNK-1."""
-    buf = _aligned(HEADER_BYTES)
-    try:
-        out = []
-        for rec in range(start, min(start + SCAN_CHUNK, cf.nrecords)):
-            n = os.preadv(cf.fd, [buf], rec * cf.record)
-            out.append(buf[:n])
-        return out
-    finally:
-        buf.close()

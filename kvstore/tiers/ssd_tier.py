@@ -1,52 +1,55 @@
 """The SSD tier as the daemon uses it: blocks evicted from the host pool are demoted here, and come back to the
-host pool (promoted) when a client acquires them.
+host pool (promoted) when a client acquires or prefetches them.
 
 Demotion never makes eviction wait for the disk: the evicted block's bytes are copied into a bounded staging area
 (memory outside the host pool, `ssd.staging_bytes`) and the slot is free at once; a background thread writes staged
-blocks to the record store in batches. A block staged or stored is present for lookups. When staging is full an
-evicted block is dropped, and counted. Reads take staged bytes first, then the store; the store's reads verify every
-record, so a bad one ends the prefix there.
+blocks to the record store in batches, in the background lane. A block staged or stored is present for lookups.
+When staging is full an evicted block is dropped, and counted. Reads take staged bytes first, then the store; the
+store's reads verify every record, so a bad one ends the prefix there.
 
 Keys here are the namespace digest + the block hash (32 bytes): stable across restarts, unlike namespace ids.
-Thread safety: `lock` guards the staging area and is held only for dict updates and copies, so eviction (under the
-daemon's state lock) never waits for the disk; `io` serialises the store. Callers never hold the daemon's state
-lock across a read.
+Thread safety: `lock` guards the staging area and is held only for dict updates and copies; the store keeps its
+own books; all disk I/O is a transfer on the traffic manager's SSD path. Callers never hold the daemon's state lock
+across a read.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from kvstore.config import SsdConfig
 from kvstore.tiers.ssd import SsdStore
+from kvstore.traffic import Lane, Path
 
 log = logging.getLogger("kvstore")
 WRITE_BATCH = 32
 
 
 class SsdTier:
-    def __init__(self, cfg: SsdConfig) -> None:
+    def __init__(self, cfg: SsdConfig, path: Path | None = None) -> None:
         self.cfg = cfg
-        self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync)
+        self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path)
+        self.path = self.store.path
         self.staging: dict[bytes, bytes] = {}
         self.staged_bytes = 0
         self.dropped = 0
         self.rewrites_saved = 0
         self.lock = threading.Condition()
-        self.io = threading.Lock()
         self._stop = False
-        self._writing: set[bytes] = set()
         self._thread = threading.Thread(target=self._run, name="kvstore-demote", daemon=True)
 
-    def open(self) -> "SsdTier":
+    def open(self, wait: bool = False) -> "SsdTier":
+        """Open the store and start its scan; the daemon serves meanwhile (a block not scanned yet is a miss)."""
         def progress(done: int, total: int) -> None:
-            log.info("ssd: scanned %d/%d files of %s", done, total, self.cfg.dir)
+            log.info("ssd: scanned %d of %d records in %s (%d blocks found)%s", done, total, self.cfg.dir,
+                     len(self.store.index), "" if done < total else f"; ready in {self.store.scan_status()['seconds']:.1f} s")
 
-        self.store.open(progress)
-        log.info("ssd: %d block(s) ready in %s (%d bytes of %d)", len(self.store.index), self.cfg.dir,
-                 self.store.used_bytes(), self.cfg.capacity)
+        self.store.open(progress, wait=wait)
+        log.info("ssd: %s: %d records to scan; serving meanwhile (kvstore stats shows the progress)",
+                 self.cfg.dir, self.store.scan.total)
         self._thread.start()
         return self
 
@@ -56,14 +59,13 @@ class SsdTier:
         A block the tier holds already is not written again: a key names its bytes (a chained hash of the tokens,
         in one namespace), and a delete removes the SSD copy too."""
         with self.lock:
-            if key in self.staging or key in self.store.index:
+            if key in self.staging or self.store.has(key):
                 self.rewrites_saved += 1
                 return True
             if self.staged_bytes + len(data) > self.cfg.staging_bytes:
                 self.dropped += 1
                 return False
-            old = self.staging.pop(key, None)
-            self.staged_bytes += len(data) - (len(old) if old is not None else 0)
+            self.staged_bytes += len(data)
             self.staging[key] = bytes(data)
             self.lock.notify()
         return True
@@ -76,8 +78,10 @@ class SsdTier:
                 if not self.staging and self._stop:
                     return
                 batch = list(self.staging.items())[:WRITE_BATCH]
-            with self.io:
-                self.store.put_many([(k[:16], k[16:], v) for k, v in batch])
+            try:
+                self.store.put_many([(k[:16], k[16:], v) for k, v in batch], Lane.BACKGROUND)
+            except Exception:
+                log.exception("ssd: a demotion batch of %d blocks failed; they are dropped", len(batch))
             with self.lock:
                 for k, v in batch:
                     if self.staging.get(k) is v:           # not deleted or staged again meanwhile
@@ -86,51 +90,80 @@ class SsdTier:
 
     # ----- reads -----
     def has(self, key: bytes) -> bool:
-        with self.lock:
-            return key in self.staging or key in self.store.index
+        return key in self.staging or self.store.has(key)
 
-    def read(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
-        """Copy the longest prefix of `keys` that this tier holds and verifies into `outs`; returns its length."""
+    def read(self, keys: Sequence[bytes], outs: Sequence[memoryview], lane: Lane = Lane.CRITICAL,
+             on_ready: Callable[[int], None] | None = None) -> int:
+        """Copy the longest prefix of `keys` that this tier holds and verifies into `outs`; returns its length.
+        `on_ready(n)` reports the prefix as it grows (streaming gets)."""
         n = 0
         while n < len(keys):
             with self.lock:
                 staged = self.staging.get(keys[n])
                 if staged is not None:
                     outs[n][:] = staged
-                    n += 1
-                    continue
-                end = n                                     # a run on disk, of one namespace
-                while end < len(keys) and keys[end] not in self.staging and keys[end][:16] == keys[n][:16]:
-                    end += 1
-            with self.io:
-                got = self.store.get_many(keys[n][:16], [k[16:] for k in keys[n:end]], outs[n:end])
+                    end = -1
+                else:
+                    end = n                                     # a run on disk, of one namespace
+                    while end < len(keys) and keys[end] not in self.staging and keys[end][:16] == keys[n][:16]:
+                        end += 1
+            if end < 0:                                     # reported outside the lock: on_ready takes others
+                n += 1
+                if on_ready is not None:
+                    on_ready(n)
+                continue
+            base = n
+            report = None if on_ready is None else (lambda k: on_ready(base + k))
+            got = self.store.get_many(keys[n][:16], [k[16:] for k in keys[n:end]], outs[n:end], lane, report)
             if got < end - n:
                 return n + got
             n = end
         return n
+
+    def read_async(self, key: bytes, out: memoryview, lane: Lane,
+                   on_done: Callable[[Future[Any]], None]) -> Future[Any] | None:
+        """Submit one block's read as a transfer in `lane` (a staged block is copied by the transfer too, so that
+        completions always arrive on a path worker); None if the tier does not hold it. Busy if the lane is full."""
+        if key not in self.staging:
+            return self.store.read_async(key, out, lane, on_done)
+        return self.path.submit(lane, len(out), lambda: self._read_now(key, out), tag=key, on_done=on_done)
+
+    def _read_now(self, key: bytes, out: memoryview) -> bool:
+        """(A path worker.) The block from staging, or from the store if it was written meanwhile."""
+        with self.lock:
+            staged = self.staging.get(key)
+            if staged is not None:
+                out[:] = staged
+                return True
+        where = self.store.index.get(key)
+        if where is None or where[0] != len(out):
+            return False
+        return self.store.read_into(key, self.store.files[where[0]], where[1], out)
 
     def delete(self, key: bytes) -> bool:
         with self.lock:
             staged = self.staging.pop(key, None)
             if staged is not None:
                 self.staged_bytes -= len(staged)
-        with self.io:
-            return self.store.delete(key[:16], key[16:]) or staged is not None
+        return self.store.delete(key[:16], key[16:]) or staged is not None
 
     def resize(self, capacity: int) -> int:
-        with self.io:
-            self.cfg.capacity = capacity
-            return self.store.resize(capacity)
+        evicted = self.store.resize(capacity)
+        self.cfg.capacity = capacity
+        return evicted
 
     # ----- inspection -----
     def stats(self) -> dict[str, Any]:
-        with self.io, self.lock:
-            s = self.store
-            return {"tier": "ssd", "capacity_bytes": self.cfg.capacity, "mapped_bytes": s.file_bytes(),
-                    "used_bytes": s.used_bytes(), "resident_bytes": s.file_bytes(), "blocks": len(s.index),
-                    "segments": len(s.files), "staged_blocks": len(self.staging), "staged_bytes": self.staged_bytes,
-                    "dropped": self.dropped, "rewrites_saved": self.rewrites_saved, "counters": dict(s.counters),
-                    "namespaces": {d.hex(): n for d, n in s.by_namespace().items()}}
+        s = self.store
+        with s.lock:
+            counters, blocks, used, files = dict(s.counters), len(s.index), s.used_bytes(), s.file_bytes()
+        with self.lock:
+            staged_blocks, staged_bytes = len(self.staging), self.staged_bytes
+        return {"tier": "ssd", "capacity_bytes": self.cfg.capacity, "mapped_bytes": files, "used_bytes": used,
+                "resident_bytes": files, "blocks": blocks, "segments": len(s.files), "staged_blocks": staged_blocks,
+                "staged_bytes": staged_bytes, "dropped": self.dropped, "rewrites_saved": self.rewrites_saved,
+                "counters": counters, "scan": s.scan_status(),
+                "namespaces": {d.hex(): n for d, n in s.by_namespace().items()}}
 
     def close(self) -> None:
         """Write what is staged, then close the store."""
