@@ -21,7 +21,7 @@ import os
 import socket
 import zlib
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,15 +148,20 @@ class Client:
         wanted = sorted(set(seg_ids) - set(self._segments))
         for start in range(0, len(wanted), 200):
             reply, fds = self._roundtrip("segments", {"ids": wanted[start:start + 200]}, want_fds=True)
-            try:
-                for (sid, slot_bytes, nslots), fd in zip(reply["segments"], fds):
-                    self._segments[sid] = _Mapped(fd, slot_bytes, nslots)
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            self._adopt(reply["segments"], fds)
             for sid in set(self._segments) - set(reply["live"]):
                 self._segments.pop(sid).close()   # released by a shrink
             self.generation = reply["generation"]
+
+    def _adopt(self, info: list[list[int]], fds: list[int]) -> None:
+        """Map segments whose handles came with a reply (and close the handles: the mappings keep them)."""
+        try:
+            for (sid, slot_bytes, nslots), fd in zip(info, fds):
+                if sid not in self._segments:
+                    self._segments[sid] = _Mapped(fd, slot_bytes, nslots)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def mapped_segments(self) -> dict[int, np.ndarray]:
         """The segments this client has mapped, by id: what a GPU connector registers as pinned memory once."""
@@ -248,12 +253,25 @@ class Namespace:
         reply = self.client.call("reserve", ns=self.id, keys=keys)
         return Reservation(self, keys, reply["slots"], reply["status"])
 
-    def acquire(self, hashes: Sequence[bytes]) -> Lease:
+    def acquire(self, hashes: Sequence[bytes], lane: str = "critical") -> Lease:
+        """Pin the longest stored prefix (promoting SSD blocks into host slots, in `lane`)."""
+        reply = self.client.call("acquire", ns=self.id, keys=self._acquire_keys(hashes), lane=lane)
+        return Lease(self, reply["slots"], reply.get("crcs"))
+
+    def acquire_stream(self, hashes: Sequence[bytes], lane: str = "critical") -> StreamLease:
+        """Like `acquire`, but the blocks are reported as they land in the host pool, in key order: iterate
+        `arrivals()` and copy the first blocks (a layer at a time, say) while later ones are still on the SSD.
+        Read the stream to its end (or release the lease) before the next call on this client."""
+        self.client.flush()
+        self.client.sock.sendall(encode({"v": VERSION, "op": "acquire", "id": next(self.client._ids), "ns": self.id,
+                                         "keys": self._acquire_keys(hashes), "lane": lane, "stream": True}))
+        return StreamLease(self)
+
+    def _acquire_keys(self, hashes: Sequence[bytes]) -> bytes:
         keys = pack_keys(hashes)
         if len(keys) > self.client.max_keys * HASH_BYTES:
             raise ValueError(f"acquire takes at most {self.client.max_keys} blocks at a time")
-        reply = self.client.call("acquire", ns=self.id, keys=keys)
-        return Lease(self, reply["slots"], reply.get("crcs"))
+        return keys
 
     def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32,
             checksum: bool = False) -> PutResult:
@@ -272,13 +290,13 @@ class Namespace:
         self.client.flush()
         return result
 
-    def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32) -> int:
+    def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32, lane: str = "critical") -> int:
         """Load the longest stored prefix into `outs`; returns how many blocks were loaded."""
         if len(hashes) != len(outs):
             raise ValueError(f"{len(hashes)} hashes but {len(outs)} output buffers")
         done = 0
         for i in range(0, len(hashes), batch):
-            with self.acquire(hashes[i:i + batch]) as lease:
+            with self.acquire(hashes[i:i + batch], lane) as lease:
                 lease.read_blocks(outs[i:i + len(lease)])
             done += len(lease)
             if len(lease) < len(hashes[i:i + batch]):
@@ -443,6 +461,39 @@ class Lease:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class StreamLease(Lease):
+    """A lease that grows as a streaming acquire's replies arrive; `complete` once the last one is in."""
+
+    def __init__(self, ns: Namespace) -> None:
+        super().__init__(ns, [], [])
+        self.complete = False
+
+    def arrivals(self) -> Iterator[int]:
+        """Read the daemon's replies as they come; after each, yield how many leading blocks are ready."""
+        last = -1
+        while not self.complete:
+            reply, fds = self.ns.client._reply(*self.ns.client._recv_frame(True))
+            self.ns.client._adopt(reply.get("segments", []), fds)
+            self.complete = not reply.get("more")
+            gids = reply["slots"]
+            self.gids += gids
+            self.crcs += reply.get("crcs") or [None] * len(gids)
+            self.views += self.ns.client._views(gids)
+            if len(self.gids) > last or (self.complete and last < 0):
+                last = len(self.gids)
+                yield last
+
+    def wait(self) -> int:
+        """Read the stream to its end; the number of blocks pinned."""
+        for _ in self.arrivals():
+            pass
+        return len(self.gids)
+
+    def release(self) -> None:
+        self.wait()                      # the replies must be read before this client's next request
+        super().release()
 
 
 def _crc(arr: np.ndarray) -> int:

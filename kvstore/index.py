@@ -51,6 +51,7 @@ class Holdings:
     reserved: dict[bytes, int] = field(default_factory=dict)   # key → gid
     pins: Counter[int] = field(default_factory=Counter)        # gid → count
     namespaces: set[int] = field(default_factory=set)
+    segments: set[int] = field(default_factory=set)             # whose handles were sent on this connection
 
 
 @dataclass(slots=True)

@@ -81,6 +81,7 @@ def op_segments(st: State, h: Holdings, m: dict[str, Any]) -> Reply:
     found = [st.pool.segments[i] for i in ids if i in st.pool.segments]
     fds = [os.dup(s.fd) for s in found]
     info = [[s.id, s.slot_bytes, s.nslots] for s in found]
+    h.segments.update(s.id for s in found)
     return Reply({"segments": info, "live": list(st.pool.segments), "generation": st.pool.generation}, fds)
 
 
@@ -110,8 +111,9 @@ class Stream:
     """A streaming acquire's partial replies: blocks are sent as they land, in key order, so the client can start
     copying the first ones while later ones are still on the SSD. Without `emit`, nothing is sent early."""
 
-    def __init__(self, st: State, emit: Callable[[dict[str, Any]], None] | None) -> None:
+    def __init__(self, st: State, h: Holdings, emit: Callable[[dict[str, Any], list[int]], None] | None) -> None:
         self.st = st
+        self.holder = h
         self.emit = emit
         self.gids: list[int] = []
         self.sent = 0
@@ -122,10 +124,15 @@ class Stream:
             return
         part = self.gids[self.sent:]
         self.sent = len(self.gids)
-        fields = {"slots": part, "crcs": self.st.index.crcs_of(part)}
+        fields: dict[str, Any] = {"slots": part, "crcs": self.st.index.crcs_of(part)}
+        # handles of segments this connection has not seen ride along: the client cannot ask mid-stream
+        new = [self.st.pool.segments[sid] for sid in sorted({g >> 32 for g in part} - self.holder.segments)]
+        fds = [os.dup(seg.fd) for seg in new]
+        fields["segments"] = [[seg.id, seg.slot_bytes, seg.nslots] for seg in new]
+        self.holder.segments.update(seg.id for seg in new)
         self.st.lock.release()
         try:
-            self.emit(fields)
+            self.emit(fields, fds)
         finally:
             self.st.lock.acquire()
 
@@ -143,7 +150,7 @@ def op_acquire(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
         lane = parse_lane(m.get("lane", "critical"))
     except ValueError as e:
         raise ProtocolError(Code.BAD_REQUEST, f"acquire: {e}") from None
-    stream = Stream(st, m.get("_emit") if m.get("stream") else None)
+    stream = Stream(st, h, m.get("_emit") if m.get("stream") else None)
     gids = stream.gids
     while len(gids) < len(keys):
         rest = keys[len(gids):]

@@ -80,7 +80,7 @@ class Session:
             rid = msg["id"] if type(msg.get("id")) is int else 0   # echoed even when invalid; never a bool
             op, rid = check_request(msg, st.config.server.max_keys_per_request)
             if msg.get("stream"):             # partial replies, sent while the op waits without the lock
-                msg["_emit"] = lambda fields, rid=rid: self._send(ok(rid, more=True, **fields))
+                msg["_emit"] = lambda fields, fds, rid=rid: self._send(ok(rid, more=True, **fields), fds)
             with st.lock:
                 result = HANDLERS[op](st, self.holdings, msg)
                 st.metrics.observe(op, time.perf_counter() - t0)
