@@ -1,4 +1,4 @@
-"""`kvstore serve | stats | ls | resize | evict | ping` — human tables by default, `--json` for scripts."""
+"""`kvstore serve | stats | top | ls | resize | evict | ping | verify` — human tables by default, `--json` for scripts."""
 from __future__ import annotations
 
 import argparse
@@ -38,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="YAML file over the embedded default (configs/default.yaml)")
     s.add_argument("--capacity", help="host pool size, e.g. 8GiB (overrides the configuration)")
     s.set_defaults(func=cmd_serve)
+    c = sub.add_parser("top", help="live traffic per path and lane: throughput, queues, latency")
+    c.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    c.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0: until Ctrl-C)")
+    c.add_argument("--json", action="store_true", help="one JSON object per refresh, one per line")
+    c.set_defaults(func=cmd_top)
     for name, func, text in (("stats", cmd_stats, "capacity, use and counters per tier"),
                              ("ping", cmd_ping, "check that the daemon answers")):
         c = sub.add_parser(name, help=text)
@@ -133,7 +138,78 @@ def cmd_stats(args: argparse.Namespace) -> int:
                   for op, h in sorted(s["latency"].items())])
     head = (f"kvstore {s['version']} pid {s['pid']} up {s['uptime_s']:.0f} s — {s['connections']} connection(s), "
             f"{s['namespaces']} namespace(s), {s['pinned']} pinned, {s['reserved']} reserved")
-    _out(args, s, f"{head}\n\n{tiers}\n\n{counters}\n\n{lat}")
+    text = f"{head}\n\n{tiers}"
+    for t in s["tiers"]:
+        if "scan" in t:
+            sc = t["scan"]
+            text += (f"\nssd scan: {sc['state']}, {sc['scanned']} of {sc['records']} records in "
+                     f"{sc['seconds']:.1f} s")
+    if s.get("traffic"):
+        text += "\n\n" + _traffic_table(s["traffic"])
+    _out(args, s, f"{text}\n\n{counters}\n\n{lat}")
+    return 0
+
+
+def _traffic_table(paths: list[dict[str, Any]]) -> str:
+    rows = [[p["path"], lane, r["queued"], r["in_flight"], r["transfers"], format_size(r["bytes"]), r["rejected"],
+             r["cancelled"], _us(r["latency"]["p50"]), _us(r["latency"]["p99"])]
+            for p in paths for lane, r in p["lanes"].items()]
+    return _table(["path", "lane", "queued", "in flight", "transfers", "bytes", "busy", "cancelled", "p50", "p99"],
+                  rows)
+
+
+def traffic_rates(before: dict[str, Any], after: dict[str, Any], seconds: float) -> list[dict[str, Any]]:
+    """Per path and lane, what happened between two stats snapshots: throughput, transfers per second, and the
+    latency percentiles of just the transfers in between (from the histograms' bucket differences)."""
+    old = {(p["path"], lane): r for p in before.get("traffic", []) for lane, r in p["lanes"].items()}
+    rows = []
+    for p in after.get("traffic", []):
+        for lane, r in p["lanes"].items():
+            o = old.get((p["path"], lane))
+            buckets = [a - b for a, b in zip(r["latency"]["buckets"], o["latency"]["buckets"])] if o else \
+                r["latency"]["buckets"]
+            moved = r["bytes"] - (o["bytes"] if o else 0)
+            done = r["transfers"] - (o["transfers"] if o else 0)
+            rows.append({"path": p["path"], "lane": lane, "bytes_per_s": moved / seconds,
+                         "transfers_per_s": done / seconds, "queued": r["queued"], "in_flight": r["in_flight"],
+                         "p50_s": _bucket_quantile(buckets, 0.5), "p99_s": _bucket_quantile(buckets, 0.99),
+                         "rejected": r["rejected"] - (o["rejected"] if o else 0)})
+    return rows
+
+
+def _bucket_quantile(buckets: list[int], q: float) -> float | None:
+    total = sum(buckets)
+    if not total:
+        return 0.0
+    seen = 0
+    for i, c in enumerate(buckets):
+        seen += c
+        if seen >= q * total:
+            return BUCKETS[i] if i < len(BUCKETS) else None
+    return None
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """Refresh a table of traffic rates every interval; clears the screen only on a terminal."""
+    n = 0
+    with _client(args) as c:
+        before, t0 = c.stats(), time.monotonic()
+        while args.count <= 0 or n < args.count:
+            time.sleep(args.interval)
+            after, t1 = c.stats(), time.monotonic()
+            rows = traffic_rates(before, after, t1 - t0)
+            before, t0, n = after, t1, n + 1
+            if args.json:
+                print(json.dumps({"time": time.time(), "paths": rows}), flush=True)
+                continue
+            table = _table(["path", "lane", "MB/s", "ops/s", "queued", "in flight", "p50", "p99", "busy"],
+                           [[r["path"], r["lane"], f"{r['bytes_per_s'] / 1e6:.1f}", f"{r['transfers_per_s']:.0f}",
+                             r["queued"], r["in_flight"], _us(r["p50_s"]), _us(r["p99_s"]), r["rejected"]]
+                            for r in rows]) if rows else "no traffic paths (this daemon has no SSD tier)"
+            host = after["tiers"][0]
+            head = (f"kvstore top — every {args.interval:g} s; host {format_size(host['used_bytes'])} of "
+                    f"{format_size(host['capacity_bytes'])}, {after['connections']} connection(s)")
+            print(("\x1b[H\x1b[2J" if sys.stdout.isatty() else "") + head + "\n\n" + table, flush=True)
     return 0
 
 

@@ -171,3 +171,32 @@ def test_serve_takes_socket_and_capacity_flags(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_stats_and_top_show_traffic_per_lane(start_daemon, tmp_path):
+    d = start_daemon(capacity="1MiB", env={"KVSTORE_SSD_DIR": str(tmp_path / "ssd")})
+    with d.client() as c:
+        ns = c.namespace(spec())
+        hs = hashes(200)
+        assert ns.put(hs, [block(i) for i in range(200)]).stored == 200     # 72 demoted in the background
+        c.evict(everything=True)
+        for _ in range(500):
+            if c.stats()["tiers"][1]["staged_blocks"] == 0:
+                break
+            time.sleep(0.01)
+    text = kvstore("stats", sock=d.socket).stdout
+    assert re.search(r"^ssd\s+critical\s+0\s+0\s+0\s", text, re.M), text
+    assert re.search(r"^ssd\s+background\s+0\s+0\s+\d+\s", text, re.M)
+    assert "ssd scan: ready, 0 of 0 records" in text
+    top = subprocess.Popen([sys.executable, "-m", "kvstore", "--socket", d.socket, "top", "--json",
+                            "--interval", "1", "--count", "2"], stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    with d.client() as c:                                   # 20 critical reads during top's first interval
+        ns = c.namespace(spec())
+        assert ns.get(hs[:20], [bytearray(GEOM.full_bytes) for _ in range(20)]) == 20
+    out, _ = top.communicate(timeout=30)
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert len(lines) == 2 and top.returncode == 0
+    crit = [r for r in lines[0]["paths"] if r["lane"] == "critical"][0]
+    assert crit["transfers_per_s"] > 0 and crit["bytes_per_s"] > 0 and crit["p99_s"] > 0
+    assert [r for r in lines[1]["paths"] if r["lane"] == "critical"][0]["transfers_per_s"] == 0   # quiet after

@@ -132,3 +132,41 @@ def test_histogram_beyond_last_bucket_is_strict_json():
     assert (d["count"], d["buckets"][1], d["buckets"][-1]) == (2, 1, 1)
     assert d["p50"] == 2.5e-5 and d["p99"] is None
     json.dumps(d, allow_nan=False)                   # no Infinity for jq and friends
+
+
+def test_traffic_per_path_and_lane_equals_the_stats_op(start_daemon, tmp_path):
+    port = free_port()
+    d = start_daemon(capacity="1MiB", env={"KVSTORE_METRICS_ENABLED": "true", "KVSTORE_METRICS_PORT": str(port),
+                                           "KVSTORE_SSD_DIR": str(tmp_path / "ssd")})
+    with d.client() as c:
+        ns = c.namespace(spec())
+        hs = hashes(200)
+        assert ns.put(hs, [block(i) for i in range(200)]).stored == 200     # 72 evicted: demoted to SSD
+        settle(c)
+        assert ns.get(hs[:4], [bytearray(len(block(0))) for _ in range(4)]) == 4   # 4 critical reads
+        settle(c)                                            # ... which evicted (and demoted) 4 others
+        (path,) = c.stats()["traffic"]
+        m = scrape(port)
+    assert path["lanes"]["critical"]["transfers"] == 4 and path["lanes"]["background"]["bytes"] > 0
+    for lane, r in path["lanes"].items():
+        labels = (("lane", lane), ("path", "ssd"))
+        for name in ("bytes", "transfers", "failed", "cancelled", "rejected", "escalated"):
+            assert m[(f"kvstore_traffic_{name}_total", labels)] == r[name], (lane, name)
+        for name in ("queued", "queued_bytes", "in_flight"):
+            assert m[(f"kvstore_traffic_{name}", labels)] == r[name], (lane, name)
+        assert m[("kvstore_traffic_seconds_count", labels)] == r["latency"]["count"], lane
+    assert m[("kvstore_traffic_bandwidth_bytes_per_second", (("path", "ssd"),))] > 0
+    assert m[("kvstore_tier_blocks", (("tier", "ssd"),))] >= 72
+
+
+def settle(c) -> None:
+    """Until the SSD tier has written everything staged and its path is idle."""
+    import time
+
+    for _ in range(1000):
+        s = c.stats()
+        lanes = s["traffic"][0]["lanes"].values()
+        if s["tiers"][1]["staged_blocks"] == 0 and not any(r["queued"] or r["in_flight"] for r in lanes):
+            return
+        time.sleep(0.01)
+    raise AssertionError("the SSD path did not settle")
