@@ -1,4 +1,5 @@
-"""`kvstore serve | stats | top | ls | resize | evict | ping | verify` — human tables by default, `--json` for scripts."""
+"""`kvstore serve | stats | top | ls | resize | evict | ping | verify`: human tables by default, `--json` for
+scripts."""
 from __future__ import annotations
 
 import argparse

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvstore.index import Holdings, Namespace
@@ -69,7 +70,7 @@ class Prefetcher:
             flight = _Flight(ns, plan, ticket, st.pool.view(plan[0][1]))
             try:
                 flight.future = idx.ssd.read_async(ns.digest + h, flight.view, Lane.PREFETCH,
-                                                   lambda f, flight=flight: self._landed(flight, f))
+                                                   partial(self._landed, flight))
             except Busy:
                 flight.future = None
             if flight.future is None:

@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kvstore.crash import crash_point
@@ -175,7 +176,7 @@ class SsdStore:
                     try:
                         pending.append(self.path.submit(
                             Lane.BACKGROUND, min(SCAN_CHUNK, cf.nrecords - start) * HEADER_BYTES,
-                            lambda cf=cf, start=start: self._scan_chunk(cf, start),
+                            partial(self._scan_chunk, cf, start),
                             on_done=lambda f: slots.release()))
                         break
                     except Busy:
@@ -256,7 +257,7 @@ class SsdStore:
                 for cf, rec, key, seq, payload in placed:
                     try:
                         writes.append((cf, rec, key, seq, self.path.submit(
-                            lane, cf.record, lambda cf=cf, rec=rec, p=payload: self._write_payload(cf, rec, p))))
+                            lane, cf.record, partial(self._write_payload, cf, rec, payload))))
                     except Busy as e:
                         self._unplace(cf, rec, key, str(e))
                 for cf, rec, key, seq, job in writes:

@@ -44,8 +44,9 @@ class SsdTier:
     def open(self, wait: bool = False) -> "SsdTier":
         """Open the store and start its scan; the daemon serves meanwhile (a block not scanned yet is a miss)."""
         def progress(done: int, total: int) -> None:
+            ready = "" if done < total else f"; ready in {self.store.scan_status()['seconds']:.1f} s"
             log.info("ssd: scanned %d of %d records in %s (%d blocks found)%s", done, total, self.cfg.dir,
-                     len(self.store.index), "" if done < total else f"; ready in {self.store.scan_status()['seconds']:.1f} s")
+                     len(self.store.index), ready)
 
         self.store.open(progress, wait=wait)
         log.info("ssd: %s: %d records to scan; serving meanwhile (kvstore stats shows the progress)",
@@ -112,8 +113,7 @@ class SsdTier:
                 if on_ready is not None:
                     on_ready(n)
                 continue
-            base = n
-            report = None if on_ready is None else (lambda k: on_ready(base + k))
+            report = None if on_ready is None else (lambda k, base=n: on_ready(base + k))
             got = self.store.get_many(keys[n][:16], [k[16:] for k in keys[n:end]], outs[n:end], lane, report)
             if got < end - n:
                 return n + got
