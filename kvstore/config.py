@@ -42,6 +42,7 @@ class SsdConfig:
     capacity: int = 16 << 30
     sync: str = "batch"
     staging_bytes: int = 256 << 20      # evicted blocks waiting in memory for their SSD write
+    write_through: bool = False         # also write every committed block to SSD at once (store lane)
 
 
 @dataclass(slots=True)

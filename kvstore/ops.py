@@ -21,6 +21,7 @@ from kvstore.prefetch import Prefetcher
 from kvstore.protocol import Code, ProtocolError, split_keys
 from kvstore.traffic import Lane, parse_lane
 from kvstore.traffic.manager import TrafficManager
+from kvstore.writethrough import WriteThrough
 
 log = logging.getLogger("kvstore")
 MAX_FDS_PER_REPLY = 200     # below the kernel's SCM_MAX_FD (253)
@@ -39,6 +40,7 @@ class State:
     started: float = field(default_factory=time.time)
     prefetcher: Prefetcher | None = None
     traffic: TrafficManager | None = None
+    write_through: WriteThrough | None = None
     changed: Condition = field(init=False)     # on `lock`: notified when a promotion or prefetch finishes
 
     def __post_init__(self) -> None:
@@ -99,7 +101,11 @@ def op_reserve(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 def op_commit(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     ns = st.index.namespace(m["ns"], h)
-    return {"n": st.index.commit(ns, split_keys(m["keys"]), h, m.get("crcs"))}
+    keys = split_keys(m["keys"])
+    n = st.index.commit(ns, keys, h, m.get("crcs"))
+    if st.write_through is not None:
+        st.write_through.committed(ns, keys)
+    return {"n": n}
 
 
 def op_abort(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
@@ -332,7 +338,8 @@ def snapshot(st: State) -> dict[str, Any]:
             "segments": len(pool.segments), "segment_bytes": pool.segment_bytes, "classes": classes}
     counters = {k: idx.counters[k] for k in ("lookups", "hits", "misses", "puts", "gets", "evictions", "deletes",
                                              "aborts", "demotions", "dropped", "promotions", "prefetched",
-                                             "prefetch_skipped", "prefetch_busy", "prefetch_cancelled")}
+                                             "prefetch_skipped", "prefetch_busy", "prefetch_cancelled",
+                                             "written_through", "write_through_skipped")}
     counters["refused_connections"] = st.metrics.refused_connections
     return {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - st.started,
             "socket": st.config.server.socket, "counters": counters,

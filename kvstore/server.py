@@ -29,6 +29,7 @@ from kvstore.tiers.ssd_tier import SsdTier
 from kvstore.traffic import Path
 from kvstore.traffic.manager import TrafficManager
 from kvstore.units import format_size
+from kvstore.writethrough import WriteThrough
 
 log = logging.getLogger("kvstore")
 REFUSED_LINGER_S = 1.0   # how long a refused connection stays open for its client to read the refusal
@@ -120,6 +121,8 @@ class Daemon:
             ssd_path = self.traffic.path("ssd", cfg.traffic.ssd_in_flight)
             self.state.index.ssd = open_ssd(cfg, ssd_path)   # before the socket: a refused directory starts nothing
             self.state.prefetcher = Prefetcher(self.state, ssd_path)
+            if cfg.ssd.write_through:
+                self.state.write_through = WriteThrough(self.state, cfg.ssd.staging_bytes)
         self.listener = bind_unix(cfg.server.socket)
         self.listener.settimeout(0.2)
         try:
@@ -231,6 +234,8 @@ class Daemon:
             self.metrics_server.shutdown()  # type: ignore[attr-defined]
         if self.state.prefetcher is not None:
             self.state.prefetcher.close()
+        if self.state.write_through is not None:
+            self.state.write_through.close()     # before the pool closes: its writes read from the slots
         with self.state.lock:
             self.state.pool.close()
         if self.state.index.ssd is not None:

@@ -28,7 +28,7 @@ import threading
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -246,9 +246,10 @@ class SsdStore:
 
     # ----- writes -----
     def put_many(self, items: Sequence[tuple[bytes, bytes, bytes | memoryview]],
-                 lane: Lane = Lane.BACKGROUND) -> int:
+                 lane: Lane = Lane.BACKGROUND, cancelled: Collection[bytes] = ()) -> int:
         """Store (namespace digest, block hash, payload) records; returns how many were stored (the rest found
-        no room, or were deleted while being written). Durable on return unless the sync policy is never."""
+        no room, or were deleted while being written). Durable on return unless the sync policy is never. A key
+        that appears in `cancelled` by the time its record is published (deleted upstream) is not published."""
         with self._batch:
             placed = self._place(items)
             headers: list[tuple[ClassFile, int, Header]] = []
@@ -276,7 +277,7 @@ class SsdStore:
                 for cf, rec, header in headers:
                     self._unplace(cf, rec, header.ns + header.hash, f"batch failed: {e}")
                 return 0
-            return self._publish(headers)
+            return self._publish(headers, cancelled)
 
     def _place(self, items: Sequence[tuple[bytes, bytes, bytes | memoryview]]) -> list[tuple[Any, ...]]:
         placed = []
@@ -300,12 +301,13 @@ class SsdStore:
             self._writing.pop(key, None)
             cf.free.append(rec)
 
-    def _publish(self, headers: list[tuple[ClassFile, int, Header]]) -> int:
+    def _publish(self, headers: list[tuple[ClassFile, int, Header]], cancelled: Collection[bytes]) -> int:
         stored = 0
         with self.lock:
             for cf, rec, header in headers:
                 key = header.ns + header.hash
-                if self._writing.get(key) != header.seq:          # deleted while it was being written
+                if self._writing.get(key) != header.seq or key in cancelled:   # deleted while being written
+                    self._writing.pop(key, None)
                     self._zero_later(cf, rec)
                     continue
                 del self._writing[key]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -39,6 +40,8 @@ class SsdTier:
         self.rewrites_saved = 0
         self.lock = threading.Condition()
         self._stop = False
+        self._inflight: Counter[bytes] = Counter()    # keys in a write batch now (demotion or write-through)
+        self._killed: set[bytes] = set()               # ... deleted meanwhile: the batch must not publish them
         self._thread = threading.Thread(target=self._run, name="kvstore-demote", daemon=True)
 
     def open(self, wait: bool = False) -> "SsdTier":
@@ -79,8 +82,9 @@ class SsdTier:
                 if not self.staging and self._stop:
                     return
                 batch = list(self.staging.items())[:WRITE_BATCH]
+                self._begin([k for k, _ in batch])
             try:
-                self.store.put_many([(k[:16], k[16:], v) for k, v in batch], Lane.BACKGROUND)
+                self.write_batch(batch, Lane.BACKGROUND)
             except Exception:
                 log.exception("ssd: a demotion batch of %d blocks failed; they are dropped", len(batch))
             with self.lock:
@@ -88,6 +92,26 @@ class SsdTier:
                     if self.staging.get(k) is v:           # not deleted or staged again meanwhile
                         del self.staging[k]
                         self.staged_bytes -= len(v)
+
+    def begin_batch(self, keys: list[bytes]) -> None:
+        """Announce the keys of a write batch before their bytes are taken (a delete from then on cancels them)."""
+        with self.lock:
+            self._begin(keys)
+
+    def _begin(self, keys: list[bytes]) -> None:
+        self._inflight.update(keys)
+
+    def write_batch(self, items: Sequence[tuple[bytes, bytes | memoryview]], lane: Lane) -> int:
+        """Write announced blocks to the store in `lane`; a key deleted since `begin_batch` is not published."""
+        try:
+            return self.store.put_many([(k[:16], k[16:], v) for k, v in items], lane, cancelled=self._killed)
+        finally:
+            with self.lock:
+                for k, _ in items:
+                    self._inflight[k] -= 1
+                    if self._inflight[k] <= 0:
+                        del self._inflight[k]
+                        self._killed.discard(k)
 
     # ----- reads -----
     def has(self, key: bytes) -> bool:
@@ -145,6 +169,8 @@ class SsdTier:
             staged = self.staging.pop(key, None)
             if staged is not None:
                 self.staged_bytes -= len(staged)
+            if key in self._inflight:
+                self._killed.add(key)
         return self.store.delete(key[:16], key[16:]) or staged is not None
 
     def resize(self, capacity: int) -> int:
