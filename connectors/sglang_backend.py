@@ -1,0 +1,431 @@
+"""kvstore as an SGLang HiCache storage backend (the L3 tier under SGLang's host pool), loaded by name:
+
+    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
+      --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+      '{"backend_name": "kvstore", "module_path": "connectors.sglang_backend", "class_name": "KVStoreHiCache",
+        "interface_v1": 1, "socket": "/run/kvstore/kvstore.sock"}'
+
+Thin: SGLang's page hashes become kvstore keys and pages move between SGLang's host pool and the daemon's
+shared-memory slots with one copy each way. No cache of its own, and the daemon is never a reason for SGLang to stop:
+every failure (daemon away, refusal, a pool this backend cannot describe, bad arguments) is a per-key False, a 0 or
+a None, never an exception into SGLang's prefetch or backup threads; one log line per outage, reconnect later.
+
+The contract, as SGLang's HiCache calls it (keys are page-hash strings, `host_indices` token indices of the host
+pool, `page_size` per page):
+
+- `batch_exists(keys) -> int`: how many leading keys are stored (longest contiguous prefix, host pool or SSD).
+- `batch_get_v1(keys, host_indices) -> list[bool]`: load the stored prefix into the host pool's pages; True for
+  each page whose bytes were copied and proved (CRC-32) to be those committed; False from the first miss on.
+- `batch_set_v1(keys, host_indices) -> list[bool]`: store the pages: True when stored now, already stored, or being
+  stored by another writer of the same namespace (identical bytes by construction); False when not (no space,
+  daemon away). A page is invisible to readers until its commit.
+- `get/batch_get/set/batch_set/exists`: the older flat-page interface over the same blocks (a flat page from
+  `get_data_page(i, flat=True)`), interchangeable with the v1 calls.
+
+Pages move by the pool's own `get_page_buffer_meta` (pointer and size of each piece of a page), each pointer checked
+to lie inside the pool's buffers. A kvstore block is one SGLang page: its pieces one after another, so the bytes are
+the host pool's own (no transposes) and the namespace's layout names their order, e.g. `layers,kv,tokens,heads,dim`
+for an MHA `layer_first` pool. The namespace holds what makes page bytes identical: model (or `group`), tensor-
+parallel rank and size, layers, page size, heads, head dim, dtype, byte order, pipeline stage and context-parallel
+shard. MLA pools hold one latent per token (`kv=1`, head dim = kv_lora_rank + qk_rope_head_dim) replicated on every
+rank: their namespace has no rank, every rank reads it and only SGLang's storage writer (rank 0) writes it; other
+ranks' sets are no-ops reported True.
+
+extra config (beside SGLang's backend_name, module_path, class_name, interface_v1): socket (default
+$KVSTORE_SERVER_SOCKET, else the daemon's default), model / group / salt (namespace overrides), retry_s (5: how often
+a lost daemon is tried again), timeout_s (5: the longest one daemon call may take), verify (true: each block carries a
+CRC-32 checked before its bytes reach the pool).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from kvstore.client import Client, KVStoreError, Namespace
+from kvstore.geometry import Geometry
+from kvstore.keys import NamespaceSpec, block_key
+
+log = logging.getLogger("sglang.kvstore")  # under "sglang": shown wherever SGLang's own lines are
+
+TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
+                "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2", "int8": "int8", "uint8": "uint8"}
+# Byte order of one page as the pool's get_page_buffer_meta pieces follow each other, per host layout.
+MHA_ORDER = {"layer_first": "layers,kv,tokens,heads,dim", "page_first": "kv,tokens,layers,heads,dim",
+             "page_first_direct": "kv,layers,tokens,heads,dim", "page_head": "kv,heads,tokens,layers,dim"}
+# MLA: layer_first and page_first_direct give the same bytes, so they share blocks.
+MLA_ORDER = {"layer_first": "layers,tokens,latent", "page_first": "tokens,layers,latent",
+             "page_first_direct": "layers,tokens,latent"}
+KEY_SCHEME = "sglang-sha256-pages"
+
+
+def page_key(key: str) -> bytes:
+    """An SGLang page key as a 16-byte kvstore key: a hex hash (SHA-256) is folded to 128 bits like any long engine
+    hash; any other string is hashed in its own domain, so it can never meet a hex key."""
+    try:
+        raw = bytes.fromhex(key)
+        if 16 <= len(raw) <= 64:
+            return block_key(raw)
+    except (ValueError, TypeError):
+        pass
+    return hashlib.blake2b(str(key).encode(), digest_size=16, person=b"kvstore-sgl-key").digest()
+
+
+def describe_pool(pool: Any, config: HiCacheStorageConfig, extra: dict[str, Any]) -> NamespaceSpec:
+    """The namespace of a host pool's pages, or ValueError naming what this backend cannot store."""
+    layout = str(getattr(pool, "layout", "?"))
+    dtype = TORCH_DTYPES.get(str(getattr(pool, "dtype", "?")).removeprefix("torch."))
+    if dtype is None:
+        raise ValueError(f"host pool dtype {getattr(pool, 'dtype', '?')} is not supported")
+    layers, tokens = int(pool.layer_num), int(pool.page_size)
+    if hasattr(pool, "kv_lora_rank"):                                   # MLA: one latent per token, replicated
+        if layout not in MLA_ORDER:
+            raise ValueError(f"MLA host layout {layout!r} is not supported (supported: {', '.join(MLA_ORDER)})")
+        order = f"sglang-mla:{MLA_ORDER[layout]}:lora{pool.kv_lora_rank},rope{pool.qk_rope_head_dim}"
+        geometry = Geometry(layers=layers, tokens=tokens, kv_heads=1, head_dim=int(pool.kv_cache_dim), dtype=dtype,
+                            kv=1, layout=order)
+        tp_rank, tp_size = 0, 1
+    else:
+        if layout not in MHA_ORDER:
+            raise ValueError(f"host layout {layout!r} is not supported (supported: {', '.join(MHA_ORDER)})")
+        if int(getattr(pool, "v_head_dim", pool.head_dim)) != int(pool.head_dim):
+            raise ValueError("K and V head dims differ")
+        geometry = Geometry(layers=layers, tokens=tokens, kv_heads=int(pool.head_num), head_dim=int(pool.head_dim),
+                            dtype=dtype, kv=2, layout=f"sglang:{MHA_ORDER[layout]}")
+        tp_rank, tp_size = int(config.tp_rank), int(config.tp_size)
+    shard = [f"keys={KEY_SCHEME}", f"pp={config.pp_rank}/{config.pp_size}"]
+    if config.attn_cp_size > 1:
+        shard.append(f"cp={config.attn_cp_rank}/{config.attn_cp_size}")
+    if config.dcp_size > 1:
+        shard.append(f"dcp={config.dcp_rank}/{config.dcp_size}")
+    if getattr(pool, "storage_format_tag", None):
+        shard.append(f"format={pool.storage_format_tag}")
+    if extra.get("salt"):
+        shard.append(str(extra["salt"]))
+    model = str(extra.get("model") or config.model_name or "sglang")[:256]
+    return NamespaceSpec(model=model, geometry=geometry, group=str(extra.get("group", ""))[:256], tp_rank=tp_rank,
+                         tp_size=tp_size, salt="|".join(shard)[:256])
+
+
+class DaemonLink:
+    """Connections to the daemon, one per calling thread (SGLang's prefetch and backup threads call at once, and a
+    Client is not thread-safe), with one shared view of the daemon's health: the first failure logs one line for the
+    whole outage and no thread tries again before `retry_s`; the first thread back logs the way back."""
+
+    def __init__(self, path: str | None, spec: NamespaceSpec, retry_s: float, timeout_s: float) -> None:
+        self.path, self.spec, self.retry_s, self.timeout_s = path, spec, retry_s, timeout_s
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._clients: list[Client] = []
+        self._retry_at = 0.0
+        self._down_since: float | None = None
+        self.outages = 0
+
+    def namespace(self) -> Namespace | None:
+        ns: Namespace | None = getattr(self._local, "ns", None)
+        if ns is not None:
+            return ns
+        if time.monotonic() < self._retry_at:
+            return None
+        try:
+            client = Client(self.path, timeout=self.timeout_s)
+        except (ConnectionError, OSError) as e:
+            self.failed(e)
+            return None
+        with self._lock:
+            self._clients.append(client)
+        self._local.client = client
+        try:
+            ns = self._local.ns = client.namespace(self.spec)
+        except KVStoreError as e:               # the daemon refuses this namespace: no cache, no outage
+            log.warning("kvstore: namespace refused: %s", e)
+            self._drop()
+            self._retry_at = time.monotonic() + self.retry_s
+            return None
+        except (ConnectionError, OSError) as e:
+            self.failed(e)
+            return None
+        with self._lock:
+            if self._down_since is not None:
+                log.warning("kvstore: daemon at %s is back after %.1f s", client.path,
+                            time.monotonic() - self._down_since)
+                self._down_since = None
+        return ns
+
+    def _drop(self) -> None:
+        client = getattr(self._local, "client", None)
+        self._local.client = self._local.ns = None
+        if client is not None:
+            with self._lock:
+                if client in self._clients:
+                    self._clients.remove(client)
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing a broken client must not raise into SGLang
+                pass
+
+    def failed(self, exc: BaseException) -> None:
+        """This thread's daemon call failed (or could not connect): drop its client, retry later, log once."""
+        self._drop()
+        with self._lock:
+            self._retry_at = time.monotonic() + self.retry_s
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                self.outages += 1
+                log.warning("kvstore: daemon unavailable (%s: %s); HiCache runs without its storage tier, retrying "
+                            "every %.1f s", type(exc).__name__, exc, self.retry_s)
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for c in clients:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self._local = threading.local()
+
+
+class KVStoreHiCache(HiCacheStorage):
+    """See the module docstring. Built by SGLang as `KVStoreHiCache(storage_config, kwargs)`; usable once
+    `register_mem_pool_host(host_pool)` has described the pages."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        self.config = storage_config
+        self.extra = dict(storage_config.extra_config or {})
+        self.verify = bool(self.extra.get("verify", True))
+        self.writer = bool(storage_config.is_storage_writer)
+        self.link: DaemonLink | None = None
+        self.disabled: str | None = "no host pool registered yet"
+        self.geometry: Geometry | None = None
+        self._bufs: list[tuple[int, int, np.ndarray]] = []
+        self._legacy: tuple[int, int, int] | None = None   # MHA layer_first: a flat page is [2, layers, piece]
+        self._warned: set[str] = set()
+
+    # ----- setup -----
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        try:
+            spec = describe_pool(mem_pool_host, self.config, self.extra)
+            self._bufs = _pool_buffers(mem_pool_host)
+        except Exception as e:  # noqa: BLE001 - a pool we cannot describe means: no storage tier, SGLang runs on
+            self._disable(str(e))
+            return
+        self.geometry = spec.geometry
+        if self.geometry.kv == 2 and mem_pool_host.layout == "layer_first":
+            self._legacy = (2, self.geometry.layers, self.geometry.layer_bytes // 2)
+        if self.link is not None:
+            self.link.close()
+        self.link = DaemonLink(self.extra.get("socket"), spec, retry_s=float(self.extra.get("retry_s", 5.0)),
+                               timeout_s=float(self.extra.get("timeout_s", 5.0)))
+        self.disabled = None
+        log.info("kvstore HiCache backend: model %s, tp %d/%d, %s%s", spec.model, spec.tp_rank, spec.tp_size,
+                 self.geometry, "" if self.writer else " (reader: another rank writes)")
+
+    def _disable(self, why: str) -> None:
+        log.warning("kvstore HiCache backend disabled: %s", why)
+        self.disabled = why
+        if self.link is not None:
+            self.link.close()
+        self.link = None
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+
+    def _ns(self) -> Namespace | None:
+        return None if self.link is None else self.link.namespace()
+
+    def _failed(self, exc: BaseException) -> None:
+        if isinstance(exc, (ConnectionError, OSError)):
+            if self.link is not None:
+                self.link.failed(exc)
+            return
+        why = f"{type(exc).__name__}: {exc}"
+        if why not in self._warned:           # refusals and bad calls: once each, then only counted by the daemon
+            self._warned.add(why)
+            log.warning("kvstore: request failed (%s); the pages are misses", why)
+
+    # ----- pages of the host pool -----
+    def _pages(self, host_indices: Any, n: int) -> list[list[np.ndarray]]:
+        """Byte views of each page's pieces in the host pool (no copy), checked against the geometry."""
+        assert self.geometry is not None
+        page = int(getattr(self.mem_pool_host, "logical_page_size", self.mem_pool_host.page_size))
+        if int(host_indices.numel()) != n * page:
+            raise ValueError(f"{host_indices.numel()} host indices for {n} pages of {page} tokens")
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        if len(ptrs) != len(sizes) or len(ptrs) % max(n, 1):
+            raise ValueError(f"{len(ptrs)} buffer pieces for {n} pages")
+        per = len(ptrs) // max(n, 1)
+        pages = []
+        for i in range(n):
+            page_sizes = sizes[i * per:(i + 1) * per]
+            if sum(page_sizes) != self.geometry.full_bytes:
+                raise ValueError(f"wrong geometry: a page is {sum(page_sizes)} bytes, the namespace expects "
+                                 f"{self.geometry.full_bytes}")
+            pages.append([self._view(p, s) for p, s in zip(ptrs[i * per:(i + 1) * per], page_sizes)])
+        return pages
+
+    def _view(self, ptr: int, size: int) -> np.ndarray:
+        for base, nbytes, arr in self._bufs:
+            off = int(ptr) - base
+            if 0 <= off and off + int(size) <= nbytes:
+                return arr[off:off + int(size)]
+        raise ValueError(f"a page piece at {ptr:#x} (+{size}) lies outside the host pool's buffers")
+
+    # ----- the zero-copy interface -----
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        ns = self._ns()
+        if ns is None or not keys:
+            return 0
+        try:
+            return int(ns.lookup([page_key(k) for k in keys]))
+        except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
+            self._failed(e)
+            return 0
+
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        ok = [False] * len(keys)
+        ns = self._ns()
+        if ns is None or not keys:
+            return ok
+        try:
+            pages = self._pages(host_indices, len(keys))
+            step = ns.client.max_keys
+            for start in range(0, len(keys), step):
+                n = self._load(ns, [page_key(k) for k in keys[start:start + step]], pages[start:start + step])
+                ok[start:start + n] = [True] * n
+                if n < len(keys[start:start + step]):
+                    break
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+        return ok
+
+    def _load(self, ns: Namespace, kv_keys: list[bytes], pages: list[list[np.ndarray]]) -> int:
+        with ns.acquire(kv_keys) as lease:
+            n = lease.verified_prefix() if self.verify else len(lease)
+            if n < len(lease):
+                log.warning("kvstore: a stored page does not match its checksum; it and the pages after it are "
+                            "misses")
+            pairs = []
+            for slot, pieces in zip(lease.views[:n], pages[:n]):
+                at = 0
+                for piece in pieces:
+                    pairs.append((piece, slot[at:at + piece.nbytes]))
+                    at += piece.nbytes
+            ns.client.copier.copy(pairs)
+        return n
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        if not self.writer and self.disabled is None:
+            return [True] * len(keys)              # MLA: one rank writes the replicated latent
+        ok = [False] * len(keys)
+        ns = self._ns()
+        if ns is None or not keys:
+            return ok
+        try:
+            pages = self._pages(host_indices, len(keys))
+            step = ns.client.max_keys
+            for start in range(0, len(keys), step):
+                done = self._store(ns, [page_key(k) for k in keys[start:start + step]], pages[start:start + step])
+                ok[start:start + len(done)] = done
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+        return ok
+
+    def _store(self, ns: Namespace, kv_keys: list[bytes], pages: list[list[np.ndarray]]) -> list[bool]:
+        with ns.reserve(kv_keys) as res:
+            pairs = []
+            for slot, i in zip(res.views, res.reserved):
+                at = 0
+                for piece in pages[i]:
+                    pairs.append((slot[at:at + piece.nbytes], piece))
+                    at += piece.nbytes
+            ns.client.copier.copy(pairs)
+            res.commit(res.checksums() if self.verify else None)
+        return [s in (0, 1, 2) for s in res.status]     # stored, already stored, being stored by another writer
+
+    # ----- the older flat-page interface -----
+    def _to_block(self, flat: np.ndarray) -> np.ndarray:
+        if self._legacy is None:
+            return flat
+        return np.ascontiguousarray(flat.reshape(self._legacy).transpose(1, 0, 2)).reshape(-1)
+
+    def _from_block(self, slot: np.ndarray, out: np.ndarray) -> None:
+        if self._legacy is None:
+            np.copyto(out, slot)
+        else:
+            two, layers, piece = self._legacy
+            np.copyto(out.reshape(self._legacy), slot.reshape(layers, two, piece).transpose(1, 0, 2))
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        ns = self._ns()
+        if ns is None:
+            return None
+        try:
+            target = target_location if target_location is not None else self.mem_pool_host.get_dummy_flat_data_page()
+            out = _bytes_of(target)
+            if out.nbytes != ns.block_bytes:
+                raise ValueError(f"wrong geometry: a {out.nbytes}-byte page for {ns.block_bytes}-byte blocks")
+            with ns.acquire([page_key(key)]) as lease:
+                if len(lease) == 0 or (self.verify and lease.verified_prefix() == 0):
+                    return None
+                self._from_block(lease.views[0], out)
+            return target
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+            return None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        targets: Sequence[Any] = target_locations if target_locations is not None else [None] * len(keys)
+        return [self.get(k, t) for k, t in zip(keys, targets)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        if not self.writer and self.disabled is None:
+            return True
+        ns = self._ns()
+        if ns is None or value is None:
+            return False
+        try:
+            r = ns.put([page_key(key)], [self._to_block(_bytes_of(value))], checksum=self.verify)
+            return r.stored + r.existed + r.busy == 1
+        except Exception as e:  # noqa: BLE001 - a wrong-sized page is refused by the client: False
+            self._failed(e)
+            return False
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        if values is None or len(values) != len(keys):
+            return False
+        return all([self.set(k, v) for k, v in zip(keys, values)])
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+
+def _bytes_of(t: Any) -> np.ndarray:
+    """A flat uint8 view of a contiguous CPU tensor (no copy)."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("pages must be contiguous CPU tensors")
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _pool_buffers(pool: Any) -> list[tuple[int, int, np.ndarray]]:
+    """(address, bytes, uint8 view) of every contiguous CPU tensor that holds the pool's pages."""
+    found: list[tuple[int, int, np.ndarray]] = []
+    for name in ("kv_buffer", "k_buffer", "v_buffer"):
+        held = getattr(pool, name, None)
+        for t in held if isinstance(held, (list, tuple)) else [held]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.numel():
+                found.append((t.data_ptr(), t.numel() * t.element_size(), _bytes_of(t)))
+    if not found:
+        raise ValueError(f"the host pool ({type(pool).__name__}) has no contiguous CPU buffers")
+    return found
