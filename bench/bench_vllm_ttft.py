@@ -51,19 +51,37 @@ def engine(model: str, mode: str, arg: str, tokens: int, reps: int) -> None:
     from vllm.inputs import TokensPrompt
 
     ktc = None
+    before_each = lambda: None  # noqa: E731
+    if mode == "kvstore-ssd":                   # every block comes from the SSD tier (read with O_DIRECT)
+        from kvstore.client import Client
+
+        def before_each() -> None:
+            with Client(arg) as c:
+                c.evict(everything=True)
+    elif mode == "example-cold":                # the Example files dropped from the page cache: a real disk read
+        def before_each() -> None:
+            for dirpath, _, files in os.walk(arg):
+                for f in files:
+                    fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
     if mode.startswith("kvstore"):
         ktc = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm_connector",
                                kv_role="kv_both", kv_load_failure_policy="recompute",
-                               kv_connector_extra_config={"socket": arg, "verify": mode == "kvstore"})
-    elif mode == "example":
+                               kv_connector_extra_config={"socket": arg, "verify": mode != "kvstore-noverify"})
+    elif mode.startswith("example"):
         ktc = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                kv_connector_extra_config={"shared_storage_path": arg})
-    llm = LLM(model=model, dtype="float32", block_size=BLOCK, enable_prefix_caching=False,
+    llm = LLM(model=model, dtype="float32", block_size=BLOCK, enable_prefix_caching=mode == "floor",
               prefix_caching_hash_algo="sha256_cbor", max_model_len=8192, seed=0, enforce_eager=True,
               kv_transfer_config=ktc)
     prompt = TokensPrompt(prompt_token_ids=[4 + (i * 7919) % 1000 for i in range(tokens)])
     params = SamplingParams(temperature=0.0, max_tokens=1)
+    if mode == "floor":             # compute once: the timed runs then hit vLLM's own prefix cache in GPU/CPU memory
+        llm.generate([prompt], params, use_tqdm=False)
     for _ in range(reps):
+        before_each()
         t0 = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         print(f"TTFT {time.perf_counter() - t0:.4f} {out.num_cached_tokens}", flush=True)
@@ -91,7 +109,8 @@ def main() -> None:
 
     work = tempfile.mkdtemp(prefix="kvs-ttft-")
     model = os.path.join(work, "model")
-    daemon = DaemonProc(capacity="4GiB", segment="64MiB", env={"KVSTORE_LOG_LEVEL": "warning"}).start()
+    daemon = DaemonProc(capacity="4GiB", segment="64MiB",
+                        env={"KVSTORE_LOG_LEVEL": "warning", "KVSTORE_SSD_DIR": os.path.join(work, "ssd")}).start()
     try:
         progress("building the model")
         build(model)
@@ -102,10 +121,16 @@ def main() -> None:
         kvs = run(model, "kvstore", daemon.socket, args.tokens, args.reps)
         progress("kvstore hit without checking checksums, fresh engine")
         kvs_fast = run(model, "kvstore-noverify", daemon.socket, args.tokens, args.reps)
+        progress("kvstore hit from the SSD tier (host pool emptied before each run), fresh engine")
+        kvs_ssd = run(model, "kvstore-ssd", daemon.socket, args.tokens, args.reps)
+        progress("floor: vLLM's own prefix cache in the same engine (nothing to load)")
+        floor = run(model, "floor", "-", args.tokens, args.reps)
         progress("ExampleConnector: engine A stores, fresh engine B loads")
         disk = os.path.join(work, "example")
         run(model, "example", disk, args.tokens, 1)
         example = run(model, "example", disk, args.tokens, args.reps)
+        progress("ExampleConnector hit with its files dropped from the page cache before each run")
+        example_cold = run(model, "example-cold", disk, args.tokens, args.reps)
     finally:
         daemon.cleanup()
         shutil.rmtree(work, ignore_errors=True)
@@ -118,11 +143,23 @@ def main() -> None:
            f"≤0.5: {'PASS' if med['kvstore'] <= 0.5 * med['example'] else 'FAIL'}"])
     t.add(["kvstore hit", f"{med['kvstore']:.3f}", kvs[0][1], "", ""])
     fast = statistics.median(x for x, _ in kvs_fast)
+    low = statistics.median(x for x, _ in floor)
+    t.add(["floor: in-engine prefix cache hit", f"{low:.3f}", floor[0][1], "", ""])
+    ssd_s = statistics.median(x for x, _ in kvs_ssd)
+    cold = statistics.median(x for x, _ in example_cold)
+    t.add(["ExampleConnector hit, page cache dropped", f"{cold:.3f}", example_cold[0][1],
+           f"{med['kvstore'] / cold:.2f}", ""])
+    t.add(["kvstore hit from the SSD tier", f"{ssd_s:.3f}", kvs_ssd[0][1], f"{ssd_s / cold:.2f} of Example cold",
+           ""])
+    t.add(["load time above the floor: kvstore / Example", f"{med['kvstore'] - low:.3f} / {med['example'] - low:.3f}",
+           "", f"{(med['kvstore'] - low) / (med['example'] - low):.2f}" if med["example"] - low > 0.005 else "n/a",
+           ""])
     t.add(["kvstore hit, no checksums", f"{fast:.3f}", kvs_fast[0][1], f"{fast / med['example']:.2f} of Example",
            ""])
     print(t)
     res = {"tokens": args.tokens, "recompute": recompute, "kvstore": kvs, "kvstore_no_checksums": kvs_fast,
-           "example": example, "median_s": med}
+           "example": example, "floor": floor, "kvstore_ssd": kvs_ssd, "example_cold": example_cold,
+           "median_s": med}
     print(f"\nwrote {write_json('vllm_ttft', res)}")
 
 
