@@ -34,8 +34,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from kvstore.crash import crash_point
-from kvstore.tiers.ssd_format import HEADER_BYTES, BadRecord, Header, check_payload, padded, parse_header
+from kvstore.tiers.ssd_format import ALIGN, HEADER_BYTES, BadRecord, Header, check_payload, padded, parse_header
 from kvstore.traffic import Busy, Lane, Path
 
 log = logging.getLogger("kvstore")
@@ -245,7 +247,7 @@ class SsdStore:
         return self._seq
 
     # ----- writes -----
-    def put_many(self, items: Sequence[tuple[bytes, bytes, bytes | memoryview]],
+    def put_many(self, items: Sequence[tuple[bytes, bytes, Any]],
                  lane: Lane = Lane.BACKGROUND, cancelled: Collection[bytes] = ()) -> int:
         """Store (namespace digest, block hash, payload) records; returns how many were stored (the rest found
         no room, or were deleted while being written). Durable on return unless the sync policy is never. A key
@@ -279,7 +281,7 @@ class SsdStore:
                 return 0
             return self._publish(headers, cancelled)
 
-    def _place(self, items: Sequence[tuple[bytes, bytes, bytes | memoryview]]) -> list[tuple[Any, ...]]:
+    def _place(self, items: Sequence[tuple[bytes, bytes, Any]]) -> list[tuple[Any, ...]]:
         placed = []
         with self.lock:
             for ns, h, payload in items:
@@ -321,18 +323,21 @@ class SsdStore:
             self.counters["writes"] += stored
         return stored
 
-    def _write_payload(self, cf: ClassFile, rec: int, payload: bytes | memoryview) -> int:
+    def _write_payload(self, cf: ClassFile, rec: int, payload: Any) -> int:
         """(A path worker.) Write one payload; returns its CRC-32. The record's old header (an evicted block's,
         or a stale copy's) is zeroed first, in the same sync: a crash can leave an empty record, never an old
         header over new bytes."""
+        if _aligned_for_io(payload):       # a host slot or an aligned staged copy: written from where it is
+            os.pwritev(cf.fd, [ZERO_BUF, payload], rec * cf.record)
+            return zlib.crc32(payload)
         buf = cf.take()
         try:
-            n = padded(len(payload))
-            buf[:len(payload)] = payload
-            crc = zlib.crc32(buf[:len(payload)])
-            os.pwritev(cf.fd, [ZERO_BUF], rec * cf.record)
-            with memoryview(buf) as mv, mv[:n] as part:
-                os.pwritev(cf.fd, [part], rec * cf.record + HEADER_BYTES)
+            end = HEADER_BYTES + padded(len(payload))
+            buf[:HEADER_BYTES] = ZERO
+            buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
+            with memoryview(buf) as mv, mv[:end] as part, mv[HEADER_BYTES:HEADER_BYTES + len(payload)] as body:
+                crc = zlib.crc32(body)
+                os.pwritev(cf.fd, [part], rec * cf.record)          # zero header + payload: one write
             return crc
         finally:
             cf.spare.put(buf)
@@ -426,17 +431,29 @@ class SsdStore:
                                 on_done=on_done)
 
     def read_into(self, key: bytes, cf: ClassFile, rec: int, out: memoryview | bytearray) -> bool:
-        """(A path worker.) Read one record, check it against the key and its checksum, copy the payload out."""
+        """(A path worker.) Read one record, check it against the key and its checksum, and put the payload in
+        `out`: straight into it when it is aligned for O_DIRECT (a host slot of a whole number of pages), else
+        through an aligned buffer. On a failed check `out` holds garbage, and the caller does not publish it."""
         buf = cf.take()
         try:
             with memoryview(buf) as mv:
-                n = os.preadv(cf.fd, [mv], rec * cf.record)
+                direct = _aligned_for_io(out)
+                if direct:
+                    with mv[:HEADER_BYTES] as head:
+                        n = os.preadv(cf.fd, [head, out], rec * cf.record)
+                    got = n - HEADER_BYTES
+                else:
+                    n = os.preadv(cf.fd, [mv], rec * cf.record)
                 header = parse_header(bytes(mv[:min(n, HEADER_BYTES)]))
                 if header is None or header.ns + header.hash != key or header.length != len(out):
                     raise BadRecord("key_mismatch", "the record holds another block")
-                with mv[HEADER_BYTES:n] as payload:
-                    check_payload(header, payload)
-                    out[:] = payload[:header.length]
+                if direct:
+                    with memoryview(out) as o, o[:max(got, 0)] as payload:
+                        check_payload(header, payload)
+                else:
+                    with mv[HEADER_BYTES:n] as payload:
+                        check_payload(header, payload)
+                        out[:] = payload[:header.length]
         except BadRecord as e:
             with self.lock:
                 if self.index.get(key, (0, -1))[1] == rec:    # not evicted or rewritten while we read
@@ -577,6 +594,16 @@ class SsdStore:
 
 
 ZERO_BUF = _aligned(HEADER_BYTES)          # all zeros, aligned: the header of a deleted or bad record
+
+
+def _aligned_for_io(buf: Any) -> bool:
+    """Whether O_DIRECT can move `buf` as it is: its address and length on 4 KiB boundaries."""
+    if len(buf) % ALIGN:
+        return False
+    try:
+        return int(np.frombuffer(buf, np.uint8).ctypes.data) % ALIGN == 0
+    except (TypeError, ValueError):
+        return False
 
 
 def _ok(job: Future[Any]) -> bool:

@@ -15,6 +15,7 @@ across a read.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from kvstore.traffic import Lane, Path
 
 log = logging.getLogger("kvstore")
 WRITE_BATCH = 32
+Buffer = bytes | memoryview | mmap.mmap
 
 
 class SsdTier:
@@ -34,7 +36,7 @@ class SsdTier:
         self.cfg = cfg
         self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path)
         self.path = self.store.path
-        self.staging: dict[bytes, bytes] = {}
+        self.staging: dict[bytes, bytes | mmap.mmap] = {}
         self.staged_bytes = 0
         self.dropped = 0
         self.rewrites_saved = 0
@@ -70,7 +72,7 @@ class SsdTier:
                 self.dropped += 1
                 return False
             self.staged_bytes += len(data)
-            self.staging[key] = bytes(data)
+            self.staging[key] = _copy(data)
             self.lock.notify()
         return True
 
@@ -101,7 +103,7 @@ class SsdTier:
     def _begin(self, keys: list[bytes]) -> None:
         self._inflight.update(keys)
 
-    def write_batch(self, items: Sequence[tuple[bytes, bytes | memoryview]], lane: Lane) -> int:
+    def write_batch(self, items: Sequence[tuple[bytes, Buffer]], lane: Lane) -> int:
         """Write announced blocks to the store in `lane`; a key deleted since `begin_batch` is not published."""
         try:
             return self.store.put_many([(k[:16], k[16:], v) for k, v in items], lane, cancelled=self._killed)
@@ -198,3 +200,13 @@ class SsdTier:
             self.lock.notify()
         self._thread.join()
         self.store.close()
+
+
+def _copy(data: memoryview) -> bytes | mmap.mmap:
+    """A staged copy of an evicted block: page-aligned memory when the block is a whole number of pages, so that
+    its SSD write goes straight from it (O_DIRECT) instead of through another copy."""
+    if len(data) % mmap.PAGESIZE:
+        return bytes(data)
+    buf = mmap.mmap(-1, len(data))
+    buf[:] = data
+    return buf
