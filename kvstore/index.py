@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.keys import NamespaceSpec
@@ -166,8 +166,9 @@ class Index:
         return plan
 
     def finish_promotion(self, ns: Namespace, plan: list[tuple[bytes, int]], n: int, holder: Holdings,
-                         pin: bool = True) -> list[int]:
-        """Publish (and pin) the first `n` promoted blocks, unless deleted meanwhile; free the other slots."""
+                         pin: bool = True, crcs: Sequence[int | None] = ()) -> list[int]:
+        """Publish (and pin) the first `n` promoted blocks, unless deleted meanwhile; free the other slots. `crcs`:
+        the CRC-32 each block's SSD record was verified against, which its host slot carries on."""
         gids: list[int] = []
         cls = self._class_ids[ns.slot_bytes]
         for i, (h, gid) in enumerate(plan):
@@ -178,7 +179,7 @@ class Index:
             del holder.reserved[key]
             if i < n and not cancelled and len(gids) == i:
                 del self.pending[key]
-                self._publish(ns, key, gid, cls)
+                self._publish(ns, key, gid, cls, crcs[i] if i < len(crcs) else None)
                 if pin:
                     self._pin(key, gid)
                     holder.pins[gid] += 1

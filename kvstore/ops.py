@@ -124,9 +124,13 @@ class Stream:
         self.gids: list[int] = []
         self.sent = 0
 
+    def unsent(self) -> bool:
+        return self.emit is not None and len(self.gids) > self.sent
+
     def flush(self) -> None:
-        """(Under the state lock.) Send the blocks not sent yet, with the lock released meanwhile."""
-        if self.emit is None or len(self.gids) == self.sent:
+        """(Under the state lock.) Send the blocks not sent yet, with the lock released meanwhile. A client gone
+        mid-stream only stops the sending: the promotion finishes, and the session drops its pins."""
+        if not self.unsent():
             return
         part = self.gids[self.sent:]
         self.sent = len(self.gids)
@@ -138,7 +142,11 @@ class Stream:
         self.holder.segments.update(seg.id for seg in new)
         self.st.lock.release()
         try:
+            assert self.emit is not None
             self.emit(fields, fds)
+        except OSError as e:
+            log.debug("streaming acquire: the client went away (%s); not sending more", e)
+            self.emit = None
         finally:
             self.st.lock.acquire()
 
@@ -161,19 +169,20 @@ def op_acquire(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     while len(gids) < len(keys):
         rest = keys[len(gids):]
         more = st.index.acquire(ns, rest, h)
-        if not more and st.index.ssd is not None:
-            stream.flush()
-            if ns.prefix + rest[0] in st.index.promoting:
-                if not _wait_promoted(st, ns.prefix + rest[0]):
-                    break                               # still in flight: the prefix so far
-                continue
-            more = _promote(st, ns, rest, h, lane, stream)
-            if not more:
-                break
+        if more:
+            gids += more
             continue
-        if not more:
+        if st.index.ssd is None:
             break
-        gids += more
+        if stream.unsent():
+            stream.flush()                              # the lock was released: look at the host pool again
+            continue
+        if ns.prefix + rest[0] in st.index.promoting:
+            if not _wait_promoted(st, ns.prefix + rest[0]):
+                break                                   # still in flight: the prefix so far
+            continue
+        if not _promote(st, ns, rest, h, lane, stream):
+            break
     part = stream.rest()
     return {"slots": part, "crcs": st.index.crcs_of(part), "generation": st.pool.generation}
 
@@ -200,6 +209,7 @@ def _promote(st: State, ns: Namespace, keys: list[bytes], h: Holdings, lane: Lan
     ssd = st.index.ssd
     assert ssd is not None
     got: list[int] = []
+    crcs: list[int | None] = []                       # each verified record's CRC-32: the slots carry them on
     done = [0, False]                                 # blocks finished early; a chunk came back short
 
     def on_ready(n: int) -> None:                     # the session thread, without the state lock
@@ -207,7 +217,7 @@ def _promote(st: State, ns: Namespace, keys: list[bytes], h: Holdings, lane: Lan
             if done[1]:
                 return
             chunk = plan[done[0]:n]
-            part = st.index.finish_promotion(ns, chunk, len(chunk), h)
+            part = st.index.finish_promotion(ns, chunk, len(chunk), h, crcs=crcs[done[0]:n])
             done[0] = n
             done[1] = len(part) < len(chunk)         # deleted meanwhile: the prefix ends there
             got.extend(part)
@@ -217,7 +227,7 @@ def _promote(st: State, ns: Namespace, keys: list[bytes], h: Holdings, lane: Lan
 
     st.lock.release()                                 # the disk read runs without the state lock
     try:
-        n = ssd.read([ns.digest + key for key, _ in plan], views, lane, on_ready if stream.emit else None)
+        n = ssd.read([ns.digest + key for key, _ in plan], views, lane, on_ready if stream.emit else None, crcs)
     except OSError as e:
         log.error("ssd: promotion read failed (%s); serving the host prefix only", e)
         n = 0
@@ -226,7 +236,8 @@ def _promote(st: State, ns: Namespace, keys: list[bytes], h: Holdings, lane: Lan
             v.release()
         st.lock.acquire()
     if done[0] < len(plan):
-        part = st.index.finish_promotion(ns, plan[done[0]:], 0 if done[1] else max(n - done[0], 0), h)
+        part = st.index.finish_promotion(ns, plan[done[0]:], 0 if done[1] else max(n - done[0], 0), h,
+                                         crcs=crcs[done[0]:])
         got.extend(part)
         stream.gids.extend(part)
     st.changed.notify_all()

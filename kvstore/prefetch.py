@@ -85,16 +85,16 @@ class Prefetcher:
 
     def _landed(self, flight: _Flight, f: Future[Any]) -> None:
         """(A path worker.) Publish the block, unpinned — unless it was deleted while it was read."""
-        ok = f.exception() is None and f.result() is True
+        r = f.result() if f.exception() is None else False
         with self.state.lock:
-            self._finish(flight, ok)
+            self._finish(flight, r is not False, r if type(r) is int else None)
 
-    def _finish(self, flight: _Flight, ok: bool) -> None:
+    def _finish(self, flight: _Flight, ok: bool, crc: int | None = None) -> None:
         """(Under the state lock.)"""
         st, idx = self.state, self.state.index
         flight.view.release()
         self.flights.pop(flight.ns.prefix + flight.plan[0][0], None)
-        got = idx.finish_promotion(flight.ns, flight.plan, int(ok), self.holder, pin=False)
+        got = idx.finish_promotion(flight.ns, flight.plan, int(ok), self.holder, pin=False, crcs=[crc])
         if got:
             flight.ticket.done += 1
             idx.counters["prefetched"] += 1

@@ -182,3 +182,22 @@ def test_the_restart_scan_runs_while_the_daemon_serves(tmp_path, daemons):
         ns = c.namespace(spec())
         assert ns.lookup([key(i) for i in range(300)]) == 300
         assert c.resize(32 << 20, tier="ssd")["tier"] == "ssd"         # refused only while scanning
+
+
+def test_promoted_blocks_carry_their_checksum_to_the_reader(tmp_path, daemons):
+    """A block stored without a checksum gets one from its SSD record when promoted; one stored with a checksum
+    gets the same value back: a reader can verify promoted slots as it verifies stored ones."""
+    import zlib
+
+    d = start(tmp_path, daemons)
+    on_ssd(d, range(6))
+    with d.client() as c:
+        ns = c.namespace(spec())
+        hs = [key(i) for i in range(6)]
+        with ns.acquire(hs[:3]) as lease:                      # promoted by a plain acquire
+            assert lease.crcs == [zlib.crc32(content(h)) for h in hs[:3]]
+            assert lease.verified_prefix() == 3
+        lease = ns.acquire_stream(hs)                           # the rest by a streaming one
+        lease.wait()
+        assert lease.crcs == [zlib.crc32(content(h)) for h in hs]
+        lease.release()

@@ -391,11 +391,12 @@ class SsdStore:
         return self.get_many(ns, [h], [out], lane) == 1
 
     def get_many(self, ns: bytes, hashes: Sequence[bytes], outs: Sequence[memoryview | bytearray],
-                 lane: Lane = Lane.CRITICAL, on_ready: Callable[[int], None] | None = None) -> int:
+                 lane: Lane = Lane.CRITICAL, on_ready: Callable[[int], None] | None = None,
+                 crcs: list[int | None] | None = None) -> int:
         """Read blocks into `outs`, all in flight at once; returns the length of the prefix read and verified.
         The first miss or bad record ends the prefix (a bad one is quarantined): never a partial hit past it.
         `on_ready(n)` is called as the verified prefix grows, so a caller can hand out the first blocks while
-        later ones are still on the disk."""
+        later ones are still on the disk; `crcs` receives each verified block's CRC-32."""
         jobs = []
         for h, out in zip(hashes, outs):
             job = self.read_async(ns + h, out, lane)
@@ -403,24 +404,26 @@ class SsdStore:
                 break
             jobs.append(job)
         n = 0
-        while n < len(jobs):
-            if not _ok(jobs[n]):
-                break
-            n += 1
-            while n < len(jobs) and jobs[n].done() and _ok(jobs[n]):
-                n += 1                                          # hand out what has landed, in one go
-            if on_ready is not None:
-                on_ready(n)
-        for job in jobs[n:]:
-            if not job.cancel():
-                _ok(job)                # let every read finish before the caller reuses its buffers
+        try:
+            while n < len(jobs):
+                if not _ok(jobs[n], crcs):
+                    break
+                n += 1
+                while n < len(jobs) and jobs[n].done() and _ok(jobs[n], crcs):
+                    n += 1                                      # hand out what has landed, in one go
+                if on_ready is not None:
+                    on_ready(n)
+        finally:
+            for job in jobs[n:]:
+                if not job.cancel():
+                    _ok(job, None)      # let every read finish before the caller reuses its buffers
         return n
 
     def read_async(self, key: bytes, out: memoryview | bytearray, lane: Lane,
                    on_done: Callable[[Future[Any]], None] | None = None) -> Future[Any] | None:
         """Submit a verified read of one block into `out`; None (counted) when the store does not hold it with
-        that size. The future's result is True, or False for a bad record (quarantined); Busy if the lane is
-        full."""
+        that size. The future's result is the block's CRC-32, or False for a bad record (quarantined); Busy if the
+        lane is full."""
         with self.lock:
             where = self.index.get(key)
             if where is None or where[0] != len(out):
@@ -430,7 +433,7 @@ class SsdStore:
         return self.path.submit(lane, cf.record, lambda: self.read_into(key, cf, where[1], out), tag=key,
                                 on_done=on_done)
 
-    def read_into(self, key: bytes, cf: ClassFile, rec: int, out: memoryview | bytearray) -> bool:
+    def read_into(self, key: bytes, cf: ClassFile, rec: int, out: memoryview | bytearray) -> int | bool:
         """(A path worker.) Read one record, check it against the key and its checksum, and put the payload in
         `out`: straight into it when it is aligned for O_DIRECT (a host slot of a whole number of pages), else
         through an aligned buffer. On a failed check `out` holds garbage, and the caller does not publish it."""
@@ -466,7 +469,7 @@ class SsdStore:
             if key in self.index:
                 self.index[key] = self.index.pop(key)          # most recently used
             self.counters["hits"] += 1
-        return True
+        return header.crc                 # verified: the host slot may carry it on
 
     # ----- deletes and bad records -----
     def delete(self, ns: bytes, h: bytes) -> bool:
@@ -606,10 +609,16 @@ def _aligned_for_io(buf: Any) -> bool:
         return False
 
 
-def _ok(job: Future[Any]) -> bool:
-    """A read's outcome: True only for a verified block (a failed or cancelled read is a miss)."""
+def _ok(job: Future[Any], crcs: list[int | None] | None) -> bool:
+    """A read's outcome: True for a verified block, whose CRC-32 (None if unknown) goes to `crcs`; a bad, failed or
+    cancelled read is a miss."""
     try:
-        return job.result() is True
+        r = job.result()
+        if r is False:
+            return False
+        if crcs is not None:
+            crcs.append(None if r is None or r is True else int(r))
+        return True
     except (CancelledError, OSError) as e:
         if isinstance(e, OSError):
             log.error("ssd: read failed: %s", e)

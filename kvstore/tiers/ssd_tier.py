@@ -120,9 +120,10 @@ class SsdTier:
         return key in self.staging or self.store.has(key)
 
     def read(self, keys: Sequence[bytes], outs: Sequence[memoryview], lane: Lane = Lane.CRITICAL,
-             on_ready: Callable[[int], None] | None = None) -> int:
+             on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None) -> int:
         """Copy the longest prefix of `keys` that this tier holds and verifies into `outs`; returns its length.
-        `on_ready(n)` reports the prefix as it grows (streaming gets)."""
+        `on_ready(n)` reports the prefix as it grows (streaming gets); `crcs` receives each block's CRC-32 from
+        its record (None for a block still staged)."""
         n = 0
         while n < len(keys):
             with self.lock:
@@ -136,11 +137,14 @@ class SsdTier:
                         end += 1
             if end < 0:                                     # reported outside the lock: on_ready takes others
                 n += 1
+                if crcs is not None:
+                    crcs.append(None)
                 if on_ready is not None:
                     on_ready(n)
                 continue
             report = None if on_ready is None else (lambda k, base=n: on_ready(base + k))
-            got = self.store.get_many(keys[n][:16], [k[16:] for k in keys[n:end]], outs[n:end], lane, report)
+            got = self.store.get_many(keys[n][:16], [k[16:] for k in keys[n:end]], outs[n:end], lane, report,
+                                      crcs)
             if got < end - n:
                 return n + got
             n = end
@@ -154,13 +158,14 @@ class SsdTier:
             return self.store.read_async(key, out, lane, on_done)
         return self.path.submit(lane, len(out), lambda: self._read_now(key, out), tag=key, on_done=on_done)
 
-    def _read_now(self, key: bytes, out: memoryview) -> bool:
-        """(A path worker.) The block from staging, or from the store if it was written meanwhile."""
+    def _read_now(self, key: bytes, out: memoryview) -> int | bool | None:
+        """(A path worker.) The block from staging (None: no CRC known), or from the store if it was written
+        meanwhile (its CRC-32); False if it is gone."""
         with self.lock:
             staged = self.staging.get(key)
             if staged is not None:
                 out[:] = staged
-                return True
+                return None
         where = self.store.index.get(key)
         if where is None or where[0] != len(out):
             return False

@@ -1,0 +1,416 @@
+"""io_uring for the SSD tier's worker threads, with os.preadv/os.pwritev as the fallback.
+
+Each thread that calls in gets an io_uring of its own (thread-local, created on first use, `DEPTH` entries), so
+worker threads never share a submission queue and need no lock. The functions have the semantics of their `os`
+namesakes and work the same whether io_uring is in use or not, so callers never branch:
+
+    preadv(fd, bufs, offset) -> int       bytes read (short at end of file); OSError(errno) on failure
+    pwritev(fd, bufs, offset) -> int      bytes written; OSError(errno) on failure
+    run_many(ops, depth=None) -> list[int]
+        ops: ("r" | "w", fd, bufs, offset) each; up to `depth` (default and at most DEPTH) of them in flight at
+        once from this one thread (one io_uring_submit per refill). Results in op order: bytes moved (>= 0) or
+        -errno for an op that failed. A failing op never raises and never stops the others; every op has
+        completed when run_many returns. Arguments are all checked before anything is submitted: a bad op
+        (unknown kind, read into a read-only buffer, negative offset, ...) raises TypeError/ValueError/OSError
+        and nothing runs.
+    available() -> bool                   whether io_uring is used; REASON says why (a line for the log)
+    backend() -> str                      "io_uring" or "os"
+
+`bufs` is a list of buffers (mmap, memoryview, bytearray; bytes for writes): contiguous, and for O_DIRECT aligned
+in address, length and offset as the file system wants (4 KiB is always enough), exactly as for os.preadv.
+Misalignment gives OSError(EINVAL) on both paths.
+
+io_uring is used when the PyPI package `liburing` imports, a ring can be set up, the binding's buffer handling is
+the one this module was written against (below), and a test O_DIRECT readv and writev through a ring move the
+right bytes in a temporary file (in $KVSTORE_URING_PROBE_DIR, else the temp directory; where O_DIRECT is refused
+there, e.g. tmpfs, the probe runs buffered and REASON says so). The result is cached for the process.
+KVSTORE_NO_URING=1 (checked on every call) forces the fallback.
+
+Memory safety. The kernel reads and writes the callers' buffers by address until each op's completion is reaped.
+This module wraps every buffer in a memoryview of its own and builds the `liburing.Iovec` over those; the
+memoryview holds a buffer export on the caller's object, so an mmap cannot be closed (BufferError) or a bytearray
+resized while an op on it is in flight. The views, the Iovec and the op stay referenced until the op's completion
+has been reaped. liburing 2026.3.30's `Iovec(list)` takes a buffer from each memoryview (PyObject_GetBuffer) and
+never releases it: left alone, every op would leak that export and a reference, and pin its mmap for good. The
+probe measures this (references taken, references left after the Iovec is gone) and, when the binding leaks
+exactly one per buffer, each op returns it after completion with PyBuffer_Release; the memoryview's own
+release() then proves the count is back to zero. A binding that behaves in any other way is not used.
+If waiting is interrupted (KeyboardInterrupt, an error from the binding) while ops are in flight, the ring and
+every buffer of the batch are parked in `_ORPHANS` for the life of the process rather than freed under the
+kernel, and the thread gets a fresh ring next time.
+
+Waiting never holds the GIL: liburing's io_uring_wait_cqe blocks inside the extension with the GIL held (it would
+stall every other thread of the daemon for the whole I/O), so completions are taken with io_uring_peek_cqe and
+the wait is a poll() on the ring's file descriptor, which releases the GIL.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import select
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from typing import Any, Union
+
+Buffer = Union[memoryview, mmap.mmap, bytearray, bytes]
+Op = tuple[str, int, Sequence[Buffer], int]
+
+DEPTH = 8            # entries per thread's ring, and the most ops run_many keeps in flight
+IOV_MAX = 1024       # Linux UIO_MAXIOV: os.preadv gives EINVAL beyond it
+
+REASON = "not probed yet"     # why io_uring is (not) used: for a log line
+
+_L: Any = None                # the liburing module once the probe passed
+_state: bool | None = None    # cached probe result
+_leaks_exports = False        # whether liburing.Iovec keeps one buffer export per memoryview (see above)
+_probe_lock = threading.Lock()
+_tls = threading.local()
+_ORPHANS: list[Any] = []      # (ring, ops) whose completions were never reaped: kept alive on purpose
+
+
+def _disabled() -> bool:
+    return os.environ.get("KVSTORE_NO_URING", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def available() -> bool:
+    """Whether preadv/pwritev/run_many go through io_uring (probed once per process; see the module doc)."""
+    global REASON
+    if _disabled():
+        REASON = "io_uring disabled by KVSTORE_NO_URING"
+        return False
+    if _state is None:
+        with _probe_lock:
+            if _state is None:
+                _probe()
+    return bool(_state)
+
+
+def backend() -> str:
+    return "io_uring" if available() else "os"
+
+
+# ---------------------------------------------------------------------------------------------------- arguments
+
+def _views(kind: str, bufs: Sequence[Buffer]) -> list[memoryview]:
+    """Memoryviews of our own over the caller's buffers: one byte per item, contiguous, writable for reads."""
+    if isinstance(bufs, (bytes, bytearray, memoryview, mmap.mmap)) or not isinstance(bufs, Sequence):
+        raise TypeError("bufs must be a sequence of bytes-like objects")
+    if not bufs:
+        raise ValueError("bufs must not be empty")
+    if len(bufs) > IOV_MAX:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+    out = []
+    for b in bufs:
+        mv = memoryview(b)
+        if not mv.c_contiguous:
+            raise TypeError("buffers must be C-contiguous")
+        if mv.ndim != 1 or mv.format != "B":
+            mv = mv.cast("B")
+        if kind == "r" and mv.readonly:
+            raise TypeError("preadv needs writable buffers")
+        out.append(mv)
+    return out
+
+
+def _check(kind: str, fd: int, bufs: Sequence[Buffer], offset: int) -> list[memoryview]:
+    if kind not in ("r", "w"):
+        raise ValueError(f"op kind must be 'r' or 'w', not {kind!r}")
+    if not isinstance(fd, int) or not isinstance(offset, int):
+        raise TypeError("fd and offset must be int")
+    if fd < 0 or fd > 0x7FFFFFFF:
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+    if offset < 0:       # io_uring reads offset -1 as "the file position": never pass it through
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+    return _views(kind, bufs)
+
+
+def _release(views: list[memoryview]) -> None:
+    for v in views:
+        if _leaks_exports:
+            _give_back_export(v)
+        try:
+            v.release()
+        except BufferError:       # still exported: leave it pinned (a leak, never a dangling pointer)
+            pass
+
+
+# ---------------------------------------------------------------------------------------------------- fallback
+
+def _os_one(kind: str, fd: int, bufs: Sequence[Buffer], offset: int) -> int:
+    return os.preadv(fd, bufs, offset) if kind == "r" else os.pwritev(fd, bufs, offset)
+
+
+# ---------------------------------------------------------------------------------------------------- public
+
+def preadv(fd: int, bufs: Sequence[Buffer], offset: int) -> int:
+    """os.preadv: read into `bufs` in order from `offset`; bytes read; OSError on failure."""
+    return _one("r", fd, bufs, offset)
+
+
+def pwritev(fd: int, bufs: Sequence[Buffer], offset: int) -> int:
+    """os.pwritev: write `bufs` in order at `offset`; bytes written; OSError on failure."""
+    return _one("w", fd, bufs, offset)
+
+
+def _one(kind: str, fd: int, bufs: Sequence[Buffer], offset: int) -> int:
+    views = _check(kind, fd, bufs, offset)
+    if not available():
+        _release(views) if False else None
+        return _os_one(kind, fd, views, offset)
+    res = _run_uring([(kind, fd, views, offset)], 1)[0]
+    if res < 0:
+        raise OSError(-res, os.strerror(-res))
+    return res
+
+
+def run_many(ops: Sequence[Op], depth: int | None = None) -> list[int]:
+    """Run reads and writes with up to `depth` in flight from this thread; bytes or -errno per op, in op order."""
+    d = DEPTH if depth is None else max(1, min(int(depth), DEPTH))
+    checked = [(kind, fd, _check(kind, fd, bufs, off), off) for kind, fd, bufs, off in ops]
+    if not checked:
+        return []
+    if not available():
+        out = []
+        for kind, fd, views, off in checked:
+            try:
+                out.append(_os_one(kind, fd, views, off))
+            except OSError as e:
+                out.append(-(e.errno or errno.EIO))
+        return out
+    return _run_uring(checked, d)
+
+
+# ---------------------------------------------------------------------------------------------------- io_uring
+
+class _Ring:
+    """One thread's io_uring. Not shared between threads; rebuilt after fork."""
+
+    def __init__(self, depth: int) -> None:
+        L = _L
+        self.live = False
+        self.ring = L.Ring()
+        L.io_uring_queue_init(depth, self.ring)      # OSError on failure
+        self.live = True
+        self.depth = depth
+        self.pid = os.getpid()
+        self.cqe = L.Cqe()
+        self.poll = select.poll()
+        self.poll.register(self.ring.ring_fd, select.POLLIN)
+
+    def reap(self) -> tuple[int, int]:
+        """The next completion: (user_data, res), res < 0 being -errno. Waits in poll() (GIL released)."""
+        L = _L
+        while True:
+            try:
+                L.io_uring_peek_cqe(self.ring, self.cqe)
+            except BlockingIOError:
+                self.poll.poll()
+                continue
+            c = self.cqe[0]
+            ud = c.user_data
+            try:
+                res = c.res                    # the binding raises OSError for a negative res
+            except OSError as e:
+                res = -(e.errno or errno.EIO)
+            L.io_uring_cqe_seen(self.ring, c)
+            return ud, res
+
+    def close(self) -> None:
+        if self.live:
+            self.live = False
+            _L.io_uring_queue_exit(self.ring)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _thread_ring() -> _Ring:
+    r = getattr(_tls, "ring", None)
+    if r is None or r.pid != os.getpid():
+        r = _tls.ring = _Ring(DEPTH)
+    return r
+
+
+def _run_uring(ops: list[tuple[str, int, list[memoryview], int]], depth: int) -> list[int]:
+    L = _L
+    r = _thread_ring()
+    n = len(ops)
+    results = [0] * n
+    keep: list[Any] = [None] * n          # (views, iovec) of each op until its completion is reaped
+    nxt = inflight = done = queued = 0
+    try:
+        while done < n:
+            while nxt < n and inflight + queued < depth:
+                sqe = L.io_uring_get_sqe(r.ring)
+                if sqe is None:
+                    break
+                kind, fd, views, off = ops[nxt]
+                iov = L.Iovec(views)
+                keep[nxt] = (views, iov)
+                if kind == "r":
+                    L.io_uring_prep_readv(sqe, fd, iov, off)
+                else:
+                    L.io_uring_prep_writev(sqe, fd, iov, off)
+                sqe.user_data = nxt
+                nxt += 1
+                queued += 1
+            while queued:
+                try:
+                    s = L.io_uring_submit(r.ring)
+                except InterruptedError:
+                    continue
+                if not s:
+                    break
+                queued -= s
+                inflight += s
+            if not inflight:
+                raise OSError(errno.EIO, "io_uring_submit submitted nothing")
+            i, res = r.reap()
+            views, _iov = keep[i]
+            keep[i] = None
+            inflight -= 1
+            done += 1
+            results[i] = res
+            _release(views)
+    except BaseException:
+        if inflight or queued:
+            _ORPHANS.append((r, keep))      # the kernel may still use these: never free them
+            _tls.ring = None
+        else:
+            for k in keep:
+                if k is not None:
+                    _release(k[0])
+        raise
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------- exports
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+_PyBuffer_Release = ctypes.pythonapi.PyBuffer_Release
+_PyBuffer_Release.argtypes = [ctypes.POINTER(_PyBuffer)]
+_PyBuffer_Release.restype = None
+
+
+def _give_back_export(mv: memoryview) -> None:
+    """Undo one PyObject_GetBuffer(mv) that was never released: a memoryview's releasebuffer only counts its
+    exports down, and PyBuffer_Release then drops the reference the buffer held."""
+    pb = _PyBuffer()
+    pb.obj = mv
+    _PyBuffer_Release(ctypes.byref(pb))
+
+
+# ---------------------------------------------------------------------------------------------------- probe
+
+def _probe() -> None:
+    global _state, REASON, _L, _leaks_exports
+    _state = False
+    try:
+        import liburing as L
+    except Exception as e:                       # ImportError, or a broken wheel
+        REASON = f"io_uring unavailable: cannot import liburing ({type(e).__name__}: {e})"
+        return
+    version = getattr(L, "__version__", "?")
+    need = ("Ring", "Cqe", "Iovec", "io_uring_queue_init", "io_uring_queue_exit", "io_uring_get_sqe",
+            "io_uring_prep_readv", "io_uring_prep_writev", "io_uring_submit", "io_uring_peek_cqe",
+            "io_uring_cqe_seen")
+    missing = [x for x in need if not hasattr(L, x)]
+    if missing:
+        REASON = f"io_uring unavailable: liburing {version} lacks {', '.join(missing)}"
+        return
+    try:
+        leaks = _iovec_semantics(L)
+    except Exception as e:
+        REASON = f"io_uring unavailable: liburing {version}: {e}"
+        return
+    _L, _leaks_exports = L, leaks
+    try:
+        ring = _Ring(DEPTH)
+    except Exception as e:
+        _L = None
+        REASON = f"io_uring unavailable: ring setup failed ({type(e).__name__}: {e})"
+        return
+    try:
+        how = _io_probe(ring)
+    except Exception as e:
+        _L = None
+        REASON = f"io_uring unavailable: test readv/writev failed ({type(e).__name__}: {e})"
+        return
+    finally:
+        ring.close()
+    REASON = f"io_uring in use (liburing {version}, depth {DEPTH}, {how})"
+    _state = True
+
+
+def _iovec_semantics(L: Any) -> bool:
+    """True if Iovec leaks exactly one export per memoryview, False if it keeps none after it is gone; else
+    raise (a binding this module does not understand is not used)."""
+    mv = memoryview(bytearray(64))
+    base = sys.getrefcount(mv)
+    iov = L.Iovec([mv, mv])
+    del iov
+    left = sys.getrefcount(mv) - base
+    if left == 0:
+        mv.release()
+        return False
+    if left == 2:
+        _give_back_export(mv)
+        _give_back_export(mv)
+        if sys.getrefcount(mv) - base == 0:
+            mv.release()             # BufferError here would mean the count is not what we think
+            return True
+    raise RuntimeError(f"Iovec keeps {left} references to 2 buffers; not a behaviour this module knows")
+
+
+def _io_probe(ring: _Ring) -> str:
+    d = os.environ.get("KVSTORE_URING_PROBE_DIR") or tempfile.gettempdir()
+    fd0, path = tempfile.mkstemp(prefix=".kvstore-uring-probe-", dir=d)
+    try:
+        os.close(fd0)
+        pattern = bytes(range(256)) * 32                     # 8 KiB
+        with open(path, "wb") as f:
+            f.write(pattern)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+            how = f"O_DIRECT probe in {d}"
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            fd = os.open(path, os.O_RDWR)
+            how = f"buffered probe: {d} refuses O_DIRECT"
+        buf = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+        try:
+            saved, _tls.ring = getattr(_tls, "ring", None), ring
+            try:
+                mv = memoryview(buf)
+                n = run_many([("r", fd, [mv[:4096]], 4096)], 1)[0]
+                if n != 4096 or buf[:4096] != pattern[4096:]:
+                    raise OSError(errno.EIO, f"readv returned {n} and {'wrong' if n == 4096 else 'no'} bytes")
+                buf[:4096] = pattern[4096:][::-1]
+                n = run_many([("w", fd, [mv[:4096]], 0)], 1)[0]
+                if n != 4096 or os.pread(fd, 4096, 0) != pattern[4096:][::-1]:
+                    raise OSError(errno.EIO, f"writev returned {n}, or the bytes on disk differ")
+                mv.release()
+            finally:
+                _tls.ring = saved
+        finally:
+            os.close(fd)
+            buf.close()       # BufferError if an export were left behind: the probe fails then
+        return how
+    finally:
+        os.unlink(path)
