@@ -29,10 +29,10 @@ PIP=("$VENV/bin/pip" install -q)
 # 2. SGLang itself, without its requirements
 "${PIP[@]}" --no-deps sglang==0.5.23
 
-# 3. what `import sglang.srt.mem_cache...` needs, by name
+# 3. what `import sglang` and its engine on CPU need, by name
 "${PIP[@]}" aiohttp fastapi msgspec orjson pyzmq pydantic requests psutil packaging pillow tqdm uvicorn uvloop \
     xxhash zstandard pybase64 python-multipart partial_json_parser interegular einops distro regex setproctitle \
-    scipy sentencepiece IPython dill loguru gguf triton==3.9.0 apache-tvm-ffi==0.1.11 \
+    scipy sentencepiece IPython dill loguru gguf openai==2.8.0 triton==3.9.0 apache-tvm-ffi==0.1.11 \
     transformers==5.19.0 tokenizers==0.23.2
 "${PIP[@]}" --no-deps compressed-tensors==0.18.0 xgrammar==0.2.7 torchvision==0.28.0
 

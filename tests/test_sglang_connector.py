@@ -3,7 +3,9 @@
 SGLang's real `HiCacheStorage` base class, its backend factory, its device pools (`MHATokenToKVPool`,
 `MLATokenToKVPool`) and its host pools (`MHATokenToKVPoolHost` in each layout, `MLATokenToKVPoolHost`) are built
 on the CPU, exactly as HiCache builds them; the backend moves their pages through a daemon process. Pages are filled
-with random bytes and compared byte for byte. Runs in .venv-sglang (tests/setup_sglang_env.sh); skipped elsewhere.
+with random bytes and compared byte for byte. The last test runs two real SGLang engine processes on the CPU
+(tests/sglang_engine_run.py, with the small version-pinned workarounds of connectors/sglang_patches.py): the second
+gets its prefix from the daemon. Runs in .venv-sglang (tests/setup_sglang_env.sh); skipped elsewhere.
 """
 from __future__ import annotations
 
@@ -379,3 +381,41 @@ def test_vllm_and_sglang_namespaces_share_one_daemon(daemon):
     human = subprocess.run([*cli, "stats"], env=env, check=True, capture_output=True, text=True, timeout=30).stdout
     assert "2 namespace(s)" in human
     b.close()
+
+
+ENGINE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_engine_run.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_real_engine_gets_its_prefix_from_the_daemon(daemon, tmp_path):
+    """Two SGLang engine processes (CPU, a tiny random Llama, HiCache with this backend, page size 4): A computes a
+    300-token prompt and writes its pages through to the daemon; a fresh B finds them there (296 tokens: SGLang
+    always computes the last page) and answers the same greedy tokens."""
+    site = tmp_path / "site"           # SGLang spawns its scheduler: the CPU workarounds go in by sitecustomize
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import connectors.sglang_patches as p\np.apply()\n")
+    env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}", "SGLANG_USE_CPU_ENGINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    model = str(tmp_path / "llama")
+    subprocess.run([sys.executable, ENGINE_SCRIPT, "build", model], env=env, check=True, capture_output=True,
+                   timeout=120)
+
+    def engine(name: str, *args: str) -> dict:
+        log = tmp_path / f"{name}.log"
+        with open(log, "w") as out:
+            rc = subprocess.run([sys.executable, ENGINE_SCRIPT, "run", model, daemon.socket, "300", *args], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, timeout=240).returncode
+        text = log.read_text(errors="replace")
+        results = [line for line in text.splitlines() if line.startswith("RESULT ")]
+        assert rc == 0 and results, f"engine {name} failed ({rc}):\n{text[-4000:]}"
+        return json.loads(results[-1][len("RESULT "):])
+
+    a = engine("a", "--expect-blocks", "74")
+    assert a["cached"] == 0
+    with daemon.client() as c:
+        [row] = c.list()["namespaces"]
+    assert row["geometry"]["layout"] == "sglang:layers,kv,tokens,heads,dim" and row["blocks"] >= 74
+
+    b = engine("b")                           # a new process: its own GPU-side and host caches are empty
+    assert (b["cached"], b["output"]) == (296, a["output"])
+    print(f"\nA {a}\nB {b}")
