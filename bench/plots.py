@@ -1,0 +1,162 @@
+"""PNG pictures of the comparisons, from the results of bench_vs_lmcache.py and bench_agentic.py (matplotlib, Agg).
+
+    python bench/plots.py RESULT.json [OUTDIR]     # a vs_lmcache-*.json, agentic-*.json or a whole-run JSON
+
+Each picture: throughput bars (median, whiskers p25–p75) with the hardware limit measured in the same run drawn as
+a horizontal line; latency CDFs per system.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {"kvstore": "#1f77b4", "lmcache": "#ff7f0e", "lmcache_fs": "#ff7f0e", "lmcache_fs_odirect": "#d62728",
+          "raw_socket": "#7f7f7f"}
+LABELS = {"kvstore": "kvstore", "lmcache": "LMCache", "lmcache_fs": "LMCache fs (page cache)",
+          "lmcache_fs_odirect": "LMCache fs (O_DIRECT)", "raw_socket": "raw Unix socket"}
+
+
+def _q(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    pos = (len(s) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _bars(ax: Any, groups: list[str], series: dict[str, list[list[float]]], limits: list[tuple[str, list[float]]],
+          ylabel: str) -> None:
+    """Grouped bars: series name → one sample list per group; limits: (label, one sample list per group)."""
+    n = len(series)
+    width = 0.8 / n
+    for i, (name, per_group) in enumerate(series.items()):
+        xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
+        med = [_q(v, 0.5) if v else 0 for v in per_group]
+        err = [[m - _q(v, 0.25) if v else 0 for m, v in zip(med, per_group)],
+               [_q(v, 0.75) - m if v else 0 for m, v in zip(med, per_group)]]
+        ax.bar(xs, med, width, yerr=err, capsize=3, color=COLORS.get(name), label=LABELS.get(name, name))
+        for x, m in zip(xs, med):
+            ax.annotate(f"{m:.2f}", (x, m), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                        textcoords="offset points")
+    for j, (label, per_group) in enumerate(limits):
+        for g, v in enumerate(per_group):
+            if v:
+                ax.hlines(_q(v, 0.5), g - 0.45, g + 0.45, colors="k", linestyles=["-", "--", ":"][j % 3],
+                          label=label if g == next(k for k, w in enumerate(per_group) if w) else None)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _cdf(ax: Any, samples: dict[str, list[float]], xlabel: str, styles: dict[str, str] | None = None) -> None:
+    for name, xs in samples.items():
+        if not xs:
+            continue
+        s = sorted(xs)
+        base = name.split(" ")[0]
+        ax.plot(s, [(i + 1) / len(s) for i in range(len(s))], label=f"{LABELS.get(base, base)}{name[len(base):]}",
+                color=COLORS.get(base), linestyle=(styles or {}).get(name, "-"))
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of operations ≤ x")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+
+
+def _save(fig: Any, outdir: str, name: str, made: list[str]) -> None:
+    path = os.path.join(outdir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    made.append(path)
+
+
+def vs_lmcache(res: dict[str, Any], outdir: str, made: list[str]) -> None:
+    dr = res.get("dram")
+    if dr:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        _bars(ax, ["store", "retrieve"],
+              {s: [dr[s]["store"], dr[s]["retrieve"]] for s in ("kvstore", "lmcache")},
+              [("memcpy, 1 thread (limit)", [dr["memcpy"], dr["memcpy"]]),
+               ("memcpy gathered from paged KV", [dr["gather"], dr["gather"]])], "GB/s")
+        ax.set_title("DRAM tier: 2 MiB blocks, batches of 32, from another process")
+        _save(fig, outdir, "dram_throughput.png", made)
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        _cdf(ax, {f"{s} {op}": [x * 1e3 for x in dr[s][f"{op}_batch_s"]] for s in ("kvstore", "lmcache")
+                  for op in ("store", "retrieve")}, "ms per batch of 32 × 2 MiB",
+             {f"{s} retrieve": "--" for s in ("kvstore", "lmcache")})
+        ax.set_title("DRAM tier: latency of one batch (store; retrieve = lookup + load)")
+        _save(fig, outdir, "dram_latency_cdf.png", made)
+        if dr.get("lookup_us"):
+            fig, ax = plt.subplots(figsize=(7, 4.2))
+            _cdf(ax, {k: [x * 1e6 for x in v] for k, v in dr["lookup_us"].items()}, "µs per lookup of 32 blocks")
+            ax.set_title("lookup of 32 present blocks (raw socket: 64-byte round trip)")
+            _save(fig, outdir, "lookup_latency_cdf.png", made)
+    dk = res.get("disk")
+    if dk:
+        names = [s for s in ("kvstore", "lmcache_fs", "lmcache_fs_odirect") if s in dk]
+        fig, ax = plt.subplots(figsize=(8, 4.4))
+        _bars(ax, ["store (reply)", "store (on disk)", "retrieve (from disk)"],
+              {s: [dk[s]["store"], dk[s]["store_to_disk"], dk[s]["retrieve"]] for s in names},
+              [("O_DIRECT write+fdatasync / read (limit)", [dk["odirect_write"], dk["odirect_write"],
+                                                           dk["odirect_read"]])], "GB/s")
+        ax.set_title(f"disk tier: {dk['blocks']} × 2 MiB through 256 MiB of DRAM")
+        _save(fig, outdir, "disk_throughput.png", made)
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        _cdf(ax, {s: [x * 1e3 for x in dk[s]["retrieve_batch_s"]] for s in names}, "ms per batch of 32 × 2 MiB")
+        ax.set_title("disk tier: latency of one retrieve batch (blocks on disk only)")
+        _save(fig, outdir, "disk_latency_cdf.png", made)
+
+
+def agentic(res: dict[str, Any], outdir: str, made: list[str]) -> None:
+    variants = res.get("variants") or {}
+    if not variants:
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2))
+    groups = list(variants)
+    _bars(a1, groups, {s: [[r[s]["hit_rate"] * 100 for r in variants[v]] for v in groups]
+                       for s in ("kvstore", "lmcache")},
+          [("ideal (unbounded cache)", [[r["ideal_hit_rate"] * 100 for r in variants[v]] for v in groups])],
+          "hit rate, % of chunks looked up")
+    a1.set_title(f"agentic trace: {res['sessions']} sessions × {res['turns']} turns")
+    width = 0.35
+    for i, s in enumerate(("kvstore", "lmcache")):
+        xs = [g + (i - 0.5) * width for g in range(len(groups))]
+        loaded = [variants[v][0][s]["bytes_loaded"] / 1e9 for v in groups]
+        stored = [variants[v][0][s]["bytes_stored"] / 1e9 for v in groups]
+        a2.bar(xs, loaded, width, color=COLORS[s], label=f"{LABELS[s]}: loaded")
+        a2.bar(xs, stored, width, bottom=loaded, color=COLORS[s], alpha=0.45, hatch="//",
+               label=f"{LABELS[s]}: stored (= recomputed)")
+    a2.set_xticks(range(len(groups)), groups)
+    a2.set_ylabel("GB moved through the cache")
+    a2.legend(fontsize=8)
+    a2.grid(axis="y", alpha=0.3)
+    a2.set_title(f"working set {res['working_set_bytes'] >> 20} MiB, DRAM {res['capacity_dram_bytes'] >> 20} MiB")
+    _save(fig, outdir, "agentic.png", made)
+
+
+def make(results: dict[str, Any], outdir: str) -> list[str]:
+    """Every picture for a whole-run JSON ({"benchmarks": {name: result}}) or one benchmark's JSON."""
+    os.makedirs(outdir, exist_ok=True)
+    made: list[str] = []
+    benches = results.get("benchmarks") or {results.get("benchmark", ""): results}
+    if "vs_lmcache" in benches:
+        vs_lmcache(benches["vs_lmcache"], outdir, made)
+    if "agentic" in benches:
+        agentic(benches["agentic"], outdir, made)
+    return made
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        data = json.load(f)
+    out = sys.argv[2] if len(sys.argv) > 2 else os.path.splitext(sys.argv[1])[0]
+    for p in make(data, out):
+        print(p)
