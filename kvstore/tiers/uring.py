@@ -66,6 +66,7 @@ REASON = "not probed yet"     # why io_uring is (not) used: for a log line
 
 _L: Any = None                # the liburing module once the probe passed
 _state: bool | None = None    # cached probe result
+_probe_reason = REASON
 _leaks_exports = False        # whether liburing.Iovec keeps one buffer export per memoryview (see above)
 _probe_lock = threading.Lock()
 _tls = threading.local()
@@ -86,6 +87,7 @@ def available() -> bool:
         with _probe_lock:
             if _state is None:
                 _probe()
+    REASON = _probe_reason
     return bool(_state)
 
 
@@ -128,7 +130,14 @@ def _check(kind: str, fd: int, bufs: Sequence[Buffer], offset: int) -> list[memo
     return _views(kind, bufs)
 
 
-def _release(views: list[memoryview]) -> None:
+def _drop(views: list[memoryview]) -> None:
+    """Release our views (fallback path, or on errors before any Iovec was built over them)."""
+    for v in views:
+        v.release()
+
+
+def _release_after_iovec(views: list[memoryview]) -> None:
+    """After the op's completion: give back what the Iovec took, then release our views."""
     for v in views:
         if _leaks_exports:
             _give_back_export(v)
@@ -140,8 +149,11 @@ def _release(views: list[memoryview]) -> None:
 
 # ---------------------------------------------------------------------------------------------------- fallback
 
-def _os_one(kind: str, fd: int, bufs: Sequence[Buffer], offset: int) -> int:
-    return os.preadv(fd, bufs, offset) if kind == "r" else os.pwritev(fd, bufs, offset)
+def _os_one(kind: str, fd: int, views: list[memoryview], offset: int) -> int:
+    try:
+        return os.preadv(fd, views, offset) if kind == "r" else os.pwritev(fd, views, offset)
+    finally:
+        _drop(views)
 
 
 # ---------------------------------------------------------------------------------------------------- public
@@ -159,7 +171,6 @@ def pwritev(fd: int, bufs: Sequence[Buffer], offset: int) -> int:
 def _one(kind: str, fd: int, bufs: Sequence[Buffer], offset: int) -> int:
     views = _check(kind, fd, bufs, offset)
     if not available():
-        _release(views) if False else None
         return _os_one(kind, fd, views, offset)
     res = _run_uring([(kind, fd, views, offset)], 1)[0]
     if res < 0:
@@ -170,7 +181,14 @@ def _one(kind: str, fd: int, bufs: Sequence[Buffer], offset: int) -> int:
 def run_many(ops: Sequence[Op], depth: int | None = None) -> list[int]:
     """Run reads and writes with up to `depth` in flight from this thread; bytes or -errno per op, in op order."""
     d = DEPTH if depth is None else max(1, min(int(depth), DEPTH))
-    checked = [(kind, fd, _check(kind, fd, bufs, off), off) for kind, fd, bufs, off in ops]
+    checked = []
+    try:
+        for kind, fd, bufs, off in ops:
+            checked.append((kind, fd, _check(kind, fd, bufs, off), off))
+    except BaseException:
+        for c in checked:
+            _drop(c[2])
+        raise
     if not checked:
         return []
     if not available():
@@ -190,7 +208,7 @@ class _Ring:
     """One thread's io_uring. Not shared between threads; rebuilt after fork."""
 
     def __init__(self, depth: int) -> None:
-        L = _L
+        L = self.L = _L
         self.live = False
         self.ring = L.Ring()
         L.io_uring_queue_init(depth, self.ring)      # OSError on failure
@@ -203,7 +221,7 @@ class _Ring:
 
     def reap(self) -> tuple[int, int]:
         """The next completion: (user_data, res), res < 0 being -errno. Waits in poll() (GIL released)."""
-        L = _L
+        L = self.L
         while True:
             try:
                 L.io_uring_peek_cqe(self.ring, self.cqe)
@@ -222,7 +240,7 @@ class _Ring:
     def close(self) -> None:
         if self.live:
             self.live = False
-            _L.io_uring_queue_exit(self.ring)
+            self.L.io_uring_queue_exit(self.ring)
 
     def __del__(self) -> None:
         try:
@@ -239,28 +257,32 @@ def _thread_ring() -> _Ring:
 
 
 def _run_uring(ops: list[tuple[str, int, list[memoryview], int]], depth: int) -> list[int]:
+    """Up to `depth` ops in flight on this thread's ring; every op completed (and its views released) on return.
+    If anything raises once an SQE has been taken, the ring and the buffers of every op not yet reaped are parked
+    in _ORPHANS (never reused, never freed) and the thread gets a new ring next time."""
     L = _L
     r = _thread_ring()
     n = len(ops)
     results = [0] * n
     keep: list[Any] = [None] * n          # (views, iovec) of each op until its completion is reaped
-    nxt = inflight = done = queued = 0
+    nxt = inflight = queued = done = 0
     try:
         while done < n:
             while nxt < n and inflight + queued < depth:
+                kind, fd, views, off = ops[nxt]
+                if keep[nxt] is None:
+                    keep[nxt] = (views, L.Iovec(views))
+                iov = keep[nxt][1]
                 sqe = L.io_uring_get_sqe(r.ring)
                 if sqe is None:
                     break
-                kind, fd, views, off = ops[nxt]
-                iov = L.Iovec(views)
-                keep[nxt] = (views, iov)
+                queued += 1                   # from here on the SQE belongs to this op
                 if kind == "r":
                     L.io_uring_prep_readv(sqe, fd, iov, off)
                 else:
                     L.io_uring_prep_writev(sqe, fd, iov, off)
                 sqe.user_data = nxt
                 nxt += 1
-                queued += 1
             while queued:
                 try:
                     s = L.io_uring_submit(r.ring)
@@ -273,20 +295,20 @@ def _run_uring(ops: list[tuple[str, int, list[memoryview], int]], depth: int) ->
             if not inflight:
                 raise OSError(errno.EIO, "io_uring_submit submitted nothing")
             i, res = r.reap()
-            views, _iov = keep[i]
+            views = keep[i][0]
             keep[i] = None
             inflight -= 1
             done += 1
             results[i] = res
-            _release(views)
+            _release_after_iovec(views)
     except BaseException:
         if inflight or queued:
-            _ORPHANS.append((r, keep))      # the kernel may still use these: never free them
+            _ORPHANS.append((r, keep))      # the kernel may still use these buffers: never free them
             _tls.ring = None
         else:
             for k in keep:
                 if k is not None:
-                    _release(k[0])
+                    _release_after_iovec(k[0])
         raise
     return results
 
@@ -316,12 +338,12 @@ def _give_back_export(mv: memoryview) -> None:
 # ---------------------------------------------------------------------------------------------------- probe
 
 def _probe() -> None:
-    global _state, REASON, _L, _leaks_exports
+    global _state, _probe_reason, _L, _leaks_exports
     _state = False
     try:
         import liburing as L
     except Exception as e:                       # ImportError, or a broken wheel
-        REASON = f"io_uring unavailable: cannot import liburing ({type(e).__name__}: {e})"
+        _probe_reason = f"io_uring unavailable: cannot import liburing ({type(e).__name__}: {e})"
         return
     version = getattr(L, "__version__", "?")
     need = ("Ring", "Cqe", "Iovec", "io_uring_queue_init", "io_uring_queue_exit", "io_uring_get_sqe",
@@ -329,29 +351,30 @@ def _probe() -> None:
             "io_uring_cqe_seen")
     missing = [x for x in need if not hasattr(L, x)]
     if missing:
-        REASON = f"io_uring unavailable: liburing {version} lacks {', '.join(missing)}"
+        _probe_reason = f"io_uring unavailable: liburing {version} lacks {', '.join(missing)}"
         return
     try:
         leaks = _iovec_semantics(L)
     except Exception as e:
-        REASON = f"io_uring unavailable: liburing {version}: {e}"
+        _probe_reason = f"io_uring unavailable: liburing {version}: {e}"
         return
     _L, _leaks_exports = L, leaks
     try:
         ring = _Ring(DEPTH)
     except Exception as e:
         _L = None
-        REASON = f"io_uring unavailable: ring setup failed ({type(e).__name__}: {e})"
+        _probe_reason = f"io_uring unavailable: ring setup failed ({type(e).__name__}: {e})"
         return
     try:
         how = _io_probe(ring)
     except Exception as e:
         _L = None
-        REASON = f"io_uring unavailable: test readv/writev failed ({type(e).__name__}: {e})"
+        _probe_reason = f"io_uring unavailable: test readv/writev failed ({type(e).__name__}: {e})"
         return
     finally:
-        ring.close()
-    REASON = f"io_uring in use (liburing {version}, depth {DEPTH}, {how})"
+        if not any(o[0] is ring for o in _ORPHANS):
+            ring.close()
+    _probe_reason = f"io_uring in use (liburing {version}, depth {DEPTH}, {how})"
     _state = True
 
 
@@ -393,24 +416,26 @@ def _io_probe(ring: _Ring) -> str:
                 raise
             fd = os.open(path, os.O_RDWR)
             how = f"buffered probe: {d} refuses O_DIRECT"
-        buf = mmap.mmap(-1, 2 * mmap.PAGESIZE)
+        buf = mmap.mmap(-1, 8192)
+        mv = memoryview(buf)
+        saved, _tls.ring = getattr(_tls, "ring", None), ring
         try:
-            saved, _tls.ring = getattr(_tls, "ring", None), ring
-            try:
-                mv = memoryview(buf)
-                n = run_many([("r", fd, [mv[:4096]], 4096)], 1)[0]
-                if n != 4096 or buf[:4096] != pattern[4096:]:
-                    raise OSError(errno.EIO, f"readv returned {n} and {'wrong' if n == 4096 else 'no'} bytes")
-                buf[:4096] = pattern[4096:][::-1]
-                n = run_many([("w", fd, [mv[:4096]], 0)], 1)[0]
-                if n != 4096 or os.pread(fd, 4096, 0) != pattern[4096:][::-1]:
-                    raise OSError(errno.EIO, f"writev returned {n}, or the bytes on disk differ")
-                mv.release()
-            finally:
-                _tls.ring = saved
+            first, second = mv[:4096], mv[4096:]
+            n = _run_uring([("r", fd, _check("r", fd, [first], 4096), 4096)], 1)[0]
+            if n != 4096 or buf[:4096] != pattern[4096:]:
+                raise OSError(errno.EIO, f"readv returned {n} and {'wrong' if n == 4096 else 'no'} bytes")
+            buf[:4096] = pattern[::-1][:4096]
+            n = _run_uring([("w", fd, _check("w", fd, [first], 0), 0)], 1)[0]
+            m = _run_uring([("r", fd, _check("r", fd, [second], 0), 0)], 1)[0]
+            if n != 4096 or m != 4096 or buf[4096:] != pattern[::-1][:4096]:
+                raise OSError(errno.EIO, f"writev returned {n}, read back {m}, or the bytes differ")
+            first.release()
+            second.release()
         finally:
+            _tls.ring = saved
             os.close(fd)
-            buf.close()       # BufferError if an export were left behind: the probe fails then
+        mv.release()
+        buf.close()           # BufferError if an export were left behind: the probe fails then
         return how
     finally:
         os.unlink(path)
