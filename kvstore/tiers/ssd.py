@@ -89,9 +89,21 @@ def _aligned(n: int) -> mmap.mmap:
 
 
 class SsdStore:
-    def __init__(self, directory: str, capacity: int, sync: str = "batch", path: Path | None = None) -> None:
+    def __init__(self, directory: str, capacity: int, sync: str = "batch", path: Path | None = None,
+                 io: str = "threads") -> None:
         if sync not in SYNC_POLICIES:
             raise ValueError(f"ssd sync policy must be one of {', '.join(SYNC_POLICIES)}, got {sync!r}")
+        # Record payloads move by os.preadv/pwritev from the path's worker threads, or through an io_uring per
+        # worker (tiers/uring) when asked for and the probe finds it sound; either way one transfer a worker.
+        self.io = "threads"
+        self._preadv: Callable[..., int] = os.preadv
+        self._pwritev: Callable[..., int] = os.pwritev
+        if io == "io_uring":
+            from kvstore.tiers import uring
+
+            if uring.available():
+                self.io, self._preadv, self._pwritev = "io_uring", uring.preadv, uring.pwritev
+            log.warning("ssd: io_uring asked for: %s", uring.REASON)
         self.dir = directory
         self.capacity = capacity
         self.sync = sync
@@ -328,7 +340,7 @@ class SsdStore:
         or a stale copy's) is zeroed first, in the same sync: a crash can leave an empty record, never an old
         header over new bytes."""
         if _aligned_for_io(payload):       # a host slot or an aligned staged copy: written from where it is
-            os.pwritev(cf.fd, [ZERO_BUF, payload], rec * cf.record)
+            self._pwritev(cf.fd, [ZERO_BUF, payload], rec * cf.record)
             return zlib.crc32(payload)
         buf = cf.take()
         try:
@@ -337,7 +349,7 @@ class SsdStore:
             buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
             with memoryview(buf) as mv, mv[:end] as part, mv[HEADER_BYTES:HEADER_BYTES + len(payload)] as body:
                 crc = zlib.crc32(body)
-                os.pwritev(cf.fd, [part], rec * cf.record)          # zero header + payload: one write
+                self._pwritev(cf.fd, [part], rec * cf.record)       # zero header + payload: one write
             return crc
         finally:
             cf.spare.put(buf)
@@ -443,10 +455,10 @@ class SsdStore:
                 direct = _aligned_for_io(out)
                 if direct:
                     with mv[:HEADER_BYTES] as head:
-                        n = os.preadv(cf.fd, [head, out], rec * cf.record)
+                        n = self._preadv(cf.fd, [head, out], rec * cf.record)
                     got = n - HEADER_BYTES
                 else:
-                    n = os.preadv(cf.fd, [mv], rec * cf.record)
+                    n = self._preadv(cf.fd, [mv], rec * cf.record)
                 header = parse_header(bytes(mv[:min(n, HEADER_BYTES)]))
                 if header is None or header.ns + header.hash != key or header.length != len(out):
                     raise BadRecord("key_mismatch", "the record holds another block")

@@ -34,7 +34,7 @@ Buffer = bytes | memoryview | mmap.mmap
 class SsdTier:
     def __init__(self, cfg: SsdConfig, path: Path | None = None) -> None:
         self.cfg = cfg
-        self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path)
+        self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path, cfg.io)
         self.path = self.store.path
         self.staging: dict[bytes, bytes | mmap.mmap] = {}
         self.staged_bytes = 0
@@ -195,7 +195,7 @@ class SsdTier:
         return {"tier": "ssd", "capacity_bytes": self.cfg.capacity, "mapped_bytes": files, "used_bytes": used,
                 "resident_bytes": files, "blocks": blocks, "segments": len(s.files), "staged_blocks": staged_blocks,
                 "staged_bytes": staged_bytes, "dropped": self.dropped, "rewrites_saved": self.rewrites_saved,
-                "counters": counters, "scan": s.scan_status(),
+                "counters": counters, "scan": s.scan_status(), "io": s.io,
                 "namespaces": {d.hex(): n for d, n in s.by_namespace().items()}}
 
     def close(self) -> None:
