@@ -3,9 +3,9 @@
     python bench/report.py RUNDIR
 
 RUNDIR (bench/results/<date>-<host>/, made by run_all.sh) holds one `<benchmark>.log` per benchmark run (its
-printed output, whose `wrote PATH` line names its JSON) and `skipped.txt` (one `name: reason` a line). Writes
-bench/results/<date>-<host>.json (machine, versions, every benchmark's JSON), bench/results/<date>-<host>.md and
-the PNGs in RUNDIR.
+printed output, whose `wrote PATH` or `results in PATH` line names its JSON) and `skipped.txt` (one
+`name: reason` a line). Writes bench/results/<date>-<host>.json (machine, versions, every benchmark's JSON),
+bench/results/<date>-<host>.md and the PNGs in RUNDIR.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def load(rundir: str) -> tuple[dict[str, Any], dict[str, str], dict[str, str]]:
         if not f.endswith(".log"):
             continue
         text = open(os.path.join(rundir, f), errors="replace").read()
-        m = re.search(r"^wrote (\S+\.json)", text, re.M)
+        m = re.search(r"(?:wrote|results in) (/\S+\.json)", text)       # the line naming its JSON
         if not m or not os.path.exists(m.group(1)):
             skipped[f[:-4]] = "no result written (see its log: " + f + ")"
             continue
@@ -118,9 +118,8 @@ def vs_lmcache_md(r: dict[str, Any]) -> list[str]:
                 + " | ".join(
                     f"{dk[s]['burst_not_on_disk']} (store reply {dk[s]['burst_store']:.2f} GB/s)"
                     for s in ("kvstore", "lmcache_fs", "lmcache_fs_odirect")) + " |", ""]
-    for part in ("dram", "disk"):
-        for e in (r.get(part) or {}).get("errors", []):
-            out.append(f"- error: {e}")
+    errors = [e for part in ("dram", "disk") for e in (r.get(part) or {}).get("errors", [])]
+    out += [f"- error: {e}" for e in errors] + ([""] if errors else [])
     return out
 
 
@@ -164,6 +163,11 @@ NOTES = """## What favoured which side
   its eviction watermark at 0.25 (≈256 MiB kept; with a 256–512 MiB L1 its 64 MiB batch stores failed for want of
   free L1 and were silently dropped). DRAM runs: kvstore pool 1 GiB, LMCache L1 2 GiB, both emptied between
   repetitions. Agentic: 256 MiB each.
+- **Where a disk retrieve was served from.** Both are read back in store order after 1 GiB went through 256 MiB
+  of DRAM. kvstore promotes every block from SSD (a promotion evicts the least recently used block, the newest
+  stored ones go too before they are read). LMCache evicts in steps of 20% of its L1 (here 1 GiB), so some of the
+  last chunks it stored may still be in L1 when read: its O_DIRECT retrieve above the raw O_DIRECT read limit says
+  part of it came from memory. Its page-cache column reads files written seconds before, from the page cache.
 - **Lookups.** LMCache answers a LOOKUP through a prefetch job whose status the client polls (here every 0.2 ms,
   not the 50 ms its own CLI uses); its periodic notifier (5 ms by default) was not tuned.
 - **Machine.** 2 shared cores: the daemon, the client and other work compete for them; figures move between runs,
