@@ -283,7 +283,7 @@ class Namespace:
         if len(hashes) != len(blocks):
             raise ValueError(f"{len(hashes)} hashes but {len(blocks)} blocks")
         result = PutResult()
-        for i in range(0, len(hashes), batch):
+        for i in reversed(range(0, len(hashes), batch)):     # tail first: see Reservation.write_and_commit
             with self.reserve(hashes[i:i + batch]) as r:
                 r.write_and_commit(blocks[i:i + batch], checksum=checksum)
             result.add(r)
@@ -295,12 +295,18 @@ class Namespace:
         if len(hashes) != len(outs):
             raise ValueError(f"{len(hashes)} hashes but {len(outs)} output buffers")
         done = 0
-        for i in range(0, len(hashes), batch):
-            with self.acquire(hashes[i:i + batch], lane) as lease:
+        leases: list[Lease] = []
+        try:
+            for i in range(0, len(hashes), batch):
+                lease = self.acquire(hashes[i:i + batch], lane)
+                leases.append(lease)
                 lease.read_blocks(outs[i:i + len(lease)])
-            done += len(lease)
-            if len(lease) < len(hashes[i:i + batch]):
-                break
+                done += len(lease)
+                if len(lease) < len(hashes[i:i + batch]):
+                    break
+        finally:
+            for lease in reversed(leases):       # released tail first: the head stays the most recent
+                lease.release()
         return done
 
     def prefetch(self, hashes: Sequence[bytes], wait: bool = False) -> dict[str, int]:
@@ -357,7 +363,7 @@ class Reservation:
         self.status = status
         self.views = ns.client._views([g for g in gids if g])
         self.done = False
-        self._committed = 0        # reserved positions already committed by write_and_commit
+        self._uncommitted = len(self.reserved)   # write_and_commit commits from the end: positions before this
 
     @property
     def reserved(self) -> list[int]:
@@ -378,12 +384,14 @@ class Reservation:
         each block's CRC-32 goes with its commit, so readers can verify what they copy."""
         pos = self.reserved
         srcs = self.ns._check([blocks[i] for i in pos], self.ns.block_bytes, "block", False)
-        for start in range(0, len(pos), part):
+        # The last part first: the daemon links each commit's blocks as the most recent, so the head of a prefix
+        # ends up most recent and eviction takes its tail first (a block is useless without those before it).
+        for start in reversed(range(0, len(pos), part)):
             views = self.views[start:start + part]
             self.ns.client.copier.copy(list(zip(views, srcs[start:start + part])))
             extra = {"crcs": [_crc(v) for v in views]} if checksum else {}
             self.ns.client.send("commit", ns=self.ns.id, keys=self._keys_at(pos[start:start + part]), **extra)
-            self._committed = start + part
+            self._uncommitted = start
         self.done = True
 
     def write_layer(self, layer: int, srcs: Sequence[Any]) -> None:
@@ -407,7 +415,7 @@ class Reservation:
 
     def abort(self) -> None:
         self.done = True
-        pos = self.reserved[self._committed:]
+        pos = self.reserved[:self._uncommitted]
         if pos:
             self.ns.client.call("abort", ns=self.ns.id, keys=self._keys_at(pos))
 

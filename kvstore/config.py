@@ -44,6 +44,7 @@ class SsdConfig:
     staging_bytes: int = 256 << 20      # evicted blocks waiting in memory for their SSD write
     write_through: bool = False         # also write every committed block to SSD at once (store lane)
     io: str = "threads"                 # threads | io_uring: how record payloads reach the disk
+    persist_on_stop: bool = True        # a graceful stop writes the host pool's blocks to SSD first
 
 
 @dataclass(slots=True)

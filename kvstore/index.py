@@ -139,7 +139,7 @@ class Index:
         for gid, n in need.items():
             if holder.pins[gid] < n:
                 raise ProtocolError(Code.NOT_FOUND, f"slot {gid:#x} is not held {n} time(s) by this connection")
-        for gid, n in need.items():
+        for gid, n in reversed(need.items()):    # unpinned tail first: the head becomes the most recent
             holder.pins[gid] -= n
             if holder.pins[gid] == 0:
                 del holder.pins[gid]
@@ -239,7 +239,8 @@ class Index:
             raise ProtocolError(Code.NOT_FOUND, f"commit: {len(missing)} key(s) not reserved by this connection "
                                                 f"(first at position {missing[0]}); nothing was committed")
         cls = self._class_ids[ns.slot_bytes]
-        for i, key in enumerate(full):
+        for i in reversed(range(len(full))):     # the head of the prefix linked last: the most recent
+            key = full[i]
             gid = holder.reserved.pop(key)
             del self.pending[key]
             self._publish(ns, key, gid, cls, crcs[i] if crcs is not None else None)

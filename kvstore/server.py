@@ -29,7 +29,7 @@ from kvstore.tiers.ssd_tier import SsdTier
 from kvstore.traffic import Path
 from kvstore.traffic.manager import TrafficManager
 from kvstore.units import format_size
-from kvstore.writethrough import WriteThrough
+from kvstore.writethrough import WriteThrough, persist_host_pool
 
 log = logging.getLogger("kvstore")
 REFUSED_LINGER_S = 1.0   # how long a refused connection stays open for its client to read the refusal
@@ -236,6 +236,13 @@ class Daemon:
             self.state.prefetcher.close()
         if self.state.write_through is not None:
             self.state.write_through.close()     # before the pool closes: its writes read from the slots
+        if self.state.index.ssd is not None and self.config.ssd.persist_on_stop:
+            t0 = time.monotonic()
+            with self.state.lock:
+                written, left = persist_host_pool(self.state, self.config.server.shutdown_timeout_s)
+            log.info("ssd: wrote %d block(s) of the host pool to %s in %.1f s for the next start%s", written,
+                     self.config.ssd.dir, time.monotonic() - t0,
+                     f"; {left} left out (shutdown_timeout_s)" if left else "")
         with self.state.lock:
             self.state.pool.close()
         if self.state.index.ssd is not None:

@@ -86,3 +86,29 @@ class WriteThrough:
             self._stop = True
             self.state.changed.notify_all()
         self._thread.join(timeout=60)
+
+
+def persist_host_pool(state: State, seconds: float) -> tuple[int, int]:
+    """(At a graceful stop, no client left.) Write the host pool's blocks that the SSD tier does not hold yet, so
+    that a restart finds them; at most `seconds` long. Returns (written, left)."""
+    import time
+
+    st, idx, ssd = state, state.index, state.index.ssd
+    assert ssd is not None
+    deadline = time.monotonic() + seconds
+    digests = {ns.prefix: ns.digest for ns in idx.namespaces.values()}
+    todo = [(digests[key[:4]] + key[4:], gid) for key, gid in idx.table.items() if not ssd.has(
+        digests[key[:4]] + key[4:])]
+    written = 0
+    for start in range(0, len(todo), BATCH):
+        if time.monotonic() > deadline:
+            break
+        batch = todo[start:start + BATCH]
+        views = [st.pool.view(gid) for _, gid in batch]
+        try:
+            ssd.begin_batch([k for k, _ in batch])
+            written += ssd.write_batch([(k, v) for (k, _), v in zip(batch, views)], Lane.BACKGROUND)
+        finally:
+            for v in views:
+                v.release()
+    return written, len(todo) - written

@@ -32,8 +32,10 @@ def test_eviction_at_cap_takes_least_recently_used(start_daemon):
         assert s["blocks"] == SLOTS
         assert s["tiers"][0]["mapped_bytes"] <= s["tiers"][0]["capacity_bytes"]
         assert ns.lookup(hs[:5]) == 5                 # recently used: kept
-        assert ns.lookup(hs[5:15]) == 0               # the 10 oldest: evicted
-        assert ns.lookup(hs[15:]) == SLOTS - 15 + 10  # the rest, and the new ones
+        # one put is one prefix: its tail is the least recent, so the 10 evicted are its last 10 blocks
+        assert ns.lookup(hs[:SLOTS]) == SLOTS - 10
+        assert sum(ns.lookup([h]) for h in hs[SLOTS - 10:SLOTS]) == 0
+        assert ns.lookup(hs[SLOTS:]) == 10            # and the new ones
 
 
 def test_pinned_blocks_are_never_evicted(start_daemon):
@@ -115,11 +117,40 @@ def test_evict_by_bytes_and_by_namespace(daemon):
         a, b = c.namespace(spec("a")), c.namespace(spec("b"))
         a.put(hashes(10), [block(i) for i in range(10)])
         b.put(hashes(10), [block(i) for i in range(10)])
-        assert c.evict(nbytes=3 * GEOM.full_bytes)["blocks"] == 3   # the 3 oldest: a's first three
-        assert a.lookup(hashes(10)) == 0 and a.lookup(hashes(10)[3:]) == 7
+        assert c.evict(nbytes=3 * GEOM.full_bytes)["blocks"] == 3   # the 3 oldest: a's last three
+        assert a.lookup(hashes(10)) == 7 and sum(a.lookup([h]) for h in hashes(10)[7:]) == 0
         assert c.evict(everything=True, ns=b.id)["blocks"] == 10
         assert b.lookup(hashes(10)) == 0
-        assert a.lookup(hashes(10)[3:]) == 7          # the other namespace untouched
+        assert a.lookup(hashes(10)) == 7              # the other namespace untouched
         with pytest.raises(KVStoreError) as e:
             c.call("evict")
         assert e.value.code == "bad_request"
+
+
+def test_a_prefix_longer_than_the_pool_keeps_its_head(start_daemon):
+    """Blocks are linked so that eviction takes a prefix's tail first: a block is no use without the ones before
+    it. A put of more than the pool holds keeps the first SLOTS blocks, not the last."""
+    d = start_daemon(capacity="2MiB", segment="1MiB")
+    with d.client() as c:
+        ns = c.namespace(spec())
+        hs = hashes(SLOTS + 64)
+        ns.put(hs, [block(i) for i in range(SLOTS + 64)])
+        assert c.stats()["counters"]["evictions"] == 64
+        assert ns.lookup(hs) == SLOTS
+
+
+def test_a_get_refreshes_a_prefix_head_first(start_daemon):
+    """After a get of a long prefix, its head is the most recent: pressure then evicts from its tail."""
+    d = start_daemon(capacity="2MiB", segment="1MiB")
+    with d.client() as c:
+        ns = c.namespace(spec())
+        hs = hashes(200)
+        ns.put(hs, [block(i) for i in range(200)])
+        other = hashes(88, tag=b"other")
+        ns.put(other[:56], [block(i) for i in range(56)])          # the pool is full now
+        assert ns.get(hs, [bytearray(GEOM.full_bytes) for _ in hs]) == 200   # 7 batches of 32, released
+        assert ns.get(other[:56], [bytearray(GEOM.full_bytes) for _ in range(56)]) == 56   # now hs is older
+        ns.put(other[56:], [block(i) for i in range(32)])           # 32 evictions, all from hs
+        assert ns.lookup(other) == 88
+        assert ns.lookup(hs) == 168                                 # its tail went: the prefix of 168 stays
+        assert sum(ns.lookup([h]) for h in hs[168:]) == 0

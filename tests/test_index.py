@@ -57,7 +57,8 @@ def test_lru_evicts_oldest_unpinned(idx):
     idx.acquire(ns, keys(0, 1), h)                     # 0 and 1 pinned
     idx.release(idx.acquire(ns, keys(2), h), h)        # 2 used again: most recent
     assert put(idx, ns, h, 100, 101, 102) == [RESERVED] * 3
-    assert [idx.lookup(ns, k(i))[0] for i in range(6)] == [1, 1, 1, 0, 0, 0]   # 3, 4, 5 evicted
+    # one commit is one prefix, linked head last: its tail is the oldest, so 15, 14, 13 went
+    assert [idx.lookup(ns, k(i))[0] for i in range(16)] == [1] * 13 + [0] * 3
     assert idx.counters["evictions"] == 3
 
 
@@ -142,4 +143,4 @@ def test_recently_used_other_size_keeps_its_segment(idx):
     put(idx, big, h, 504)
     assert sum(idx.lookup(small, k(i))[0] for i in range(8)) == 8            # kept
     assert sum(idx.lookup(big, k(i))[0] for i in range(500, 505)) == 4      # big evicted its own oldest
-    assert idx.lookup(big, k(500))[0] == 0
+    assert idx.lookup(big, k(503))[0] == 0             # its oldest: the tail of the commit

@@ -143,7 +143,8 @@ def test_traffic_per_path_and_lane_equals_the_stats_op(start_daemon, tmp_path):
         hs = hashes(200)
         assert ns.put(hs, [block(i) for i in range(200)]).stored == 200     # 72 evicted: demoted to SSD
         settle(c)
-        assert ns.get(hs[:4], [bytearray(len(block(0))) for _ in range(4)]) == 4   # 4 critical reads
+        assert ns.get(hs[-4:], [bytearray(len(block(0))) for _ in range(4)]) == 4  # 4 critical reads (the
+        # tail of the put was evicted first, so it is on SSD)
         settle(c)                                            # ... which evicted (and demoted) 4 others
         (path,) = c.stats()["traffic"]
         m = scrape(port)

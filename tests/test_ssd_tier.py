@@ -64,7 +64,7 @@ def test_evicted_blocks_are_demoted_then_promoted_byte_exact(ssd_dir, daemons):
     with d.client() as c:
         ns = c.namespace(spec())
         r = c.call("lookup", ns=ns.id, keys=b"".join(key(i) for i in range(300)))
-        assert r["n"] == 300 and r["host"] == 0     # the oldest blocks lead the prefix, and they are on SSD
+        assert r["n"] == 300 and r["host"] == 128   # the head in the host pool, the tail (evicted first) on SSD
         s = c.stats()
         assert s["counters"]["demotions"] == s["counters"]["evictions"] >= 172
         assert s["tiers"][0]["mapped_bytes"] <= s["tiers"][0]["capacity_bytes"]
@@ -144,7 +144,7 @@ def test_delete_reaches_the_ssd_tier(ssd_dir, daemons):
     put(d, range(200))
     with d.client() as c:
         ns = c.namespace(spec())
-        assert ns.delete([key(0), key(199)]) == 2   # one demoted long ago, one still in the host pool
+        assert ns.delete([key(0), key(199)]) == 2   # one in the host pool, one demoted (the tail goes first)
         assert ns.lookup([key(0)]) == 0 and ns.lookup([key(199)]) == 0
     assert d.stop() == 0
     d = start(ssd_dir, daemons)
@@ -299,3 +299,17 @@ def test_io_uring_moves_the_records_when_asked_for(ssd_dir, daemons):
     d.stop()
     d = start(ssd_dir, daemons, KVSTORE_SSD_IO="io_uring")
     assert read(d, [0, 1, 2]) == [content(key(i)) for i in range(3)]
+
+
+@pytest.mark.parametrize("persist", [True, False])
+def test_a_graceful_stop_writes_the_host_pool_to_ssd(ssd_dir, daemons, persist):
+    d = start(ssd_dir, daemons, KVSTORE_SSD_PERSIST_ON_STOP=str(persist).lower())
+    put(d, range(200))                               # 128 in the host pool, the 72 of the tail on SSD
+    assert d.stop() == 0
+    assert ("wrote 128 block(s) of the host pool" in d.read_log()) == persist
+    d = start(ssd_dir, daemons)
+    with d.client() as c:
+        assert c.stats()["tiers"][1]["blocks"] == (200 if persist else 72)
+    got = read(d, list(range(200)))
+    assert [g == content(key(i)) for i, g in enumerate(got)] == [True] * 200 if persist else \
+        [g is None for g in got[:128]] == [True] * 128

@@ -429,6 +429,10 @@ class SsdStore:
             for job in jobs[n:]:
                 if not job.cancel():
                     _ok(job, None)      # let every read finish before the caller reuses its buffers
+        with self.lock:                 # the head of the prefix the most recent: the disk cap takes tails first
+            for h in reversed(hashes[:n]):
+                if ns + h in self.index:
+                    self.index[ns + h] = self.index.pop(ns + h)
         return n
 
     def read_async(self, key: bytes, out: memoryview | bytearray, lane: Lane,
