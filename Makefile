@@ -41,12 +41,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check kvstore connectors tests bench
 	$(BIN)/mypy
 
+# Every benchmark and its baselines (LMCache's daemon in .venv-bench, built by the script); results, a Markdown
+# page and plots under bench/results/. bench/README.md explains each figure.
 bench: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python bench/bench_pool.py
-	$(BIN)/python bench/bench_index.py
-	$(BIN)/python bench/bench_ssd.py
-	$(BIN)/python bench/bench_ssd_tier.py
-	$(BIN)/python bench/bench_vllm_ttft.py
+	bash bench/run_all.sh
 
 clean:
 	rm -rf $(VENV) .venv-sglang build *.egg-info kvstore/*.so
