@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import mmap
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,6 +49,7 @@ def main() -> None:
     nblocks = 256 if args.quick else 512
     samples = 40 if args.quick else 150
     base = tempfile.mkdtemp(prefix="kvs-ssdtier-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    atexit.register(shutil.rmtree, base, True)           # gigabytes of records: never left behind
     d = DaemonProc(capacity="256MiB", segment="64MiB",
                    env={"KVSTORE_SSD_DIR": os.path.join(base, "ssd"), "KVSTORE_SSD_CAPACITY": "4GiB",
                         "KVSTORE_SSD_STAGING_BYTES": "1GiB", "KVSTORE_LOG_LEVEL": "warning"}).start()

@@ -16,9 +16,11 @@ kept across the daemon restarts, so both policies read the same records.
 from __future__ import annotations
 
 import argparse
+import atexit
 import mmap
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,6 +38,9 @@ BLOCK = GEOM.full_bytes
 SPEC = NamespaceSpec("bench-traffic", GEOM)
 ON_SSD = 512                          # blocks the critical gets draw from (1 GiB)
 HOST = "64MiB"                        # 32 blocks: almost everything lives on SSD
+EXTRA: dict[str, str] = {}
+LOAD_KINDS = ("writer", "prefetcher")
+STAGING = 256 << 20
 WRITER_KEYS = 512                     # the writer's blocks, reused in turn
 
 
@@ -55,9 +60,14 @@ def load(kind: str, sock: str) -> None:
         i = 0
         while True:
             try:
-                if kind == "writer":    # fresh blocks: each put evicts, each eviction demotes; the key range
-                    keys = [key(base + (i + j) % WRITER_KEYS) for j in range(4)]    # cycles, each key deleted
-                    ns.delete(keys)                    # first, so that the SSD tier never fills with them
+                if kind in ("writer", "flood"):  # fresh blocks: each put evicts, each eviction demotes; the
+                    if kind == "writer" and i % 16 == 0:     # writer keeps the demotion queue full, not
+                        ssd = c.stats()["tiers"][1]          # overflowing (a flood burns a CPU on drops)
+                        if ssd["staged_bytes"] > STAGING * 3 // 4:
+                            time.sleep(0.005)
+                            continue
+                    keys = [key(base + (i + j) % WRITER_KEYS) for j in range(4)]    # key range cycles, each
+                    ns.delete(keys)                    # key deleted first so the SSD tier never fills with them
                     ns.put(keys, [buf] * 4)
                     i += 4
                 else:                                  # free host space, then prefetch SSD blocks into it
@@ -69,7 +79,7 @@ def load(kind: str, sock: str) -> None:
 
 def start_load(sock: str) -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--load", kind, sock])
-            for kind in ("writer", "prefetcher")]
+            for kind in LOAD_KINDS]
 
 
 def stop_load(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -126,14 +136,14 @@ def populate(ssd_dir: str) -> None:
 
 
 def env(ssd_dir: str, policy: str) -> dict[str, str]:
-    return {"KVSTORE_SSD_DIR": ssd_dir, "KVSTORE_SSD_CAPACITY": "3GiB", "KVSTORE_SSD_STAGING_BYTES": "256MiB",
-            "KVSTORE_TRAFFIC_POLICY": policy}
+    return {"KVSTORE_SSD_DIR": ssd_dir, "KVSTORE_SSD_CAPACITY": "8GiB", "KVSTORE_SSD_STAGING_BYTES": str(STAGING),
+            "KVSTORE_TRAFFIC_POLICY": policy, **EXTRA}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--load", choices=["writer", "prefetcher"])
+    ap.add_argument("--load", choices=["writer", "flood", "prefetcher"])
     ap.add_argument("socket", nargs="?")
     args = ap.parse_args()
     if args.load:
@@ -141,6 +151,7 @@ def main() -> None:
     n, rounds, pace = (60, 1, 0.004) if args.quick else (150, 3, 0.004)
     load_avg = warn_if_busy()
     base = tempfile.mkdtemp(prefix="kvs-traffic-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    atexit.register(shutil.rmtree, base, True)           # gigabytes of records: never left behind
     ssd_dir = os.path.join(base, "ssd")
     raw = os.path.join(base, "raw")
     progress(f"writing {ON_SSD} blocks of {BLOCK >> 20} MiB to the SSD tier and a raw file of the same size")

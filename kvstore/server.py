@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import stat
+import sys
 import threading
 import time
 from collections import deque
@@ -117,6 +118,9 @@ class Daemon:
 
     def serve(self) -> None:
         cfg = self.config
+        # Threads waiting on I/O (an engine's SSD read) must get the GIL back quickly from threads copying or
+        # checksumming: Python's default switch interval (5 ms) would be the latency of a critical read.
+        sys.setswitchinterval(float(os.environ.get("KVSTORE_SWITCH_INTERVAL", "0.0005")))
         if cfg.ssd.dir:
             ssd_path = self.traffic.path("ssd", cfg.traffic.ssd_in_flight)
             self.state.index.ssd = open_ssd(cfg, ssd_path)   # before the socket: a refused directory starts nothing

@@ -12,8 +12,9 @@ takes the next transfer chosen by the arbiter:
   lane lends its share to the others, and no lane with a share above zero ever starves. Besides, lower lanes may
   hold at most `workers - 1` workers, so a critical read always finds a worker free; and while critical transfers
   are queued, running or less than 50 ms old, the lower lanes keep a single transfer in flight, so that a read an
-  engine waits on shares the device with one other transfer at most (measured: without this, critical p99 under
-  load was 2.6× its idle p99; with it 1.5×; with a plain FIFO 7–10×).
+  engine waits on shares the device with one other transfer at most; and while critical transfers are queued or
+  running, a lower lane starts one only when it is owed its share (its tag at or below the last critical tag),
+  not merely because a worker is free. bench/bench_traffic.py measures the effect against a plain FIFO.
 - `fifo`: one queue in arrival order, the baseline the benchmark compares with.
 
 The path also knows itself — bytes queued per lane, in flight, the bandwidth measured over its busy time — and from
@@ -182,10 +183,14 @@ class Path:
             while True:
                 best: Transfer | None = None
                 low_limit = self._low_limit_now()
+                critical_busy = self.policy == "weighted" and bool(
+                    self.queues[Lane.CRITICAL] or self.lanes[Lane.CRITICAL].in_flight)
                 for lane in LANES:
                     q = self.queues[lane]
                     if not q or (lane != Lane.CRITICAL and self._low_in_flight >= low_limit):
                         continue
+                    if lane != Lane.CRITICAL and critical_busy and q[0].finish > self._last[Lane.CRITICAL]:
+                        continue        # not owed yet: it would only slow the critical reads on the device
                     if best is None or q[0].finish < best.finish:
                         best = q[0]
                 if best is not None:
