@@ -31,6 +31,7 @@ serve: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	TOKENIZERS_PARALLELISM=false $(BIN)/python -m pytest -q -m "not sglang"
 	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/test_keytable.py tests/test_index.py
+	KVSTORE_SSD_IO=threads $(BIN)/python -m pytest -q tests/test_ssd_tier.py tests/test_traffic_daemon.py
 	bash tests/setup_sglang_env.sh .venv-sglang
 	TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q -m sglang tests/test_sglang_connector.py
 

@@ -43,7 +43,7 @@ class SsdConfig:
     sync: str = "batch"
     staging_bytes: int = 256 << 20      # evicted blocks waiting in memory for their SSD write
     write_through: bool = False         # also write every committed block to SSD at once (store lane)
-    io: str = "threads"                 # threads | io_uring: how record payloads reach the disk
+    io: str = "auto"                    # auto | io_uring | threads: how record payloads reach the disk
     persist_on_stop: bool = True        # a graceful stop writes the host pool's blocks to SSD first
 
 
@@ -233,8 +233,8 @@ def _check(cfg: Config) -> list[str]:
     d = cfg.ssd
     if d.dir and not os.path.isabs(d.dir):
         errors.append(f"ssd.dir: must be an absolute path (or empty for no SSD tier), got {d.dir!r}")
-    if d.io not in ("threads", "io_uring"):
-        errors.append(f"ssd.io: must be threads or io_uring, got {d.io!r}")
+    if d.io not in ("auto", "threads", "io_uring"):
+        errors.append(f"ssd.io: must be auto, io_uring or threads, got {d.io!r}")
     if d.sync not in ("always", "batch", "never"):
         errors.append(f"ssd.sync: must be one of always, batch, never, got {d.sync!r}")
     if d.dir and d.capacity < 1 << 20:

@@ -98,12 +98,12 @@ class SsdStore:
         self.io = "threads"
         self._preadv: Callable[..., int] = os.preadv
         self._pwritev: Callable[..., int] = os.pwritev
-        if io == "io_uring":
+        if io in ("auto", "io_uring"):
             from kvstore.tiers import uring
 
             if uring.available():
                 self.io, self._preadv, self._pwritev = "io_uring", uring.preadv, uring.pwritev
-            log.warning("ssd: io_uring asked for: %s", uring.REASON)
+            (log.info if self.io == "io_uring" or io == "auto" else log.warning)("ssd: %s", uring.REASON)
         self.dir = directory
         self.capacity = capacity
         self.sync = sync
