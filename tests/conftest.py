@@ -95,6 +95,16 @@ def start_daemon() -> Iterator[type[DaemonProc]]:
 
 
 @pytest.fixture
+def daemons() -> Iterator[list[DaemonProc]]:
+    """A list the test appends the daemons it starts itself to (restarts on one directory, several configs); all
+    are killed at teardown."""
+    started: list[DaemonProc] = []
+    yield started
+    for d in started:
+        d.cleanup()
+
+
+@pytest.fixture
 def daemon(start_daemon: type[DaemonProc]) -> DaemonProc:
     return start_daemon()  # type: ignore[call-arg]
 

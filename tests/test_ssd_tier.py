@@ -32,14 +32,6 @@ def start(ssd_dir: str, started: list[DaemonProc], **env: str) -> DaemonProc:
     return d.start()
 
 
-@pytest.fixture
-def daemons():
-    started: list[DaemonProc] = []
-    yield started
-    for d in started:
-        d.cleanup()
-
-
 def put(d: DaemonProc, ids: range) -> None:
     with d.client() as c:
         ns = c.namespace(spec())

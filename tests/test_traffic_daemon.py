@@ -16,14 +16,6 @@ from tests.workers import content, key
 RECORD = record_bytes(GEOM.full_bytes)
 
 
-@pytest.fixture
-def daemons():
-    started: list[DaemonProc] = []
-    yield started
-    for d in started:
-        d.cleanup()
-
-
 def start(tmp_path, started: list[DaemonProc], slow: str | None = None, scanned: bool = True) -> DaemonProc:
     env = {"KVSTORE_SSD_DIR": str(tmp_path / "ssd"), "KVSTORE_SSD_CAPACITY": "64MiB"}
     if slow:

@@ -5,21 +5,11 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
-
 from kvstore.tiers.ssd_format import HEADER_BYTES, record_bytes
 from tests.conftest import GEOM, DaemonProc, spec
 from tests.workers import content, key
 
 RECORD = record_bytes(GEOM.full_bytes)
-
-
-@pytest.fixture
-def daemons():
-    started: list[DaemonProc] = []
-    yield started
-    for d in started:
-        d.cleanup()
 
 
 def start(tmp_path, started: list[DaemonProc], **env: str) -> DaemonProc:
