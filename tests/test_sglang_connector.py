@@ -3,9 +3,11 @@
 SGLang's real `HiCacheStorage` base class, its backend factory, its device pools (`MHATokenToKVPool`,
 `MLATokenToKVPool`) and its host pools (`MHATokenToKVPoolHost` in each layout, `MLATokenToKVPoolHost`) are built
 on the CPU, exactly as HiCache builds them; the backend moves their pages through a daemon process. Pages are filled
-with random bytes and compared byte for byte. The last test runs two real SGLang engine processes on the CPU
-(tests/sglang_engine_run.py, with the small version-pinned workarounds of connectors/sglang_patches.py): the second
-gets its prefix from the daemon. Runs in .venv-sglang (tests/setup_sglang_env.sh); skipped elsewhere.
+with random bytes and compared byte for byte. The last tests run real SGLang engine processes on the CPU
+(tests/sglang_engine_run.py, with the small version-pinned workarounds of connectors/sglang_patches.py): a second one
+gets its prefix from the daemon; and, beside real vLLM engines (tests/vllm_engine_run.py, run by an interpreter
+that has vLLM: KVSTORE_VLLM_PYTHON, .venv or .venv-vllm), both engines share one daemon at once. Runs in
+.venv-sglang (tests/setup_sglang_env.sh); skipped elsewhere.
 """
 from __future__ import annotations
 
@@ -492,10 +494,11 @@ def test_real_vllm_and_sglang_engines_share_one_daemon(start_daemon, tmp_path):
 
     prompt = [random.Random(7).randrange(4, 1024) for _ in range(200)]      # 6 full vLLM blocks + 8 tokens
 
-    def both(tag: str, *sglang_args: str) -> tuple[dict, dict]:
-        """Both engines at once: each starts, then waits for `go` (created once both wait), then generates."""
+    def both(tag: str, *sglang_args: str) -> tuple[list[dict], dict]:
+        """Both engines at once: each starts, then waits for `go` (created once both wait), then generates; vLLM
+        sends its prompt three times (no local prefix caching: the 2nd and 3rd load it from the daemon again)."""
         go = str(tmp_path / f"go-{tag}")
-        steps = json.dumps([{"tokens": prompt, "max_tokens": 12, "wait": go}])
+        steps = json.dumps([{"tokens": prompt, "max_tokens": 12, "wait": w} for w in (go, None, None)])
         procs = [EngineProc(f"vllm-{tag}", [vpy, VLLM_SCRIPT, "run", "--model", vmodel, "--socket", daemon.socket,
                                            "--steps", steps], venv, tmp_path),
                  EngineProc(f"sglang-{tag}", [sys.executable, ENGINE_SCRIPT, "run", smodel, daemon.socket, "300",
@@ -510,7 +513,7 @@ def test_real_vllm_and_sglang_engines_share_one_daemon(start_daemon, tmp_path):
                 assert time.monotonic() < deadline, "the engines did not start in time"
                 time.sleep(0.1)
             open(go, "w").close()
-            return procs[0].results()[-1], procs[1].results()[-1]
+            return procs[0].results(), procs[1].results()[-1]
         finally:
             for p in procs:
                 p.kill()
@@ -526,7 +529,8 @@ def test_real_vllm_and_sglang_engines_share_one_daemon(start_daemon, tmp_path):
 
     # 1. both engines compute their prompt at once and write it through to the daemon
     va, sa = both("a", "--expect-blocks", "74")
-    assert (va["num_cached_tokens"], sa["cached"]) == (0, 0)
+    assert [r["num_cached_tokens"] for r in va] == [0, 192, 192] and sa["cached"] == 0
+    assert va[1]["output"] == va[2]["output"] == va[0]["output"]
     first = rows()
     assert sorted(first) == sorted([CPU_LAYOUT, "sglang:layers,kv,tokens,heads,dim"])
     vrow, srow = first[CPU_LAYOUT], first["sglang:layers,kv,tokens,heads,dim"]
@@ -535,7 +539,7 @@ def test_real_vllm_and_sglang_engines_share_one_daemon(start_daemon, tmp_path):
 
     # 2. a fresh process of each, again at once: each gets its own prefix from the daemon and answers the same
     vb, sb = both("b")
-    assert (vb["num_cached_tokens"], vb["output"]) == (192, va["output"])
+    assert [(r["num_cached_tokens"], r["output"]) for r in vb] == [(192, va[0]["output"])] * 3
     assert (sb["cached"], sb["output"]) == (296, sa["output"])
 
     stats = cli_json("stats")
