@@ -482,7 +482,11 @@ class StreamLease(Lease):
         """Read the daemon's replies as they come; after each, yield how many leading blocks are ready."""
         last = -1
         while not self.complete:
-            reply, fds = self.ns.client._reply(*self.ns.client._recv_frame(True))
+            try:
+                reply, fds = self.ns.client._reply(*self.ns.client._recv_frame(True))
+            except BaseException:
+                self.complete = True         # a refusal ends the stream: what arrived is still pinned, release it
+                raise
             self.ns.client._adopt(reply.get("segments", []), fds)
             self.complete = not reply.get("more")
             gids = reply["slots"]
