@@ -306,3 +306,35 @@ def test_a_graceful_stop_writes_the_host_pool_to_ssd(ssd_dir, daemons, persist):
     got = read(d, list(range(200)))
     assert [g == content(key(i)) for i, g in enumerate(got)] == [True] * 200 if persist else \
         [g is None for g in got[:128]] == [True] * 128
+
+
+def test_a_full_disk_caps_the_tier_cleanly(ssd_dir, daemons):
+    """The file system refuses space (here the daemon runs under RLIMIT_FSIZE, which fails the allocation with
+    EFBIG as a full disk fails it with ENOSPC): the tier stays at what it has, evicts within it, logs one line and
+    serves every block it holds byte-exact; nothing crashes, nothing is written half."""
+    limit = 2 << 20                                   # two growth steps of 64 records of 12 KiB
+    d = DaemonProc(capacity="1MiB", segment="1MiB",
+                   env={"KVSTORE_SSD_DIR": ssd_dir, "KVSTORE_SSD_CAPACITY": "64MiB"})
+    daemons.append(d)
+    d.log = open(d.log_path, "ab")
+    boot = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); sys.argv = ['kvstore', 'serve']; "
+            "runpy.run_module('kvstore', run_name='__main__')")
+    d.proc = subprocess.Popen([sys.executable, "-c", boot], env=d.env, cwd=ROOT, stdout=d.log,
+                              stderr=subprocess.STDOUT)
+    d.wait_ready()
+    put(d, range(400))                                # 272 demoted into room for 128
+    with d.client() as c:
+        for _ in range(500):
+            ssd = c.stats()["tiers"][1]
+            if ssd["staged_blocks"] == 0:
+                break
+            time.sleep(0.01)
+        record = HEADER_BYTES + GEOM.full_bytes
+        assert ssd["counters"]["disk_full"] >= 1 and ssd["mapped_bytes"] == 128 * record
+        assert ssd["blocks"] == 128 and ssd["counters"]["evictions"] >= 400 - 128 - 128
+        assert ssd["counters"].get("write_errors", 0) == 0
+    assert "refused" in d.read_log() and d.proc.poll() is None
+    got = read(d, list(range(400)))
+    served = [i for i, g in enumerate(got) if g is not None]
+    assert len(served) >= 128 and all(got[i] == content(key(i)) for i in served)   # reads promote, and evict

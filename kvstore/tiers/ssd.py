@@ -382,12 +382,36 @@ class SsdStore:
     def _free_record(self, cf: ClassFile) -> int | None:
         if not cf.free:
             grow = min(GROW_RECORDS, (self.capacity - self.file_bytes()) // cf.record)
-            if grow <= 0:
+            if grow <= 0 or not self._grow(cf, grow):
                 return None
-            os.ftruncate(cf.fd, (cf.nrecords + grow) * cf.record)
             cf.free.extend(range(cf.nrecords + grow - 1, cf.nrecords - 1, -1))
             cf.nrecords += grow
         return cf.free.pop()
+
+    def _grow(self, cf: ClassFile, records: int) -> bool:
+        """(Under the lock.) Allocate `records` more records at the end of the file: really allocated
+        (posix_fallocate, not a sparse ftruncate), so writes into them are plain overwrites and a full disk shows
+        here, as a clean "no room", never as a failed write later. False when the file system refuses."""
+        start, n = cf.nrecords * cf.record, records * cf.record
+        try:
+            os.posix_fallocate(cf.fd, start, n)
+            return True
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):     # no fallocate here: a sparse file will do
+                os.ftruncate(cf.fd, start + n)
+                return True
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            try:
+                os.ftruncate(cf.fd, start)                    # nothing half-allocated stays past our records
+            except OSError:
+                pass
+            self.counters["disk_full"] += 1
+            if self.counters["disk_full"] == 1 or self.counters["disk_full"] % 1000 == 0:
+                log.error("ssd: the file system refused %d more bytes for %s (%s): the tier stays at %d bytes, "
+                          "evicting within them; free space there or lower ssd.capacity", n, cf.path,
+                          os.strerror(e.errno), self.file_bytes())
+            return False
 
     def _drop(self, key: bytes) -> tuple[int, int, int]:
         where = self.index.pop(key)
