@@ -41,8 +41,8 @@ class WriteThrough:
         for h in keys:
             key = ns.prefix + h
             gid = idx.table.get(key)
-            if gid is None:
-                continue
+            if gid is None or (idx.ssd is not None and idx.ssd.has(ns.digest + h)):
+                continue                            # gone already, or on SSD already (stored again)
             if self.pinned_bytes + ns.slot_bytes > self.max_bytes:
                 idx.counters["write_through_skipped"] += 1
                 continue
