@@ -50,7 +50,44 @@ def summary(xs: Sequence[float], scale: float = 1.0) -> dict[str, float]:
             "p99": quantile(xs, 0.99) * scale, "max": max(xs) * scale}
 
 
-class Daemon:
+class ServerProcess:
+    """A server process of the run (kvstore's daemon, LMCache's), with a private directory for its log and
+    sockets: `read_log`, `stop` (signal, then kill after a grace period, then the directory goes) and use as a
+    context manager. Subclasses set `dir`, `log_path` and `proc`, and define `start`."""
+    STOP_SIGNAL = signal.SIGTERM
+    STOP_WAIT_S = 15.0
+    dir: str
+    log_path: str
+    proc: subprocess.Popen[bytes] | None
+
+    def start(self) -> Any:
+        raise NotImplementedError
+
+    def read_log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(self.STOP_SIGNAL)
+            try:
+                self.proc.wait(self.STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Any:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Daemon(ServerProcess):
     """A `python -m kvstore serve` process of its own, with a short socket path in a private directory under
     /tmp, configured through KVSTORE_* variables. Use as a context manager; its log is kept for errors."""
 
@@ -86,29 +123,6 @@ class Daemon:
         from kvstore.client import Client
 
         return Client(self.socket, **kw)
-
-    def read_log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> Daemon:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def busy_cpus() -> float:

@@ -23,6 +23,9 @@ import time
 import urllib.request
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ServerProcess  # noqa: E402
+
 CHUNK_TOKENS = 256
 PAGE_TOKENS = 16
 PAGES_PER_CHUNK = CHUNK_TOKENS // PAGE_TOKENS
@@ -45,8 +48,10 @@ def version() -> str:
     return v("lmcache")
 
 
-class LMCacheServer:
+class LMCacheServer(ServerProcess):
     """The MP daemon with an L1 of `l1_gb` and, with `fs_dir`, the fs L2 adapter (`odirect`: its O_DIRECT mode)."""
+    STOP_SIGNAL = signal.SIGINT
+    STOP_WAIT_S = 20.0
 
     def __init__(self, l1_gb: float, fs_dir: str | None = None, odirect: bool = False,
                  watermark: float | None = None) -> None:
@@ -100,30 +105,6 @@ class LMCacheServer:
         self.stop()
         raise TimeoutError(f"lmcache server not ready after {timeout} s:\n{self.read_log()[-3000:]}")
 
-    def read_log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        import shutil
-
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> LMCacheServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class LMCacheClient:

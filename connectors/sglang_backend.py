@@ -51,6 +51,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvstore.client import Client, KVStoreError, Namespace
 from kvstore.geometry import Geometry
+from kvstore.index import EXISTS, IN_PROGRESS, RESERVED
 from kvstore.keys import NamespaceSpec, block_key
 
 log = logging.getLogger("sglang.kvstore")  # under "sglang": shown wherever SGLang's own lines are
@@ -314,13 +315,8 @@ class KVStoreHiCache(HiCacheStorage):
             if n < len(lease):
                 log.warning("kvstore: a stored page does not match its checksum; it and the pages after it are "
                             "misses")
-            pairs = []
-            for slot, pieces in zip(lease.views[:n], pages[:n]):
-                at = 0
-                for piece in pieces:
-                    pairs.append((piece, slot[at:at + piece.nbytes]))
-                    at += piece.nbytes
-            ns.client.copier.copy(pairs)
+            ns.client.copier.copy([(piece, part) for slot, pieces in zip(lease.views[:n], pages[:n])
+                                   for part, piece in _split_slot(slot, pieces)])
         return n
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
@@ -342,15 +338,10 @@ class KVStoreHiCache(HiCacheStorage):
 
     def _store(self, ns: Namespace, kv_keys: list[bytes], pages: list[list[np.ndarray]]) -> list[bool]:
         with ns.reserve(kv_keys) as res:
-            pairs = []
-            for slot, i in zip(res.views, res.reserved):
-                at = 0
-                for piece in pages[i]:
-                    pairs.append((slot[at:at + piece.nbytes], piece))
-                    at += piece.nbytes
-            ns.client.copier.copy(pairs)
+            ns.client.copier.copy([pair for slot, i in zip(res.views, res.reserved)
+                                   for pair in _split_slot(slot, pages[i])])
             res.commit(res.checksums() if self.verify else None)
-        return [s in (0, 1, 2) for s in res.status]     # stored, already stored, being stored by another writer
+        return [s in (RESERVED, EXISTS, IN_PROGRESS) for s in res.status]   # stored, stored already, being stored
 
     # ----- the older flat-page interface -----
     def _to_block(self, flat: np.ndarray) -> np.ndarray:
@@ -429,3 +420,13 @@ def _pool_buffers(pool: Any) -> list[tuple[int, int, np.ndarray]]:
     if not found:
         raise ValueError(f"the host pool ({type(pool).__name__}) has no contiguous CPU buffers")
     return found
+
+
+def _split_slot(slot: np.ndarray, pieces: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(slot part, page piece) pairs: a page's pieces (its K and V parts per layer, as the host pool lays them out)
+    lie one after another in the block's slot."""
+    pairs, at = [], 0
+    for piece in pieces:
+        pairs.append((slot[at:at + piece.nbytes], piece))
+        at += piece.nbytes
+    return pairs

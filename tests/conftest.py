@@ -128,3 +128,18 @@ def hashes(n: int, start: int = 0, tag: bytes = b"") -> list[bytes]:
     import hashlib
 
     return [hashlib.blake2b(tag + i.to_bytes(8, "little"), digest_size=16).digest() for i in range(start, start + n)]
+
+
+def ssd_settled(c: Client, timeout: float = 30.0) -> dict:
+    """The daemon's stats once its SSD tier has written everything staged, its traffic path is idle and no block is
+    pinned (write-through done): what a test reads after demotions, promotions or deletes it started."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = c.stats()
+        lanes = s["traffic"][0]["lanes"].values()
+        if s["tiers"][1]["staged_blocks"] == 0 and s["pinned"] == 0 and \
+                not any(r["queued"] or r["in_flight"] for r in lanes):
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the SSD tier did not settle in {timeout} s: {s['tiers'][1]}, {s['traffic']}")
+        time.sleep(0.01)

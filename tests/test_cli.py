@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvstore.client import Client
-from tests.conftest import GEOM, block, hashes, spec
+from tests.conftest import GEOM, block, hashes, spec, ssd_settled
 
 
 def kvstore(*args: str, sock: str | None = None,
@@ -180,10 +180,7 @@ def test_stats_and_top_show_traffic_per_lane(start_daemon, tmp_path):
         hs = hashes(200)
         assert ns.put(hs, [block(i) for i in range(200)]).stored == 200     # 72 demoted in the background
         c.evict(everything=True)
-        for _ in range(500):
-            if c.stats()["tiers"][1]["staged_blocks"] == 0:
-                break
-            time.sleep(0.01)
+        ssd_settled(c)
     text = kvstore("stats", sock=d.socket).stdout
     assert re.search(r"^ssd\s+critical\s+0\s+0\s+0\s", text, re.M), text
     assert re.search(r"^ssd\s+background\s+0\s+0\s+\d+\s", text, re.M)

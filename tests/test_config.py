@@ -205,3 +205,18 @@ def test_serve_with_invalid_settings_exits_nonzero(tmp_path, env, args, fragment
     r = serve(tmp_path, *args, env=env)
     assert r.returncode == 1
     assert fragment in r.stderr and "Traceback" not in r.stderr
+
+
+def test_traffic_and_ssd_io_settings_are_checked(tmp_path):
+    path = write(tmp_path, {"traffic": {"policy": "lifo", "share_store": 0, "share_prefetch": 0.3,
+                                        "share_background": 0.3, "queue_prefetch": 0, "ssd_in_flight": 100},
+                            "ssd": {"io": "aio"}})
+    with pytest.raises(ConfigError) as e:
+        load_config(path, env={})
+    errs = errors_of(e)
+    assert sorted(line.split(":")[0] for line in errs) == [
+        "ssd.io", "traffic", "traffic.policy", "traffic.queue_prefetch", "traffic.share_store",
+        "traffic.ssd_in_flight"]
+    assert any("could starve" in x for x in errs) and any("keep them below 0.5" in x for x in errs)
+    cfg = load_config(env={"KVSTORE_TRAFFIC_SHARE_BACKGROUND": "0.05", "KVSTORE_TRAFFIC_POLICY": "fifo"})
+    assert (cfg.traffic.share_background, cfg.traffic.policy, cfg.ssd.io) == (0.05, "fifo", "auto")

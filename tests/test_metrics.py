@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import KVStoreError
-from tests.conftest import DaemonProc, block, hashes, spec
+from tests.conftest import DaemonProc, block, hashes, spec, ssd_settled
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -142,10 +142,10 @@ def test_traffic_per_path_and_lane_equals_the_stats_op(start_daemon, tmp_path):
         ns = c.namespace(spec())
         hs = hashes(200)
         assert ns.put(hs, [block(i) for i in range(200)]).stored == 200     # 72 evicted: demoted to SSD
-        settle(c)
+        ssd_settled(c)
         assert ns.get(hs[-4:], [bytearray(len(block(0))) for _ in range(4)]) == 4  # 4 critical reads (the
         # tail of the put was evicted first, so it is on SSD)
-        settle(c)                                            # ... which evicted (and demoted) 4 others
+        ssd_settled(c)                                            # ... which evicted (and demoted) 4 others
         (path,) = c.stats()["traffic"]
         m = scrape(port)
     assert path["lanes"]["critical"]["transfers"] == 4 and path["lanes"]["background"]["bytes"] > 0
@@ -159,15 +159,3 @@ def test_traffic_per_path_and_lane_equals_the_stats_op(start_daemon, tmp_path):
     assert m[("kvstore_traffic_bandwidth_bytes_per_second", (("path", "ssd"),))] > 0
     assert m[("kvstore_tier_blocks", (("tier", "ssd"),))] >= 72
 
-
-def settle(c) -> None:
-    """Until the SSD tier has written everything staged and its path is idle."""
-    import time
-
-    for _ in range(1000):
-        s = c.stats()
-        lanes = s["traffic"][0]["lanes"].values()
-        if s["tiers"][1]["staged_blocks"] == 0 and not any(r["queued"] or r["in_flight"] for r in lanes):
-            return
-        time.sleep(0.01)
-    raise AssertionError("the SSD path did not settle")

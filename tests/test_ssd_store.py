@@ -43,7 +43,7 @@ def test_roundtrip_and_restart_finds_every_durable_record(ssd_dir):
     s.close()
     s = open_store(ssd_dir)                           # a restart: the index comes from the headers
     assert [read(s, i) == payload(i) for i in range(10)] == [i != 3 for i in range(10)]
-    assert s.used_bytes() == 9 * RECORD
+    assert s.used_bytes() == 9 * RECORD and s.by_namespace() == {NS: 9}
     assert s.file_bytes() == os.stat(os.path.join(ssd_dir, f"blocks-{PAYLOAD}.kvs")).st_size
     assert stat.S_IMODE(os.stat(ssd_dir).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(os.path.join(ssd_dir, f"blocks-{PAYLOAD}.kvs")).st_mode) == 0o600
@@ -62,6 +62,8 @@ def test_capacity_is_never_exceeded(ssd_dir):
     assert s.put_many([(NS, h(i), payload(i)) for i in range(8)]) == 5
     assert s.counters["full"] == 3
     assert s.file_bytes() <= 5 * RECORD + 100
+    assert s.put_many([(NS, h(i), payload(i)) for i in range(8, 11)]) == 3     # room made by evicting 3
+    assert s.counters["evictions"] == 3 and s.by_namespace() == {NS: 5} and s.used_bytes() == 5 * RECORD
 
 
 def _corrupt(ssd_dir: str, record: int, offset: int, data: bytes) -> None:

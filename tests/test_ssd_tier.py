@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.tiers.ssd import SsdStore
 from kvstore.tiers.ssd_format import HEADER_BYTES
-from tests.conftest import GEOM, DaemonProc, spec
+from tests.conftest import GEOM, DaemonProc, spec, ssd_settled
 from tests.workers import content, key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -227,10 +227,7 @@ def test_get_of_a_block_in_flight_reads_it_once(ssd_dir, daemons):
     with d.client() as c:
         ns = c.namespace(spec())
         c.evict(everything=True)
-        for _ in range(500):                         # until every demoted block is on disk, not in staging
-            if c.stats()["tiers"][1]["staged_blocks"] == 0:
-                break
-            time.sleep(0.01)
+        ssd_settled(c)                               # every demoted block on disk, not in staging
         reads = c.stats()["tiers"][1]["counters"].get("hits", 0)
         ns.prefetch([key(i) for i in range(16)])    # no wait: the gets race the prefetcher
         outs = [bytearray(GEOM.full_bytes) for _ in range(16)]
@@ -273,6 +270,11 @@ def test_cli_ls_ssd_and_resize_ssd(ssd_dir, daemons):
     assert len(rows) == 1 and rows[0]["digest"] == spec().digest().hex() and rows[0]["blocks"] >= 72
     r = cli("resize", "ssd", "2MiB", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["capacity"] == 2 << 20
+    with d.client() as c:                           # the per-namespace count follows deletes
+        c.namespace(spec()).delete([key(150)])
+        ssd = ssd_settled(c)["tiers"][1]
+    (row,) = json.loads(cli("ls", "--tier", "ssd", "--json").stdout)
+    assert row["blocks"] == ssd["blocks"] == ssd["used_bytes"] // (HEADER_BYTES + GEOM.full_bytes) == 71
     r = cli("resize", "nvme", "2MiB")
     assert r.returncode == 1 and "usage: kvstore resize [host|ssd] SIZE" in r.stderr
 
@@ -325,11 +327,7 @@ def test_a_full_disk_caps_the_tier_cleanly(ssd_dir, daemons):
     d.wait_ready()
     put(d, range(400))                                # 272 demoted into room for 128
     with d.client() as c:
-        for _ in range(500):
-            ssd = c.stats()["tiers"][1]
-            if ssd["staged_blocks"] == 0:
-                break
-            time.sleep(0.01)
+        ssd = ssd_settled(c)["tiers"][1]
         record = HEADER_BYTES + GEOM.full_bytes
         assert ssd["counters"]["disk_full"] >= 1 and ssd["mapped_bytes"] == 128 * record
         assert ssd["blocks"] == 128 and ssd["counters"]["evictions"] >= 400 - 128 - 128

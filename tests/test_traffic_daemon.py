@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.client import KVStoreError
 from kvstore.tiers.ssd_format import HEADER_BYTES, record_bytes
-from tests.conftest import GEOM, DaemonProc, spec
+from tests.conftest import GEOM, DaemonProc, spec, ssd_settled
 from tests.workers import content, key
 
 RECORD = record_bytes(GEOM.full_bytes)
@@ -34,12 +34,7 @@ def on_ssd(d: DaemonProc, ids: range) -> None:
         hs = [key(i) for i in ids]
         assert ns.put(hs, [content(h) for h in hs]).stored == len(hs)
         c.evict(everything=True)
-        for _ in range(2000):
-            ssd = c.stats()["tiers"][1]
-            if ssd["staged_blocks"] == 0 and ssd["blocks"] >= len(hs):
-                return
-            time.sleep(0.01)
-        raise AssertionError(f"demotion did not finish: {ssd}")
+        assert ssd_settled(c)["tiers"][1]["blocks"] >= len(hs)
 
 
 def lanes(c) -> dict[str, dict]:
@@ -165,6 +160,9 @@ def test_the_restart_scan_runs_while_the_daemon_serves(tmp_path, daemons):
         assert scan["state"] == "scanning" and scan["records"] >= 300 and scan["scanned"] < scan["records"]
         ns = c.namespace(spec())
         assert ns.put([key(5000)], [content(key(5000))]).stored == 1     # served meanwhile
+        with pytest.raises(KVStoreError) as e:                           # but not resized under the scan
+            c.resize(32 << 20, tier="ssd")
+        assert e.value.code == "busy" and "still scanning" in e.value.message
     d.wait_ready(timeout=60)
     with d.client() as c:
         ssd = c.stats()["tiers"][1]
@@ -193,3 +191,32 @@ def test_promoted_blocks_carry_their_checksum_to_the_reader(tmp_path, daemons):
         lease.wait()
         assert lease.crcs == [zlib.crc32(content(h)) for h in hs]
         lease.release()
+
+
+def test_a_client_gone_mid_stream_costs_nothing(tmp_path, daemons):
+    """A streaming acquire whose client closes its socket after the first partial reply: the promotion finishes,
+    the pins of the dead connection are dropped, and the blocks are there for the next client."""
+    import socket
+
+    from kvstore.protocol import VERSION, encode
+
+    d = start(tmp_path, daemons, slow="ssd:2MB:9")
+    on_ssd(d, range(48))
+    hs = [key(i) for i in range(48)]
+    with d.client() as c:
+        ns = c.namespace(spec())
+        c.sock.sendall(encode({"v": VERSION, "op": "acquire", "id": 999, "ns": ns.id, "keys": b"".join(hs),
+                               "stream": True}))
+        c.sock.recv(1)                                   # the first partial reply has begun: leave
+        c.sock.shutdown(socket.SHUT_RDWR)
+    with d.client() as c:
+        for _ in range(500):
+            s = c.stats()
+            if s["connections"] == 1 and s["pinned"] == 0 and s["counters"]["promotions"] == 48:
+                break
+            time.sleep(0.01)
+        assert (s["connections"], s["pinned"], s["counters"]["promotions"]) == (1, 0, 48)
+        ns = c.namespace(spec())
+        outs = [bytearray(GEOM.full_bytes) for _ in hs]
+        assert ns.get(hs, outs) == 48 and [bytes(o) for o in outs] == [content(h) for h in hs]
+        assert lanes(c)["critical"]["transfers"] == 48     # served from the host pool now: read once

@@ -6,7 +6,7 @@ import signal
 import time
 
 from kvstore.tiers.ssd_format import HEADER_BYTES, record_bytes
-from tests.conftest import GEOM, DaemonProc, spec
+from tests.conftest import GEOM, DaemonProc, spec, ssd_settled
 from tests.workers import content, key
 
 RECORD = record_bytes(GEOM.full_bytes)
@@ -19,32 +19,20 @@ def start(tmp_path, started: list[DaemonProc], **env: str) -> DaemonProc:
     return d.start()
 
 
-def settle(c) -> dict:
-    """Until nothing is staged, queued or in flight on the SSD path and no write-through is pending."""
-    for _ in range(2000):
-        s = c.stats()
-        lanes = s["traffic"][0]["lanes"].values()
-        if s["tiers"][1]["staged_blocks"] == 0 and not any(r["queued"] or r["in_flight"] for r in lanes) \
-                and s["pinned"] == 0:
-            return s
-        time.sleep(0.01)
-    raise AssertionError(f"the SSD path did not settle: {s}")
-
-
 def test_stored_blocks_are_on_ssd_at_once_and_survive_kill_9(tmp_path, daemons):
     d = start(tmp_path, daemons, KVSTORE_SSD_WRITE_THROUGH="true")
     hs = [key(i) for i in range(10)]
     with d.client() as c:
         ns = c.namespace(spec())
         assert ns.put(hs, [content(h) for h in hs]).stored == 10
-        s = settle(c)
+        s = ssd_settled(c)
         assert s["counters"]["written_through"] == 10 and s["counters"]["evictions"] == 0
         assert s["tiers"][1]["blocks"] == 10
         store = s["traffic"][0]["lanes"]["store"]
         assert store["bytes"] == 10 * (RECORD + HEADER_BYTES)          # payloads and headers, in the store lane
         assert s["traffic"][0]["lanes"]["background"]["bytes"] == 0    # nothing was demoted
         c.evict(everything=True)                                       # their eviction writes nothing more
-        s = settle(c)
+        s = ssd_settled(c)
         assert s["tiers"][1]["rewrites_saved"] == 10 and s["traffic"][0]["lanes"]["background"]["bytes"] == 0
     d.stop(signal.SIGKILL)
     d = start(tmp_path, daemons)
@@ -62,7 +50,7 @@ def test_a_delete_racing_write_through_leaves_nothing_on_disk(tmp_path, daemons)
         ns = c.namespace(spec())
         assert ns.put(hs, [content(h) for h in hs]).stored == 12
         assert ns.delete(hs[6:]) == 6                   # while their SSD writes are queued or running
-        s = settle(c)
+        s = ssd_settled(c)
         assert s["tiers"][1]["blocks"] == 6 and ns.lookup(hs) == 6
         assert ns.get(hs[6:7], [bytearray(GEOM.full_bytes)]) == 0
     d.stop()
@@ -82,7 +70,7 @@ def test_a_delete_racing_a_demotion_batch_leaves_nothing_on_disk(tmp_path, daemo
         c.evict(everything=True)                         # 40 demoted: the first batch of 32 is taken at once
         time.sleep(0.05)
         assert ns.delete(hs[:20]) == 20                  # mostly blocks of the batch being written
-        s = settle(c)
+        s = ssd_settled(c)
         assert s["tiers"][1]["blocks"] == 20
         assert ns.lookup(hs[20:]) == 20 and all(ns.lookup([h]) == 0 for h in hs[:20])
     d.stop()

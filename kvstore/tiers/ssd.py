@@ -114,6 +114,7 @@ class SsdStore:
         self.index: dict[bytes, tuple[int, int, int]] = {}    # ns + hash → (payload bytes, record, seq); LRU order
         self.counters: Counter[str] = Counter()
         self.used = 0                        # bytes of the records in the index
+        self.per_ns: Counter[bytes] = Counter()    # blocks per namespace digest, kept as the index changes
         self.scan = Scan()
         self._seq = 0
         self._writing: dict[bytes, int] = {}        # key → seq of its write in flight; a delete removes it
@@ -248,8 +249,7 @@ class SsdStore:
         if old is not None:
             self._drop(key)
             self._quarantine_locked(self.files[old[0]], old[1], "superseded")
-        self.index[key] = (cf.payload, rec, h.seq)
-        self.used += cf.record
+        self._add(key, cf, rec, h.seq)
         self._seq = max(self._seq, h.seq)
 
     def _next_seq(self) -> int:
@@ -329,8 +329,7 @@ class SsdStore:
                 if old is not None:
                     self._drop(key)
                     self.files[old[0]].free.append(old[1])
-                self.index[key] = (cf.payload, rec, header.seq)
-                self.used += cf.record
+                self._add(key, cf, rec, header.seq)
                 stored += 1
             self.counters["writes"] += stored
         return stored
@@ -416,7 +415,13 @@ class SsdStore:
     def _drop(self, key: bytes) -> tuple[int, int, int]:
         where = self.index.pop(key)
         self.used -= self.files[where[0]].record
+        self.per_ns[key[:16]] -= 1
         return where
+
+    def _add(self, key: bytes, cf: ClassFile, rec: int, seq: int) -> None:
+        self.index[key] = (cf.payload, rec, seq)
+        self.used += cf.record
+        self.per_ns[key[:16]] += 1
 
     # ----- reads -----
     def has(self, key: bytes) -> bool:
@@ -601,12 +606,9 @@ class SsdStore:
 
     # ----- accounting -----
     def by_namespace(self) -> dict[bytes, int]:
-        """Blocks per namespace digest."""
-        out: Counter[bytes] = Counter()
+        """Blocks per namespace digest (kept up to date: `stats` is polled, the index may hold millions)."""
         with self.lock:
-            for key in self.index:
-                out[key[:16]] += 1
-        return dict(out)
+            return {d: n for d, n in self.per_ns.items() if n}
 
     def file_bytes(self) -> int:
         return sum(cf.nrecords * cf.record for cf in self.files.values())
