@@ -18,7 +18,13 @@ altered or could not be loaded is reported by `get_block_ids_with_load_errors`, 
 
 extra config: socket (default: $KVSTORE_SERVER_SOCKET or the daemon's default), model / group / salt (namespace
 overrides), retry_s (5), timeout_s (5), save (true), load (true), verify (true: blocks carry a CRC-32, checked
-before they are loaded; false trades that proof for less CPU per block).
+before they are loaded; false trades that proof for less CPU per block), copy_engine (auto: on a GPU one Triton
+kernel per layer where it proves byte-exact, else one copy_ per page run; kernel; copy).
+
+The GPU path: the pool's segments are registered as pinned memory once, loads of every layer are queued on the
+connector's stream at `start_load_kv` (each attention layer waits only for its own layer's event), saves are queued
+after the layer's compute, and the blocks are committed in `wait_for_save` after one stream sync, so the last layer
+never stalls the forward pass. On CPU the same movers copy at once (`connectors/kv_pages.py`).
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from connectors.vllm_layout import CpuPages, CudaMover, DaemonLink, engine_identity, layer_order, make_spec
+from connectors.kv_pages import CpuMover, CudaMover, LayerPages
+from connectors.vllm_layout import DaemonLink, engine_identity, layer_order, layout_of_pages, make_spec
 from kvstore.client import KVStoreError, Lease, Reservation
 from kvstore.keys import block_key
 
@@ -90,11 +97,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._hit_start: dict[str, int] = {}
         # worker state
         self._layers: dict[str, int] = {}
-        self._kv: dict[int, Any] = {}
-        self._pages: dict[int, CpuPages] = {}
-        self._cuda: CudaMover | None = None
+        self._pages: dict[int, LayerPages] = {}
+        self._mover: CpuMover | CudaMover = CpuMover()
+        self._cuda = False
+        self.copy_engine = str(extra.get("copy_engine", "auto"))
         self._leases: list[tuple[Transfer, Lease, set[int]]] = []
         self._reservations: list[tuple[Transfer, Reservation, set[int]]] | None = None
+        self._to_commit: list[Reservation] = []
         self._load_errors: set[int] = set()
         tp_rank = 0
         if role == KVConnectorRole.WORKER:
@@ -216,20 +225,30 @@ class KVStoreConnector(KVConnectorBase_V1):
         if len(names) != self.geometry.layers:
             self._disable(f"{len(names)} KV tensors for {self.geometry.layers} attention layers")
             return
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         for i, name in enumerate(names):
             kv = kv_caches[name]
             self._layers[name] = i
-            self._kv[i] = kv
-            page_bytes = kv[0].numel() * kv[0].element_size()
-            if page_bytes != self.geometry.layer_bytes or not kv[0].is_contiguous():
-                self._disable(f"layer {name}: a page is {page_bytes} bytes (shape {tuple(kv.shape)}), the "
-                              f"namespace's geometry expects contiguous pages of {self.geometry.layer_bytes}")
+            try:
+                pages = LayerPages(kv, num_blocks)
+            except ValueError as e:
+                self._disable(f"layer {name}: {e}")
                 return
-            if kv.device.type == "cuda":
-                if self._cuda is None:
-                    self._cuda = CudaMover(kv.device)
-            else:
-                self._pages[i] = CpuPages(kv)
+            if pages.page_bytes != self.geometry.layer_bytes:
+                self._disable(f"layer {name}: a page is {pages.page_bytes} bytes (shape {tuple(kv.shape)}), the "
+                              f"namespace's geometry expects {self.geometry.layer_bytes}")
+                return
+            found = layout_of_pages(kv.device.type, pages.page_order)
+            if found != self.geometry.layout:     # the scheduler's namespace would name other bytes: never mix
+                self._disable(f"layer {name}: pages in the order {found}, the namespace says {self.geometry.layout}")
+                return
+            self._pages[i] = pages
+        device = kv_caches[names[0]].device
+        if device.type == "cuda":
+            self._mover = CudaMover(device, engine=self.copy_engine)
+            self._cuda = True
+        log.info("kvstore connector: %d layers, %d run(s) of %d bytes per page, %s copies", len(names),
+                 self._pages[0].chunks, self._pages[0].chunk_bytes, device.type)
 
     def _disable(self, why: str) -> None:
         log.warning("kvstore connector disabled: %s", why)
@@ -265,26 +284,37 @@ class KVStoreConnector(KVConnectorBase_V1):
             if n < len(t.keys):     # evicted since the scheduler's lookup, or altered: the rest is recomputed
                 self._load_errors.update(t.block_ids[n:])
             part = Transfer(t.req_id, t.adapter, t.keys[:n], t.block_ids[:n])
-            if self._cuda is not None and self.link.client is not None:
-                self._cuda.register_segments(self.link.client)
-                for li in range(self.geometry.layers):   # everything enqueued now; each layer waits its event
-                    a, b = self.geometry.layer_range(li)
-                    self._cuda.load_layer(li, self._kv[li], part.block_ids, lease.views, a, b)
-            self._leases.append((part, lease, set()))
+            done: set[int] = set()
+            if self._cuda and part.block_ids:
+                try:
+                    self._enqueue_loads(part, lease)
+                    done.update(range(self.geometry.layers))
+                except Exception as e:  # noqa: BLE001 - a load not queued is a load error, never a crash
+                    self._io_failed(e)
+                    self._load_errors.update(part.block_ids)
+                    part.block_ids = []
+            self._leases.append((part, lease, done))
+
+    def _enqueue_loads(self, part: Transfer, lease: Lease) -> None:
+        """GPU: every layer's copies queued now on the mover's stream; each attention layer waits for its own."""
+        assert self.link is not None and self.link.client is not None
+        self._mover.pin(self.link.client)
+        for li in range(self.geometry.layers):
+            self._mover.load_layer(li, self._pages[li], part.block_ids, lease.views, self.geometry.layer_range(li)[0])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         li = self._layers.get(layer_name)
         if li is None or not self._leases:
             return
-        if self._cuda is not None:
-            self._cuda.wait_layer(li)
+        if self._cuda:
+            self._mover.wait_layer(li)
             return
-        pages = self._pages[li]
+        a = self.geometry.layer_range(li)[0]
         for t, lease, done in self._leases:
             if li in done or not t.block_ids:
                 continue
             try:
-                lease.read_layer(li, [pages.page(b) for b in t.block_ids])
+                self._mover.load_layer(li, self._pages[li], t.block_ids, lease.views, a)
                 done.add(li)
             except Exception as e:  # noqa: BLE001
                 self._io_failed(e)
@@ -306,29 +336,38 @@ class KVStoreConnector(KVConnectorBase_V1):
                     self._reservations.append((t, ns.reserve(t.keys), set()))
                 except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
                     self._io_failed(e)
-        a, b = self.geometry.layer_range(li)
+        a = self.geometry.layer_range(li)[0]
         for t, res, done in self._reservations:
             if res.done or not res.reserved:
                 continue
             try:
-                if self._cuda is not None:
-                    if self.link.client is not None:
-                        self._cuda.register_segments(self.link.client)
-                    ids = [t.block_ids[p] for p in res.reserved]     # res.views are the reserved slots
-                    self._cuda.save_layer(self._kv[li], ids, res.views, a, b)
-                else:
-                    pages = self._pages[li]
-                    res.write_layer(li, [pages.page(bid) for bid in t.block_ids])
+                if self._cuda and self.link.client is not None:
+                    self._mover.pin(self.link.client)
+                ids = [t.block_ids[p] for p in res.reserved]     # res.views are the reserved slots, in order
+                self._mover.save_layer(self._pages[li], ids, res.views, a)
                 done.add(li)
                 if len(done) == self.geometry.layers:
-                    if self._cuda is not None:
-                        self._cuda.sync()
-                    res.commit(crcs=res.checksums() if self.verify else None)   # readers can verify
+                    if self._cuda:
+                        self._to_commit.append(res)       # committed in wait_for_save, after one stream sync
+                    else:
+                        self._commit(res)
             except Exception as e:  # noqa: BLE001
                 self._io_failed(e)
                 res.done = True
 
+    def _commit(self, res: Reservation) -> None:
+        try:
+            res.commit(crcs=res.checksums() if self.verify else None)   # readers can verify
+        except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
+            self._io_failed(e)
+            res.done = True
+
     def wait_for_save(self) -> None:
+        if self._to_commit:
+            self._mover.sync()                # the slots hold every layer before the daemon publishes them
+            for res in self._to_commit:
+                self._commit(res)
+            self._to_commit = []
         for _, res, _ in self._reservations or []:
             if not res.done:          # some layer never came: publish nothing half-written
                 try:
@@ -337,14 +376,14 @@ class KVStoreConnector(KVConnectorBase_V1):
                     self._io_failed(e)
         self._reservations = None
         for t, _lease, done in self._leases:
-            if self._cuda is None and t.block_ids and len(done) < self.geometry.layers:
+            if t.block_ids and len(done) < self.geometry.layers:
                 self._load_errors.update(t.block_ids)     # a layer was never loaded
         self._release_leases()
 
     def _release_leases(self) -> None:
         leases, self._leases = self._leases, []
-        if self._cuda is not None and leases:
-            self._cuda.sync()
+        if leases:
+            self._mover.sync()                # no copy may still read a slot once it is unpinned
         for _, lease, _ in leases:
             try:
                 lease.release()
@@ -365,4 +404,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.link is not None:
             self._release_leases()
+            try:
+                self._mover.close()
+            except Exception as e:  # noqa: BLE001 - unpinning at exit must not raise into vLLM's shutdown
+                log.debug("kvstore: closing the mover: %s", e)
             self.link.close()

@@ -1,6 +1,6 @@
 """Helpers of the vLLM connector that do not depend on vLLM's connector interface: the namespace derived from the
-engine's configuration, the link to the daemon (lazy connect, one log line per outage, retry later), and the page
-movers that copy Layer Blocks between the engine's KV pages and the daemon's slots.
+engine's configuration and the link to the daemon (lazy connect, one log line per outage, retry later). The page
+movers, which copy Layer Blocks between the engine's KV pages and the daemon's slots, are in `kv_pages.py`.
 
 Kept apart from `vllm_connector.py` so that the connector stays thin and these parts can be read (and tested) alone.
 """
@@ -12,8 +12,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from kvstore.client import Client, KVStoreError, Namespace
 from kvstore.geometry import Geometry
 from kvstore.keys import NamespaceSpec
@@ -24,10 +22,28 @@ log = logging.getLogger("vllm.kvstore")  # under "vllm": shown by vLLM's own log
 TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
                 "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2", "int8": "int8", "uint8": "uint8"}
 
-# The page layout of one block of one layer, per platform. On CPU vLLM's KV tensor per layer is
-# [num_blocks, num_kv_heads, block_size, 2*head_size] and kv[block] is one contiguous page (per head: K rows, then
-# V rows), copied as it is.
-CPU_LAYOUT = "vllm-cpu:heads,tokens,2*dim"
+# The page of one block of one layer in vLLM 0.32 is a logical [heads, tokens, 2*dim] (K then V in the last dim),
+# laid out by the KV cache layout the engine core resolves (KVCacheLayout: a permutation of [L, B, H, N, C]). The
+# slot keeps the page's bytes in memory order, so the namespace names that order: the layout's H, N and C in their
+# physical order, e.g. LBHNC and BLHNC (cross-layer) give "heads,tokens,2*dim", LBNHC gives "tokens,heads,2*dim".
+PAGE_DIMS = {"H": "heads", "N": "tokens", "C": "2*dim"}
+CPU_LAYOUT = "vllm-cpu:heads,tokens,2*dim"      # what the CPU build resolves (LBHNC)
+
+
+def page_layout(device: str, kv_cache_layout: str | None) -> str:
+    """The namespace's layout name for an engine on `device` whose KV cache layout is `kv_cache_layout` (the name
+    of a vLLM KVCacheLayout; None where the engine does not say, taken as LBHNC)."""
+    name = (kv_cache_layout or "LBHNC").upper()
+    if sorted(name) != sorted("LBHNC"):
+        raise ValueError(f"KV cache layout {kv_cache_layout!r} is not a permutation of L, B, H, N, C")
+    return f"vllm-{device}:" + ",".join(PAGE_DIMS[d] for d in name if d in PAGE_DIMS)
+
+
+def layout_of_pages(device: str, page_order: tuple[int, ...]) -> str:
+    """The layout name that a tensor's page order (LayerPages.page_order over [heads, tokens, C]) stands for."""
+    names = ("heads", "tokens", "2*dim")
+    full = list(page_order) + [d for d in range(3) if d not in page_order]   # size-1 dims carry no order
+    return f"vllm-{device}:" + ",".join(names[d] for d in full)
 
 
 def layer_order(layer_names: Sequence[str]) -> list[str]:
@@ -59,11 +75,9 @@ def engine_identity(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any
     if dtype is None:
         raise ValueError(f"KV dtype {spec.dtype} is not supported")
     device = str(getattr(vllm_config.device_config, "device_type", "cpu") or "cpu")
-    if device == "cpu":
-        layout = CPU_LAYOUT
-    else:
-        backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-        layout = f"vllm-{device}:{getattr(backend, 'name', backend) or 'auto'}"[:64]
+    resolved = getattr(kv_cache_config, "kv_cache_layout", None) or \
+        getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    layout = page_layout(device, resolved)
     geometry = Geometry(layers=len(groups[0].layer_names), tokens=int(spec.block_size),
                         kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size), dtype=dtype, kv=2,
                         layout=layout)
@@ -154,82 +168,3 @@ class DaemonLink:
             self.client.close()
         self.client = None
         self._ns.clear()
-
-
-# ----- page movers: engine pages <-> daemon slots -----
-
-class CpuPages:
-    """Byte views of one layer's KV pages on CPU: `page(b)` is block b's page as a contiguous uint8 array (a view of
-    the engine's tensor, no copy), handed to Reservation.write_layer / Lease.read_layer."""
-
-    def __init__(self, kv: Any) -> None:
-        import torch
-
-        page = kv[0]
-        if not page.is_contiguous():
-            raise ValueError(f"a KV page is not contiguous (shape {tuple(kv.shape)}, strides {kv.stride()})")
-        self.page_bytes = page.numel() * page.element_size()
-        self.num_blocks = int(kv.shape[0])
-        # a uint8 view of the whole layer keeps every page's bytes where they are (bfloat16 has no numpy type)
-        self.arr: np.ndarray = kv.view(torch.uint8).numpy() if kv.stride(-1) == 1 else None  # type: ignore
-        if self.arr is None:
-            raise ValueError("the KV tensor's last dimension is not contiguous")
-
-    def page(self, block_id: int) -> np.ndarray:
-        return self.arr[block_id]
-
-
-class CudaMover:
-    """The GPU path (not runnable on this CPU-only machine): the pool's segments are registered once as pinned host
-    memory (cudaHostRegister through torch), and Layer Blocks move device<->slot with asynchronous copies on the
-    connector's own stream, with no staging buffer. `load_layer` enqueues host->device copies and records an event
-    per layer (waited in `wait_for_layer_load`); `save_layer` waits for the compute stream, enqueues device->host
-    copies, and `sync()` is called before a commit so the daemon never publishes a slot still being written."""
-
-    def __init__(self, device: Any) -> None:
-        import torch
-
-        self.torch = torch
-        self.stream = torch.cuda.Stream(device=device)
-        self.registered: set[int] = set()
-        self.events: dict[int, Any] = {}
-
-    def register_segments(self, client: Client) -> None:
-        """Pin every segment the client has mapped (once each)."""
-        cudart = self.torch.cuda.cudart()
-        for sid, arr in client.mapped_segments().items():
-            if sid in self.registered:
-                continue
-            err = cudart.cudaHostRegister(arr.ctypes.data, arr.nbytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of segment {sid} failed: {err}")
-            self.registered.add(sid)
-
-    def _host(self, view: np.ndarray) -> Any:
-        return self.torch.from_numpy(view)
-
-    def load_layer(self, layer: int, kv: Any, block_ids: Sequence[int], slots: Sequence[np.ndarray],
-                   a: int, b: int) -> None:
-        torch = self.torch
-        with torch.cuda.stream(self.stream):
-            for bid, slot in zip(block_ids, slots):
-                dst = kv[bid].view(torch.uint8).view(-1)
-                dst.copy_(self._host(slot[a:b]), non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        self.events[layer] = ev
-
-    def wait_layer(self, layer: int) -> None:
-        ev = self.events.pop(layer, None)
-        if ev is not None:
-            self.torch.cuda.current_stream().wait_event(ev)
-
-    def save_layer(self, kv: Any, block_ids: Sequence[int], slots: Sequence[np.ndarray], a: int, b: int) -> None:
-        torch = self.torch
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            for bid, slot in zip(block_ids, slots):
-                self._host(slot[a:b]).copy_(kv[bid].view(torch.uint8).view(-1), non_blocking=True)
-
-    def sync(self) -> None:
-        self.stream.synchronize()

@@ -21,7 +21,7 @@ import os
 import socket
 import zlib
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,6 +79,9 @@ class Client:
         self.copier = Copier(copy_threads)
         self.max_keys = 1024
         self.generation = -1
+        # called with (segment id, its mapped bytes) just before a segment is unmapped: whoever registered the
+        # memory elsewhere (a GPU connector pins it) lets go of it first
+        self.before_unmap: list[Callable[[int, np.ndarray], None]] = []
 
     # ----- plumbing -----
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
@@ -150,7 +153,7 @@ class Client:
             reply, fds = self._roundtrip("segments", {"ids": wanted[start:start + 200]}, want_fds=True)
             self._adopt(reply["segments"], fds)
             for sid in set(self._segments) - set(reply["live"]):
-                self._segments.pop(sid).close()   # released by a shrink
+                self._unmap(sid)                  # released by a shrink
             self.generation = reply["generation"]
 
     def _adopt(self, info: list[list[int]], fds: list[int]) -> None:
@@ -204,10 +207,16 @@ class Client:
             fields["ns"] = ns
         return self.call("evict", **fields)
 
+    def _unmap(self, sid: int) -> None:
+        seg = self._segments.pop(sid)
+        if seg.arr is not None:
+            for hook in self.before_unmap:
+                hook(sid, seg.arr)
+        seg.close()
+
     def close(self) -> None:
-        for seg in self._segments.values():
-            seg.close()
-        self._segments.clear()
+        for sid in list(self._segments):
+            self._unmap(sid)
         self.copier.close()
         self.sock.close()
 

@@ -9,6 +9,7 @@ import importlib.resources
 import ipaddress
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -107,7 +108,10 @@ def auto_capacity() -> int:
 
 
 def embedded_default() -> dict[str, Any]:
-    text = importlib.resources.files("kvstore.configs").joinpath("default.yaml").read_text()
+    try:
+        text = importlib.resources.files("kvstore.configs").joinpath("default.yaml").read_text()
+    except ModuleNotFoundError:   # run from a source tree on PYTHONPATH, not installed: the file beside the package
+        text = (Path(__file__).resolve().parent.parent / "configs" / "default.yaml").read_text()
     return yaml.safe_load(text)
 
 

@@ -1,0 +1,65 @@
+"""One GPU kernel that copies many equal runs of bytes between addresses given in a table: the scattered pages of a
+layer's blocks on the GPU and their places in the pool's pinned slots, in one launch instead of one `copy_` each.
+
+The slots are registered host memory, which the kernel reads and writes through unified addressing (a registered
+page has the same address on the GPU). Triton ships with every CUDA build of torch that vLLM and SGLang run on, so
+this needs nothing more; `connectors.kv_pages.CudaMover` proves it byte-exact once and falls back to `copy_` if it
+cannot run. Imported only where CUDA is.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import triton
+import triton.language as tl
+
+BLOCK_BYTES = 8192      # bytes one program copies
+
+
+@triton.jit
+def _copy_runs(table, n_runs, run_words, WIDE: tl.constexpr, ALIGN16: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: E501
+    r = tl.program_id(0)
+    part = tl.program_id(1)
+    src_at = tl.load(table + r)
+    dst_at = tl.load(table + n_runs + r)
+    offs = part * BLOCK + tl.arange(0, BLOCK)
+    if ALIGN16:
+        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+    mask = offs < run_words
+    if WIDE:
+        src = src_at.to(tl.pointer_type(tl.int64))
+        dst = dst_at.to(tl.pointer_type(tl.int64))
+    else:
+        src = src_at.to(tl.pointer_type(tl.uint8))
+        dst = dst_at.to(tl.pointer_type(tl.uint8))
+    if ALIGN16:
+        src = tl.multiple_of(src, 16)
+        dst = tl.multiple_of(dst, 16)
+    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def chunk_copy_kernel(vectorize: bool = True) -> Callable[[Any, int, bool], None]:
+    """`copy(table, run_bytes, aligned)`: table is an int64 [2, n] tensor on the GPU (sources, then destinations),
+    `aligned` says every address is 16-byte aligned (see `aligned16`); the copy is queued on the current stream.
+    `vectorize=False` never tells the compiler about alignment (plain 8-byte accesses)."""
+
+    def copy(table: Any, run_bytes: int, aligned: bool) -> None:
+        n = int(table.shape[1])
+        if n == 0:
+            return
+        wide = run_bytes % 8 == 0
+        word = 8 if wide else 1
+        words = run_bytes // word
+        block = max(16, min(BLOCK_BYTES // word, triton.next_power_of_2(words)))
+        grid = (n, triton.cdiv(words, block))
+        _copy_runs[grid](table, n, words, WIDE=wide, ALIGN16=vectorize and aligned and run_bytes % 16 == 0,
+                         BLOCK=block)
+
+    return copy
+
+
+def aligned16(*addrs: np.ndarray) -> bool:
+    """Whether every address (and so every run, when the run length is a multiple of 16) is 16-byte aligned."""
+    return all(not (int(np.bitwise_or.reduce(a)) & 15) for a in addrs if len(a))

@@ -1,0 +1,275 @@
+"""Where an engine's KV pages lie, and the movers that copy Layer Blocks between them and the daemon's slots.
+
+A layer's KV tensor has the engine's blocks on dim 0; the page of block b is `kv[b]`, whose bytes may be one run
+(a block-compact layout) or several runs (heads outside the blocks, say). `LayerPages` reads that from the tensor's
+strides alone: a page is `chunks` runs of `chunk_bytes` at fixed offsets from the block's start, and its bytes go
+into the slot's layer range run after run, in memory order. The slot holds the page exactly as the engine keeps it,
+whatever the layout; the namespace names that byte order (`page_order`), so two layouts never mix.
+
+Two movers share one interface (`load_layer` / `wait_layer` / `save_layer` / `sync`):
+- `CpuMover`: plain copies (numpy, GIL released), done at once.
+- `CudaMover`: the pool's segments registered once as pinned host memory; each layer's runs move on the mover's own
+  stream, device <-> slot, without a staging copy. With Triton, one kernel per layer copies every run of every block
+  (it reads and writes the pinned slots through unified addressing); without it, one `copy_` per run (DMA). The
+  kernel proves itself byte-exact once before first use; if it cannot, the mover copies run by run.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("vllm.kvstore")
+
+CUDA_HOST_REGISTER_PORTABLE = 1
+CUDA_HOST_REGISTER_MAPPED = 2
+REGISTER_FLAGS = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED
+
+
+class LayerPages:
+    """The byte geometry of one layer's pages: block b's page is the runs at `base + b * block_stride + offsets[k]`
+    (bytes from the start of the tensor's storage), each `chunk_bytes` long, in memory order."""
+
+    def __init__(self, kv: Any, num_blocks: int | None = None) -> None:
+        if kv.dim() < 2:
+            raise ValueError(f"a KV tensor needs a block dimension and a page (shape {tuple(kv.shape)})")
+        if num_blocks is not None and int(kv.shape[0]) != num_blocks:
+            raise ValueError(f"the KV tensor has {kv.shape[0]} blocks on dim 0, the engine {num_blocks}")
+        self.kv = kv
+        self.num_blocks = int(kv.shape[0])
+        es = kv.element_size()
+        sizes = [int(s) for s in kv.shape[1:]]
+        strides = [int(s) for s in kv.stride()[1:]]
+        # the page's dims in memory order (largest stride first; size-1 dims carry no bytes)
+        order = sorted((d for d in range(len(sizes)) if sizes[d] > 1), key=lambda d: -strides[d])
+        self.page_order = tuple(order)
+        dense: list[int] = []                   # the innermost dims that make one run of memory
+        run = 1
+        for d in reversed(order):
+            if strides[d] != run:
+                break
+            dense.append(d)
+            run *= sizes[d]
+        offsets = np.zeros(1, dtype=np.int64)
+        for d in (d for d in order if d not in dense):   # every combination of the outer indices, in memory order
+            offsets = (offsets[:, None] + np.arange(sizes[d], dtype=np.int64)[None, :] * strides[d]).reshape(-1)
+        self.chunk_bytes = run * es
+        self.chunks = len(offsets)
+        self.page_bytes = self.chunk_bytes * self.chunks
+        self.offsets = offsets * es
+        self.block_stride = int(kv.stride(0)) * es
+        self.base = int(kv.storage_offset()) * es
+        dense_bytes = int(np.prod(sizes, dtype=np.int64)) * es
+        if self.page_bytes != dense_bytes or len(set(self.offsets.tolist())) < self.chunks:
+            raise ValueError(f"a KV page overlaps itself (shape {tuple(kv.shape)}, strides {tuple(kv.stride())})")
+
+    def run_starts(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Byte offsets (from the storage's start) of every run of the given blocks, block by block."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        return (self.base + ids[:, None] * self.block_stride + self.offsets[None, :]).reshape(-1)
+
+    def slot_runs(self, slots: Sequence[np.ndarray], a: int) -> list[np.ndarray]:
+        """The matching runs in the slots' layer range starting at byte `a`, slot by slot."""
+        cb = self.chunk_bytes
+        return [s[a + k * cb:a + (k + 1) * cb] for s in slots for k in range(self.chunks)]
+
+
+def storage_bytes(kv: Any) -> Any:
+    """A flat uint8 tensor over the whole storage of `kv`, on its device (no copy)."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=kv.device).set_(kv.untyped_storage())
+
+
+class CpuMover:
+    """Copies at once, on the calling thread (numpy releases the GIL)."""
+
+    engine = "cpu"
+
+    def __init__(self) -> None:
+        self._flat: dict[int, np.ndarray] = {}
+
+    def _pairs(self, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray], a: int
+               ) -> list[tuple[np.ndarray, np.ndarray]]:
+        flat = self._flat.get(id(pages))
+        if flat is None:
+            flat = self._flat[id(pages)] = storage_bytes(pages.kv).numpy()
+        cb = pages.chunk_bytes
+        return [(flat[s:s + cb], run) for s, run in zip(pages.run_starts(block_ids).tolist(),
+                                                         pages.slot_runs(slots, a))]
+
+    def load_layer(self, layer: int, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray],
+                   a: int) -> None:
+        for page, run in self._pairs(pages, block_ids, slots, a):
+            np.copyto(page, run)
+
+    def wait_layer(self, layer: int) -> None:
+        pass
+
+    def save_layer(self, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray], a: int) -> None:
+        for page, run in self._pairs(pages, block_ids, slots, a):
+            np.copyto(run, page)
+
+    def sync(self) -> None:
+        pass
+
+    def pin(self, client: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class CudaMover:
+    """Device <-> slot copies on the mover's own stream, queued without waiting: `load_layer` records an event per
+    layer (the compute stream waits on it in `wait_layer`); `save_layer` first waits for the compute stream; `sync`
+    before a commit, so the daemon never publishes a slot still being written. `engine`: "auto" (the kernel where
+    it proves itself, else copy_), "kernel" or "copy"."""
+
+    def __init__(self, device: Any, engine: str = "auto") -> None:
+        import torch
+
+        if engine not in ("auto", "kernel", "copy"):
+            raise ValueError(f"copy engine must be auto, kernel or copy, got {engine!r}")
+        self.torch = torch
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.registered: dict[int, int] = {}     # address of a pinned segment -> its bytes
+        self.events: dict[int, Any] = {}
+        self._flat: dict[int, Any] = {}
+        self._kernels: list[Any] = []
+        if engine != "copy":
+            try:
+                from connectors.cuda_copy import chunk_copy_kernel
+                self._kernels = [chunk_copy_kernel(vectorize=True), chunk_copy_kernel(vectorize=False)]
+            except Exception as e:  # noqa: BLE001 - no Triton: copy_ does the same with more calls
+                if engine == "kernel":
+                    raise
+                log.info("kvstore: no copy kernel (%s: %s); copying run by run", type(e).__name__, e)
+        self._kernel: Any = None
+        self.engine = "kernel?" if self._kernels else "copy"
+
+    # ----- pinned slots -----
+    def pin(self, client: Any) -> None:
+        """Register every segment `client` maps as pinned memory (once each); the client unpins each one through
+        this mover just before it unmaps it (a shrink released it, or the client closes)."""
+        if self.unpin not in client.before_unmap:
+            client.before_unmap.append(self.unpin)
+        cudart = self.torch.cuda.cudart()
+        for sid, arr in client.mapped_segments().items():
+            addr = arr.ctypes.data
+            if addr not in self.registered:
+                err = cudart.cudaHostRegister(addr, arr.nbytes, REGISTER_FLAGS)
+                if int(err) != 0:
+                    raise RuntimeError(f"cudaHostRegister of segment {sid} ({arr.nbytes} bytes) failed: {err}")
+                self.registered[addr] = arr.nbytes
+
+    def unpin(self, sid: int, arr: np.ndarray) -> None:
+        """Let go of a segment about to be unmapped; copies still queued may read it, so they finish first."""
+        if self.registered.pop(arr.ctypes.data, None) is not None:
+            self.sync()
+            self.torch.cuda.cudart().cudaHostUnregister(arr.ctypes.data)
+
+    def close(self) -> None:
+        """Finish every queued copy and unpin every segment."""
+        self.sync()
+        cudart = self.torch.cuda.cudart()
+        for addr in list(self.registered):
+            del self.registered[addr]
+            cudart.cudaHostUnregister(addr)
+
+    # ----- the copies -----
+    def _gpu_flat(self, pages: LayerPages) -> Any:
+        flat = self._flat.get(id(pages))
+        if flat is None:
+            flat = self._flat[id(pages)] = storage_bytes(pages.kv)
+        return flat
+
+    def _move(self, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray], a: int,
+              to_device: bool) -> None:
+        if not len(block_ids):
+            return
+        if self.engine == "kernel?":
+            self._prove(pages)
+        flat = self._gpu_flat(pages)
+        runs = pages.slot_runs(slots, a)
+        if self._kernel is not None:
+            from connectors.cuda_copy import aligned16
+
+            dev = pages.run_starts(block_ids) + flat.data_ptr()
+            host = np.fromiter((r.ctypes.data for r in runs), dtype=np.int64, count=len(runs))
+            src, dst = (host, dev) if to_device else (dev, host)
+            # the table goes through the caching pinned allocator, so its upload is queued too (a pageable upload
+            # would wait for every copy queued before it)
+            table = self.torch.from_numpy(np.stack([src, dst])).pin_memory().to(self.device, non_blocking=True)
+            self._kernel(table, pages.chunk_bytes, aligned16(src, dst))
+            return
+        cb = pages.chunk_bytes
+        for start, run in zip(pages.run_starts(block_ids).tolist(), runs):
+            gpu, cpu = flat[start:start + cb], self.torch.from_numpy(run)
+            if to_device:
+                gpu.copy_(cpu, non_blocking=True)
+            else:
+                cpu.copy_(gpu, non_blocking=True)
+
+    def _prove(self, pages: LayerPages) -> None:
+        """Copy device -> registered shared memory -> device through the kernel and compare, vectorised first,
+        then with plain accesses. If neither is byte-exact (or both fail), log it and copy run by run from then on:
+        a kernel that cannot reach registered slots must never serve KV."""
+        for kernel in self._kernels:
+            if self._kernel_works(kernel, max(pages.chunk_bytes, 1 << 16)):
+                self._kernel, self.engine = kernel, "kernel"
+                return
+        log.warning("kvstore: the copy kernel is not byte-exact here; copying run by run with copy_")
+        self.engine = "copy"
+
+    def _kernel_works(self, kernel: Any, n: int) -> bool:
+        torch = self.torch
+        buf = mmap.mmap(-1, n)
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        addr = arr.ctypes.data
+        cudart = torch.cuda.cudart()
+        registered = False
+        try:
+            registered = int(cudart.cudaHostRegister(addr, n, REGISTER_FLAGS)) == 0
+            with torch.cuda.stream(self.stream):
+                src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=self.device)
+                back = torch.zeros_like(src)
+                for s, d in ((src.data_ptr(), addr), (addr, back.data_ptr())):
+                    kernel(torch.tensor([[s], [d]], dtype=torch.int64, device=self.device), n, True)
+            self.stream.synchronize()
+            return registered and bool(torch.equal(src, back))
+        except Exception as e:  # noqa: BLE001
+            log.warning("kvstore: a copy kernel failed (%s: %s)", type(e).__name__, e)
+            return False
+        finally:
+            if registered:
+                cudart.cudaHostUnregister(addr)
+            del arr
+            buf.close()
+
+    def load_layer(self, layer: int, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray],
+                   a: int) -> None:
+        torch = self.torch
+        with torch.cuda.stream(self.stream):
+            self._move(pages, block_ids, slots, a, to_device=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self.events[layer] = ev
+
+    def wait_layer(self, layer: int) -> None:
+        ev = self.events.pop(layer, None)
+        if ev is not None:
+            self.torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def save_layer(self, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray], a: int) -> None:
+        torch = self.torch
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self._move(pages, block_ids, slots, a, to_device=False)
+
+    def sync(self) -> None:
+        self.stream.synchronize()
