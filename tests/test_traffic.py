@@ -259,3 +259,40 @@ def test_closing_cancels_what_is_queued(paths):
     assert queued.cancelled()
     with pytest.raises(RuntimeError, match="closed"):
         p.submit(Lane.STORE, MiB, lambda: None)
+
+
+def test_a_running_lower_transfer_yields_to_critical_at_its_checkpoints(paths):
+    """A background transfer that reaches a checkpoint while a critical transfer runs waits until that transfer
+    is done (counted as paused); a critical transfer's own checkpoint never waits, nor does one under fifo."""
+    p = paths(workers=2)
+    p.pause_max_s = 30.0                                 # longer than the test: only the critical's end resumes it
+    events: list[str] = []
+    started, go = threading.Event(), threading.Event()
+
+    def background() -> None:
+        events.append("bg piece 1")
+        started.set()
+        go.wait(10)
+        p.checkpoint()
+        events.append("bg piece 2")
+
+    bg = p.submit(Lane.BACKGROUND, MiB, background)
+    assert started.wait(5)
+    crit = Gate(p, Lane.CRITICAL)                        # a critical read arrives and holds the device
+    go.set()
+    tick = threading.Event()
+    while p.stats()["lanes"]["background"]["paused"] == 0:
+        tick.wait(0.001)
+    assert events == ["bg piece 1"]                      # paused at its checkpoint while the critical runs
+    events.append("critical done")
+    crit.open()
+    bg.result(timeout=5)
+    assert events == ["bg piece 1", "critical done", "bg piece 2"]
+    assert p.stats()["lanes"]["background"]["paused"] == 1
+    assert p.submit(Lane.CRITICAL, MiB, p.checkpoint).result(timeout=5) is None      # critical: no wait
+    p.checkpoint()                                       # outside a worker: returns at once
+    f = paths(workers=2, policy="fifo")
+    g = Gate(f, Lane.CRITICAL)
+    f.submit(Lane.BACKGROUND, MiB, f.checkpoint).result(timeout=5)                    # fifo: no lanes, no wait
+    g.open()
+    assert f.stats()["lanes"]["background"]["paused"] == 0

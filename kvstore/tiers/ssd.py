@@ -39,6 +39,7 @@ import numpy as np
 from kvstore.crash import crash_point
 from kvstore.tiers.ssd_format import ALIGN, HEADER_BYTES, BadRecord, Header, check_payload, padded, parse_header
 from kvstore.traffic import Busy, Lane, Path
+from kvstore.traffic.path import PIECE_BYTES
 
 log = logging.getLogger("kvstore")
 FILE_RE = re.compile(r"^blocks-(\d+)\.kvs$")
@@ -339,7 +340,7 @@ class SsdStore:
         or a stale copy's) is zeroed first, in the same sync: a crash can leave an empty record, never an old
         header over new bytes."""
         if _aligned_for_io(payload):       # a host slot or an aligned staged copy: written from where it is
-            self._pwritev(cf.fd, [ZERO_BUF, payload], rec * cf.record)
+            self._write_in_pieces(cf, rec, payload)
             return zlib.crc32(payload)
         buf = cf.take()
         try:
@@ -353,6 +354,38 @@ class SsdStore:
         finally:
             cf.spare.put(buf)
 
+    def _write_in_pieces(self, cf: ClassFile, rec: int, payload: Any) -> None:
+        """(A path worker.) The zeroed header and the payload, piece by piece (PIECE_BYTES): between pieces a
+        lower-lane write yields the device to critical reads (Path.checkpoint)."""
+        at = rec * cf.record
+        with memoryview(payload) as mv:
+            for i in range(0, len(mv), PIECE_BYTES):
+                if i:
+                    self.path.checkpoint()
+                with mv[i:i + PIECE_BYTES] as part:
+                    if i == 0:
+                        self._pwritev(cf.fd, [ZERO_BUF, part], at)
+                    else:
+                        self._pwritev(cf.fd, [part], at + HEADER_BYTES + i)
+
+    def _read_in_pieces(self, cf: ClassFile, rec: int, head: memoryview, out: Any) -> int:
+        """(A path worker.) Header and payload straight into `out`, piece by piece, yielding to critical reads
+        between pieces when this is a lower-lane read; returns the bytes read (short at the end of the file)."""
+        at = rec * cf.record
+        n = 0
+        with memoryview(out) as o:
+            for i in range(0, len(o), PIECE_BYTES):
+                if i:
+                    self.path.checkpoint()
+                with o[i:i + PIECE_BYTES] as part:
+                    bufs = [head, part] if i == 0 else [part]
+                    want = sum(len(b) for b in bufs)
+                    got = self._preadv(cf.fd, bufs, at + (0 if i == 0 else HEADER_BYTES + i))
+                n += got
+                if got < want:
+                    break
+        return n
+
     def _write_headers(self, headers: list[tuple[ClassFile, int, Header]]) -> None:
         """(A path worker.) Each header through one aligned buffer (O_DIRECT needs aligned memory and offsets)."""
         with _aligned(HEADER_BYTES) as buf:
@@ -364,6 +397,7 @@ class SsdStore:
 
     def _sync(self, cfs: set[ClassFile], *policies: str) -> None:
         if self.sync in policies:
+            self.path.checkpoint()          # a flush of the device's cache would stall a critical read
             for cf in cfs:
                 os.fdatasync(cf.fd)
 
@@ -488,7 +522,7 @@ class SsdStore:
                 direct = _aligned_for_io(out)
                 if direct:
                     with mv[:HEADER_BYTES] as head:
-                        n = self._preadv(cf.fd, [head, out], rec * cf.record)
+                        n = self._read_in_pieces(cf, rec, head, out)
                     got = n - HEADER_BYTES
                 else:
                     n = self._preadv(cf.fd, [mv], rec * cf.record)

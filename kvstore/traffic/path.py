@@ -14,7 +14,11 @@ takes the next transfer chosen by the arbiter:
   are queued, running or less than 50 ms old, the lower lanes keep a single transfer in flight, so that a read an
   engine waits on shares the device with one other transfer at most; and while critical transfers are queued or
   running, a lower lane starts one only when it is owed its share (its tag at or below the last critical tag),
-  not merely because a worker is free. bench/bench_traffic.py measures the effect against a plain FIFO.
+  not merely because a worker is free. Finally, a lower-lane transfer already on the device yields to critical
+  ones between its pieces: a long transfer (a 2 MiB record write or prefetch read) moves in pieces of
+  `PIECE_BYTES` and calls `checkpoint()` between them, which waits while a critical transfer is queued or running
+  (at most `PAUSE_MAX_S` each time, so nothing stalls for good). A critical read then shares the device with at
+  most one piece, not one whole record. bench/bench_traffic.py measures the effect against a plain FIFO.
 - `fifo`: one queue in arrival order, the baseline the benchmark compares with.
 
 The path also knows itself — bytes queued per lane, in flight, the bandwidth measured over its busy time — and from
@@ -38,6 +42,8 @@ from kvstore.traffic.lanes import DEFAULT_QUEUE, DEFAULT_SHARES, LANES, Lane
 log = logging.getLogger("kvstore")
 POLICIES = ("weighted", "fifo")
 CRITICAL_QUIET_S = 0.05     # critical traffic counts as active this long after its last transfer
+PIECE_BYTES = 512 << 10      # lower-lane transfers move in pieces this large and may yield to critical in between
+PAUSE_MAX_S = 0.02           # the longest one checkpoint waits for critical traffic to pass
 DECAY_BUSY_S = 10.0          # the bandwidth estimate forgets the past by halves, every 10 s of busy time
 
 
@@ -70,6 +76,7 @@ class LaneStats:
     cancelled: int = 0
     rejected: int = 0
     escalated: int = 0
+    paused: int = 0             # checkpoints at which a running transfer waited for critical traffic
     queued_bytes: int = 0
     in_flight: int = 0
     wait: Histogram = field(default_factory=Histogram)       # queued → started
@@ -92,10 +99,14 @@ class Path:
         # lower lanes leave one worker to critical reads (not in fifo, which is the no-lanes baseline)
         self.low_limit = max(1, workers - 1) if policy == "weighted" else workers
         self.nominal_bps = nominal_bps
+        self.pause_max_s = PAUSE_MAX_S
         self.device = device                    # called before each transfer: a test's gate, a slow-device model
         self.queues: dict[Lane, deque[Transfer]] = {la: deque() for la in LANES}
         self.lanes: dict[Lane, LaneStats] = {la: LaneStats() for la in LANES}
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._quiet = threading.Condition(lock)     # notified when no critical transfer is queued or running
+        self._current = threading.local()           # the transfer each worker runs (its lane, for checkpoint)
         self._vtime = 0.0
         self._last: dict[Lane, float] = {la: 0.0 for la in LANES}
         self._arrivals = 0
@@ -177,6 +188,27 @@ class Path:
         start = max(self._vtime, self._last[t.lane])
         t.finish = self._last[t.lane] = start + max(t.nbytes, 1) / self.shares[t.lane]
 
+    # ----- preemption points -----
+    def _critical_busy(self) -> bool:
+        return bool(self.queues[Lane.CRITICAL] or self.lanes[Lane.CRITICAL].in_flight)
+
+    def checkpoint(self) -> None:
+        """Called by a running transfer between its pieces: a lower-lane transfer waits here while a critical
+        transfer is queued or running (at most `pause_max_s`), so a read an engine waits on has the device to itself.
+        Returns at once for critical transfers, under fifo, and outside a worker."""
+        lane = getattr(self._current, "lane", Lane.CRITICAL)
+        if lane == Lane.CRITICAL or self.policy != "weighted":
+            return
+        deadline = time.perf_counter() + self.pause_max_s
+        with self._cond:
+            if not self._critical_busy():
+                return
+            self.lanes[lane].paused += 1
+            while self._critical_busy() and not self._closed:
+                left = deadline - time.perf_counter()
+                if left <= 0 or not self._quiet.wait(left):
+                    return
+
     # ----- workers -----
     def _next(self) -> Transfer | None:
         with self._cond:
@@ -229,6 +261,7 @@ class Path:
                 try:
                     if self.device is not None:
                         self.device(t)
+                    self._current.lane = t.lane
                     t.future.set_result(t.fn())
                 except BaseException as e:  # the producer sees it through the future
                     t.future.set_exception(e)
@@ -259,6 +292,8 @@ class Path:
                 s.latency.observe(now - t.queued_at)
             if t.lane == Lane.CRITICAL:
                 self._critical_at = now
+                if not self._critical_busy():
+                    self._quiet.notify_all()
             if self._in_flight == 0:
                 self._busy_s += now - self._busy_since
                 if self._busy_s > DECAY_BUSY_S:
@@ -299,7 +334,8 @@ class Path:
             lanes = {la.label: {"queued": len(self.queues[la]), "queued_bytes": s.queued_bytes,
                                 "in_flight": s.in_flight, "transfers": s.transfers, "bytes": s.bytes,
                                 "failed": s.failed, "cancelled": s.cancelled, "rejected": s.rejected,
-                                "escalated": s.escalated, "queue_limit": self.limits[la], "share": self.shares[la],
+                                "escalated": s.escalated, "paused": s.paused, "queue_limit": self.limits[la],
+                                "share": self.shares[la],
                                 "wait": s.wait.to_dict(), "latency": s.latency.to_dict()}
                      for la, s in self.lanes.items()}
             return {"path": self.name, "policy": self.policy, "workers": self.workers, "in_flight": self._in_flight,
