@@ -19,10 +19,14 @@ All methods run under the daemon's state lock (promotion reads happen between pl
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from kvstore.keys import NamespaceSpec
 from kvstore.keytable import KeyTable
@@ -78,6 +82,9 @@ class Index:
         self.pins: Counter[int] = Counter()         # gid → pins across connections
         self.zombies: dict[int, bytes] = {}         # deleted while pinned: gid → key, freed at last release
         self.counters: Counter[str] = Counter()
+        # Staging copies of evicted blocks that the thread which evicted them makes once it has left the state
+        # lock (see `deferring`): per thread, (slot view, staging buffer, SSD key, gid held until copied or 0).
+        self._deferred = threading.local()
         self._clock = 1                             # advances per commit and acquire: recency across sizes
 
     # ----- namespaces -----
@@ -271,7 +278,7 @@ class Index:
         n = 0
         for h in keys:
             key = ns.prefix + h
-            found = self._remove(key)
+            found = bool(self._remove(key))
             if key in self.promoting:
                 self.cancelled.add(key)
             if self.ssd is not None and self.ssd.delete(ns.digest + h):
@@ -348,7 +355,9 @@ class Index:
             if stale is not None:
                 self._retire(stale, inline=True)   # memory moves to this block size: a new segment fits
             elif key is not None:
-                self._remove(key, evicted=True)
+                gid = self._remove(key, evicted=True, reuse=True)
+                if gid:
+                    return gid                     # the victim's slot, its staging copy made before it is written
             elif not self._reclaim_other(slot_bytes):
                 return None
 
@@ -407,23 +416,78 @@ class Index:
                 n += 1
         return n
 
-    def _remove(self, key: bytes, evicted: bool = False) -> bool:
+    def _remove(self, key: bytes, evicted: bool = False, reuse: bool = False) -> int:
+        """Take a block out of the host pool; an evicted one is demoted to the SSD tier where there is one.
+        Returns its gid (0: not stored). With `reuse` (the allocator evicting for a slot), an unpinned slot is not
+        freed: its gid goes to the caller, who writes it only after the staging copy is made; 0 if it cannot be
+        reused (pinned, or its segment drains)."""
         gid = self.table.remove(key)
         if gid is None:
-            return False
+            return 0
         ns = self.namespaces[int.from_bytes(key[:4], "big")]
         ns.blocks -= 1
+        seg = self.pool.segment_of(gid)
+        reuse = reuse and not self.pins[gid] and not seg.draining
         if evicted:
             self.counters["evictions"] += 1
             if self.ssd is not None:
-                with self.pool.view(gid) as data:
-                    self.counters["demotions" if self.ssd.demote(ns.digest + key[4:], data) else "dropped"] += 1
+                self._demote(ns.digest + key[4:], gid, hold=not reuse)
         if self.pins[gid]:
             self.zombies[gid] = key
-        else:
-            self.pins.pop(gid, None)
-            self._free(gid)
-        return True
+            return 0 if reuse else gid
+        self.pins.pop(gid, None)
+        if reuse:
+            seg.keys[gid & 0xFFFFFFFF] = None
+            return gid                                  # stays allocated: now the caller's
+        self._free(gid)
+        return gid
+
+    def _demote(self, skey: bytes, gid: int, hold: bool) -> None:
+        """(Under the state lock.) Stage an evicted block for the SSD tier. Inside `deferring`, the copy (2 MiB
+        for a typical block) is made after the state lock is left, and nobody writes the slot first: it is pinned
+        until then (`hold`), or it goes to the thread's own caller, who writes it only after that."""
+        assert self.ssd is not None
+        pending = getattr(self._deferred, "pending", None)
+        if pending is None or self.pool.segment_of(gid).draining:
+            with self.pool.view(gid) as data:
+                self.counters["demotions" if self.ssd.demote(skey, data) else "dropped"] += 1
+            return
+        buf = self.ssd.stage_begin(skey, self.pool.segment_of(gid).slot_bytes)
+        self.counters["dropped" if buf is False else "demotions"] += 1
+        if isinstance(buf, bool):
+            return
+        if hold:
+            self.pins[gid] += 1                         # unpinned (and so freed) by run_deferred, once copied
+        pending.append((self.pool.view(gid), buf, skey, gid if hold else 0))
+
+    def deferring(self) -> None:
+        """Staging copies of blocks this thread evicts from now on are made by `run_deferred`, which the thread
+        calls as soon as it has left the state lock (before it replies, and before a promotion reads into a slot
+        it got by eviction): the state lock is never held across a block copy."""
+        if getattr(self._deferred, "pending", None) is None:
+            self._deferred.pending = []
+
+    def run_deferred(self, lock: Any, done: bool = True) -> None:
+        """(Without the state lock.) Make this thread's deferred staging copies, hand them to the SSD tier and
+        free the slots held for them (taking `lock` for that); with `done`, stop deferring."""
+        pending = getattr(self._deferred, "pending", None)
+        if done:
+            self._deferred.pending = None
+        if not pending:
+            return
+        assert self.ssd is not None
+        held = []
+        for view, buf, skey, gid in pending:
+            with view:
+                np.copyto(np.frombuffer(buf, np.uint8), np.frombuffer(view, np.uint8))   # without the GIL
+            self.ssd.stage_finish(skey, buf)
+            if gid:
+                held.append(gid)
+        pending.clear()
+        if held:
+            with lock:
+                for gid in held:
+                    self._unpin(gid)
 
     def _free(self, gid: int) -> None:
         seg = self.pool.segment_of(gid)

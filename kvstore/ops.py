@@ -227,6 +227,7 @@ def _promote(st: State, ns: Namespace, keys: list[bytes], h: Holdings, lane: Lan
 
     st.lock.release()                                 # the disk read runs without the state lock
     try:
+        st.index.run_deferred(st.lock, done=False)    # slots taken by eviction: their old bytes staged first
         n = ssd.read([ns.digest + key for key, _ in plan], views, lane, on_ready if stream.emit else None, crcs)
     except OSError as e:
         log.error("ssd: promotion read failed (%s); serving the host prefix only", e)

@@ -81,9 +81,13 @@ class Session:
             op, rid = check_request(msg, st.config.server.max_keys_per_request)
             if msg.get("stream"):             # partial replies, sent while the op waits without the lock
                 msg["_emit"] = lambda fields, fds, rid=rid: self._send(ok(rid, more=True, **fields), fds)
-            with st.lock:
-                result = HANDLERS[op](st, self.holdings, msg)
-                st.metrics.observe(op, time.perf_counter() - t0)
+            st.index.deferring()              # staging copies of blocks the op evicts: after the lock, before
+            try:                              # the reply (the client writes a slot only once it has the reply)
+                with st.lock:
+                    result = HANDLERS[op](st, self.holdings, msg)
+                    st.metrics.observe(op, time.perf_counter() - t0)
+            finally:
+                st.index.run_deferred(st.lock)
         except ProtocolError as e:
             self._fail(rid, e.code, e.message)
             return e.code != Code.BAD_FRAME

@@ -7,6 +7,10 @@ blocks to the record store in batches, in the background lane. A block staged or
 When staging is full an evicted block is dropped, and counted. Reads take staged bytes first, then the store; the
 store's reads verify every record, so a bad one ends the prefix there.
 
+The copy into staging need not happen under the daemon's state lock: `stage_begin` books the block (present for
+lookups from then on) and hands out its buffer, the evicting thread copies the slot after releasing the state lock
+and calls `stage_finish`; readers of a block still being copied wait for it, and the writer skips it until then.
+
 Keys here are the namespace digest + the block hash (32 bytes): stable across restarts, unlike namespace ids.
 Thread safety: `lock` guards the staging area and is held only for dict updates and copies; the store keeps its
 own books; all disk I/O is a transfer on the traffic manager's SSD path. Callers never hold the daemon's state lock
@@ -17,6 +21,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -30,7 +35,19 @@ from kvstore.traffic import Lane, Path
 
 log = logging.getLogger("kvstore")
 WRITE_BATCH = 32
-Buffer = bytes | memoryview | mmap.mmap
+PENDING_WAIT_S = 5.0          # the longest a read waits for a block's staging copy to complete
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+
+class Pending:
+    """A staged block whose bytes are still being copied into `buf` (by the thread that evicted it)."""
+    __slots__ = ("buf",)
+
+    def __init__(self, buf: bytearray | mmap.mmap) -> None:
+        self.buf = buf
+
+    def __len__(self) -> int:
+        return len(self.buf)
 
 
 class SsdTier:
@@ -38,7 +55,7 @@ class SsdTier:
         self.cfg = cfg
         self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path, cfg.io)
         self.path = self.store.path
-        self.staging: dict[bytes, bytes | mmap.mmap] = {}
+        self.staging: dict[bytes, bytes | bytearray | mmap.mmap | Pending] = {}
         self.staged_bytes = 0
         self.dropped = 0
         self.rewrites_saved = 0
@@ -62,43 +79,75 @@ class SsdTier:
         self._thread.start()
         return self
 
-    def _copy(self, data: memoryview) -> bytes | mmap.mmap:
-        """(Under `lock`.) A staged copy of an evicted block: page-aligned memory when the block is a whole number
-        of pages, so that its SSD write goes straight from it (O_DIRECT) instead of through another copy; buffers
-        are reused once written (a fresh 2 MiB mapping costs 512 page faults, under the daemon's state lock). The
-        copy itself runs without the GIL (numpy)."""
-        if len(data) % mmap.PAGESIZE:
-            return bytes(data)
-        spare = self._spare.get(len(data))
-        buf = spare.pop() if spare else mmap.mmap(-1, len(data))
-        np.copyto(np.frombuffer(buf, np.uint8), np.frombuffer(data, np.uint8))
-        return buf
+    def _buffer(self, nbytes: int) -> bytearray | mmap.mmap:
+        """(Under `lock`.) A buffer for a staged copy: page-aligned memory when the block is a whole number of
+        pages, so that its SSD write goes straight from it (O_DIRECT) instead of through another copy; buffers are
+        reused once written (a fresh 2 MiB mapping costs 512 page faults)."""
+        if nbytes % mmap.PAGESIZE:
+            return bytearray(nbytes)
+        spare = self._spare.get(nbytes)
+        return spare.pop() if spare else mmap.mmap(-1, nbytes)
 
     # ----- demotion -----
-    def demote(self, key: bytes, data: memoryview) -> bool:
-        """Stage a copy of an evicted block for its SSD write; False (dropped, counted) when staging is full.
-        A block the tier holds already is not written again: a key names its bytes (a chained hash of the tokens,
-        in one namespace), and a delete removes the SSD copy too."""
+    def stage_begin(self, key: bytes, nbytes: int) -> bytearray | mmap.mmap | bool:
+        """Book an evicted block for its SSD write: its buffer, which the caller fills and hands to
+        `stage_finish`; True if the tier holds the block already (a key names its bytes: a chained hash of the
+        tokens in one namespace, and a delete removes the SSD copy too), so it is not written again; False
+        (dropped, counted) when staging is full. From here on the block is present for lookups and reads."""
         with self.lock:
             if key in self.staging or self.store.has(key):
                 self.rewrites_saved += 1
                 return True
-            if self.staged_bytes + len(data) > self.cfg.staging_bytes:
+            if self.staged_bytes + nbytes > self.cfg.staging_bytes:
                 self.dropped += 1
                 return False
-            self.staged_bytes += len(data)
-            self.staging[key] = self._copy(data)
-            self.lock.notify()
+            self.staged_bytes += nbytes
+            buf = self._buffer(nbytes)
+            self.staging[key] = Pending(buf)
+            return buf
+
+    def stage_finish(self, key: bytes, buf: bytearray | mmap.mmap) -> None:
+        """The staged copy of `key` is complete: readers may take it, the writer may write it (unless it was
+        deleted meanwhile: then the buffer goes back to the spares)."""
+        with self.lock:
+            entry = self.staging.get(key)
+            if isinstance(entry, Pending) and entry.buf is buf:
+                self.staging[key] = buf
+            elif isinstance(buf, mmap.mmap):
+                self._spare.setdefault(len(buf), []).append(buf)
+            self.lock.notify_all()
+
+    def demote(self, key: bytes, data: memoryview) -> bool:
+        """Stage a copy of an evicted block at once (copied here, without the GIL); False if dropped."""
+        buf = self.stage_begin(key, len(data))
+        if isinstance(buf, bool):
+            return buf
+        np.copyto(np.frombuffer(buf, np.uint8), np.frombuffer(data, np.uint8))
+        self.stage_finish(key, buf)
         return True
+
+    def _staged(self, key: bytes) -> bytes | bytearray | mmap.mmap | None:
+        """(Under `lock`.) The staged bytes of `key`, waiting out a copy in progress; None if not staged."""
+        entry = self.staging.get(key)
+        deadline = time.monotonic() + PENDING_WAIT_S
+        while isinstance(entry, Pending):
+            if time.monotonic() > deadline:              # never expected: a copy takes milliseconds
+                log.warning("ssd: the staging copy of a block took over %.0f s; served as a miss", PENDING_WAIT_S)
+                return None
+            self.lock.wait(0.1)
+            entry = self.staging.get(key)
+        return entry
 
     def _run(self) -> None:
         while True:
             with self.lock:
-                while not self.staging and not self._stop:
+                while True:
+                    batch = [(k, v) for k, v in self.staging.items() if not isinstance(v, Pending)][:WRITE_BATCH]
+                    if batch or (self._stop and not self.staging):
+                        break
                     self.lock.wait()
-                if not self.staging and self._stop:
+                if not batch:
                     return
-                batch = list(self.staging.items())[:WRITE_BATCH]
                 self._begin([k for k, _ in batch])
             try:
                 self.write_batch(batch, Lane.BACKGROUND)
@@ -144,7 +193,7 @@ class SsdTier:
         n = 0
         while n < len(keys):
             with self.lock:
-                staged = self.staging.get(keys[n])
+                staged = self._staged(keys[n])
                 if staged is not None:
                     outs[n][:] = staged
                     end = -1
@@ -179,7 +228,7 @@ class SsdTier:
         """(A path worker.) The block from staging (None: no CRC known), or from the store if it was written
         meanwhile (its CRC-32); False if it is gone."""
         with self.lock:
-            staged = self.staging.get(key)
+            staged = self._staged(key)
             if staged is not None:
                 out[:] = staged
                 return None
