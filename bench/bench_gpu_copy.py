@@ -5,7 +5,7 @@ the same bytes (one contiguous pinned buffer <-> one contiguous GPU buffer: the 
 Every figure is checked byte-exact: the slots must hold each page in the engine's memory order (compared with the
 physical tensor gathered by torch), and the pages loaded back must equal the saved ones.
 
-    python bench/bench_gpu_copy.py [--blocks 128] [--reps 5] [--out DIR]
+    python bench/bench_gpu_copy.py [--blocks 128] [--reps 5] [--quick] [--out DIR]
 
 Layouts (vLLM 0.32's per-layer [blocks, heads, tokens, 2*dim] views over a physical order):
   LBNHC  tokens-major page, one 64 KiB run per block per layer (vLLM's default on CUDA)
@@ -135,7 +135,10 @@ def main() -> int:
     ap.add_argument("--pool-blocks", type=int, default=2048, help="blocks in the engine's KV tensor")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="also write the JSON here")
+    ap.add_argument("--quick", action="store_true", help="32 blocks, 2 repetitions")
     args = ap.parse_args()
+    if args.quick:
+        args.blocks, args.reps = 32, 2
     try:
         import numpy as np
         import torch

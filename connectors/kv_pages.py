@@ -71,10 +71,13 @@ class LayerPages:
         ids = np.asarray(block_ids, dtype=np.int64)
         return (self.base + ids[:, None] * self.block_stride + self.offsets[None, :]).reshape(-1)
 
-    def slot_runs(self, slots: Sequence[np.ndarray], a: int) -> list[np.ndarray]:
-        """The matching runs in the slots' layer range starting at byte `a`, slot by slot."""
+    def slot_runs(self, slots: Sequence[np.ndarray], a: int, blocks: int) -> list[np.ndarray]:
+        """The runs of the first `blocks` slots' layer range starting at byte `a`, slot by slot: they match
+        `run_starts` of as many block ids (a lease may hold more blocks than the engine loads)."""
+        if len(slots) < blocks:
+            raise ValueError(f"{blocks} pages to move but only {len(slots)} slots")
         cb = self.chunk_bytes
-        return [s[a + k * cb:a + (k + 1) * cb] for s in slots for k in range(self.chunks)]
+        return [s[a + k * cb:a + (k + 1) * cb] for s in slots[:blocks] for k in range(self.chunks)]
 
 
 def storage_bytes(kv: Any) -> Any:
@@ -99,7 +102,7 @@ class CpuMover:
             flat = self._flat[id(pages)] = storage_bytes(pages.kv).numpy()
         cb = pages.chunk_bytes
         return [(flat[s:s + cb], run) for s, run in zip(pages.run_starts(block_ids).tolist(),
-                                                         pages.slot_runs(slots, a))]
+                                                         pages.slot_runs(slots, a, len(block_ids)))]
 
     def load_layer(self, layer: int, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray],
                    a: int) -> None:
@@ -195,7 +198,7 @@ class CudaMover:
         if self.engine == "kernel?":
             self._prove(pages)
         flat = self._gpu_flat(pages)
-        runs = pages.slot_runs(slots, a)
+        runs = pages.slot_runs(slots, a, len(block_ids))
         if self._kernel is not None:
             from connectors.cuda_copy import aligned16
 

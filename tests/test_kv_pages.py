@@ -154,3 +154,18 @@ def test_client_lets_go_of_segments_before_unmapping_them(daemon) -> None:
     c.close()
     assert dict(seen) == mapped
     assert len(first_bytes) == len(mapped)
+
+
+def test_movers_pair_pages_with_the_leading_slots_only() -> None:
+    """A lease may hold more blocks than the engine loads (its verified prefix is shorter): the first pages go to
+    the first slots, the rest is untouched; fewer slots than pages is refused, not a silent short copy."""
+    kvs, raw = make_kv("LHBNC")
+    pages = LayerPages(kvs[0], BLOCKS)
+    slots = [np.full(GEO.full_bytes, i + 1, dtype=np.uint8) for i in range(3)]
+    raw.zero_()
+    CpuMover().load_layer(0, pages, [5, 9], slots, 0)
+    assert memory_order_page("LHBNC", raw, 0, 5) == bytes([1]) * GEO.layer_bytes
+    assert memory_order_page("LHBNC", raw, 0, 9) == bytes([2]) * GEO.layer_bytes
+    assert not any(memory_order_page("LHBNC", raw, 0, b).strip(b"\0") for b in set(range(BLOCKS)) - {5, 9})
+    with pytest.raises(ValueError, match="only 3 slots"):
+        CpuMover().save_layer(pages, [1, 2, 3, 4], slots, 0)
