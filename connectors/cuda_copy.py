@@ -40,26 +40,32 @@ def _copy_runs(table, n_runs, run_words, WIDE: tl.constexpr, ALIGN16: tl.constex
     tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
-def chunk_copy_kernel(vectorize: bool = True) -> Callable[[Any, int, bool], None]:
-    """`copy(table, run_bytes, aligned)`: table is an int64 [2, n] tensor on the GPU (sources, then destinations),
-    `aligned` says every address is 16-byte aligned (see `aligned16`); the copy is queued on the current stream.
-    `vectorize=False` never tells the compiler about alignment (plain 8-byte accesses)."""
+def chunk_copy_kernel(vectorize: bool = True) -> Callable[[Any, int, int], None]:
+    """`copy(table, run_bytes, align)`: table is an int64 [2, n] tensor on the GPU (sources, then destinations),
+    `align` the alignment every address and the run length share (see `alignment`); the copy is queued on the
+    current stream. 8-byte words where everything is 8-aligned, else bytes; `vectorize=False` never tells the
+    compiler about 16-byte alignment (plain 8-byte accesses)."""
 
-    def copy(table: Any, run_bytes: int, aligned: bool) -> None:
+    def copy(table: Any, run_bytes: int, align: int) -> None:
         n = int(table.shape[1])
         if n == 0:
             return
-        wide = run_bytes % 8 == 0
+        wide = align % 8 == 0
         word = 8 if wide else 1
         words = run_bytes // word
         block = max(16, min(BLOCK_BYTES // word, triton.next_power_of_2(words)))
         grid = (n, triton.cdiv(words, block))
-        _copy_runs[grid](table, n, words, WIDE=wide, ALIGN16=vectorize and aligned and run_bytes % 16 == 0,
+        _copy_runs[grid](table, n, words, WIDE=wide, ALIGN16=vectorize and align % 16 == 0,
                          BLOCK=block)
 
     return copy
 
 
-def aligned16(*addrs: np.ndarray) -> bool:
-    """Whether every address (and so every run, when the run length is a multiple of 16) is 16-byte aligned."""
-    return all(not (int(np.bitwise_or.reduce(a)) & 15) for a in addrs if len(a))
+def alignment(run_bytes: int, *addrs: np.ndarray) -> int:
+    """The largest of 16, 8 and 1 that divides the run length and every address: what the kernel may assume (a
+    word access at an address that is not a multiple of its size faults on a GPU)."""
+    bits = run_bytes
+    for a in addrs:
+        if len(a):
+            bits |= int(np.bitwise_or.reduce(a))
+    return 16 if not bits & 15 else 8 if not bits & 7 else 1

