@@ -27,6 +27,7 @@ log = logging.getLogger("vllm.kvstore")
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
 REGISTER_FLAGS = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED
+COPY_ENGINES = ("auto", "kernel", "copy")
 
 
 class LayerPages:
@@ -39,7 +40,6 @@ class LayerPages:
         if num_blocks is not None and int(kv.shape[0]) != num_blocks:
             raise ValueError(f"the KV tensor has {kv.shape[0]} blocks on dim 0, the engine {num_blocks}")
         self.kv = kv
-        self.num_blocks = int(kv.shape[0])
         es = kv.element_size()
         sizes = [int(s) for s in kv.shape[1:]]
         strides = [int(s) for s in kv.stride()[1:]]
@@ -135,8 +135,8 @@ class CudaMover:
     def __init__(self, device: Any, engine: str = "auto") -> None:
         import torch
 
-        if engine not in ("auto", "kernel", "copy"):
-            raise ValueError(f"copy engine must be auto, kernel or copy, got {engine!r}")
+        if engine not in COPY_ENGINES:
+            raise ValueError(f"copy_engine must be one of {', '.join(COPY_ENGINES)}, got {engine!r}")
         self.torch = torch
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device)

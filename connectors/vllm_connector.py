@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from connectors.kv_pages import CpuMover, CudaMover, LayerPages
+from connectors.kv_pages import COPY_ENGINES, CpuMover, CudaMover, LayerPages
 from connectors.vllm_layout import DaemonLink, engine_identity, layer_order, layout_of_pages, make_spec
 from kvstore.client import KVStoreError, Lease, Reservation
 from kvstore.keys import block_key
@@ -101,6 +101,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._mover: CpuMover | CudaMover = CpuMover()
         self._cuda = False
         self.copy_engine = str(extra.get("copy_engine", "auto"))
+        if self.copy_engine not in COPY_ENGINES:
+            log.warning("kvstore: copy_engine %r is not one of %s; using auto", self.copy_engine,
+                        ", ".join(COPY_ENGINES))
+            self.copy_engine = "auto"
         self._leases: list[tuple[Transfer, Lease, set[int]]] = []
         self._reservations: list[tuple[Transfer, Reservation, set[int]]] | None = None
         self._to_commit: list[Reservation] = []
@@ -245,7 +249,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._pages[i] = pages
         device = kv_caches[names[0]].device
         if device.type == "cuda":
-            self._mover = CudaMover(device, engine=self.copy_engine)
+            try:
+                self._mover = CudaMover(device, engine=self.copy_engine)
+            except Exception as e:  # noqa: BLE001 - e.g. copy_engine: kernel without Triton: no cache, no crash
+                self._disable(f"the GPU copier could not start: {type(e).__name__}: {e}")
+                return
             self._cuda = True
         log.info("kvstore connector: %d layers, %d run(s) of %d bytes per page, %s copies", len(names),
                  self._pages[0].chunks, self._pages[0].chunk_bytes, device.type)

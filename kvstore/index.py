@@ -11,8 +11,9 @@ Guarantees
 - Keys carry their namespace id, so namespaces never see each other's blocks.
 - Allocation never exceeds the pool's cap: a full size class evicts its least valuable unpinned block (the policy
   decides), or reclaims an idle segment of another size, or answers "no space".
-- With an SSD tier, an evicted block is demoted (its bytes staged for the disk) instead of dropped; lookups count
-  blocks in either tier; `plan_promotion` reserves host slots for blocks only the SSD holds and
+- With an SSD tier, an evicted block is demoted (its bytes staged for the disk) instead of dropped; inside an op
+  the staging copy is made after the state lock is left (`deferring` / `run_deferred`), and the victim's slot is
+  neither freed nor written before it; lookups count blocks in either tier; `plan_promotion` reserves host slots for blocks only the SSD holds and
   `finish_promotion` publishes them after the caller has read them in, unless a delete came in between.
 
 All methods run under the daemon's state lock (promotion reads happen between plan and finish, without it).
@@ -25,8 +26,6 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from kvstore.keys import NamespaceSpec
 from kvstore.keytable import KeyTable
@@ -278,7 +277,7 @@ class Index:
         n = 0
         for h in keys:
             key = ns.prefix + h
-            found = bool(self._remove(key))
+            found = self._remove(key)
             if key in self.promoting:
                 self.cancelled.add(key)
             if self.ssd is not None and self.ssd.delete(ns.digest + h):
@@ -355,9 +354,9 @@ class Index:
             if stale is not None:
                 self._retire(stale, inline=True)   # memory moves to this block size: a new segment fits
             elif key is not None:
-                gid = self._remove(key, evicted=True, reuse=True)
+                gid = self._evict_for_slot(key)
                 if gid:
-                    return gid                     # the victim's slot, its staging copy made before it is written
+                    return gid
             elif not self._reclaim_other(slot_bytes):
                 return None
 
@@ -416,31 +415,37 @@ class Index:
                 n += 1
         return n
 
-    def _remove(self, key: bytes, evicted: bool = False, reuse: bool = False) -> int:
-        """Take a block out of the host pool; an evicted one is demoted to the SSD tier where there is one.
-        Returns its gid (0: not stored). With `reuse` (the allocator evicting for a slot), an unpinned slot is not
-        freed: its gid goes to the caller, who writes it only after the staging copy is made; 0 if it cannot be
-        reused (pinned, or its segment drains)."""
+    def _evict_for_slot(self, key: bytes) -> int:
+        """Evict the victim `key` for its slot: its gid, still allocated and now the caller's, who writes it only
+        after the block's staging copy is made (see `deferring`); 0 when the slot cannot be handed over (pinned,
+        or its segment drains): the block is then evicted as usual and the caller allocates again."""
+        gid = self.table.get(key)
+        if gid is None or self.pins[gid] or self.pool.segment_of(gid).draining:
+            self._remove(key, evicted=True)
+            return 0
+        self._remove(key, evicted=True, keep=True)
+        return gid
+
+    def _remove(self, key: bytes, evicted: bool = False, keep: bool = False) -> bool:
+        """Take a block out of the host pool; an evicted one is demoted to the SSD tier where there is one. With
+        `keep` (only from `_evict_for_slot`), its unpinned slot stays allocated for the caller."""
         gid = self.table.remove(key)
         if gid is None:
-            return 0
+            return False
         ns = self.namespaces[int.from_bytes(key[:4], "big")]
         ns.blocks -= 1
-        seg = self.pool.segment_of(gid)
-        reuse = reuse and not self.pins[gid] and not seg.draining
         if evicted:
             self.counters["evictions"] += 1
             if self.ssd is not None:
-                self._demote(ns.digest + key[4:], gid, hold=not reuse)
+                self._demote(ns.digest + key[4:], gid, hold=not keep)
         if self.pins[gid]:
             self.zombies[gid] = key
-            return 0 if reuse else gid
-        self.pins.pop(gid, None)
-        if reuse:
-            seg.keys[gid & 0xFFFFFFFF] = None
-            return gid                                  # stays allocated: now the caller's
-        self._free(gid)
-        return gid
+        elif keep:
+            self.pool.segment_of(gid).keys[gid & 0xFFFFFFFF] = None
+        else:
+            self.pins.pop(gid, None)
+            self._free(gid)
+        return True
 
     def _demote(self, skey: bytes, gid: int, hold: bool) -> None:
         """(Under the state lock.) Stage an evicted block for the SSD tier. Inside `deferring`, the copy (2 MiB
@@ -468,8 +473,8 @@ class Index:
             self._deferred.pending = []
 
     def run_deferred(self, lock: Any, done: bool = True) -> None:
-        """(Without the state lock.) Make this thread's deferred staging copies, hand them to the SSD tier and
-        free the slots held for them (taking `lock` for that); with `done`, stop deferring."""
+        """(Without the state lock.) Have the SSD tier make this thread's deferred staging copies, then free the
+        slots held for them (taking `lock` for that); with `done`, stop deferring."""
         pending = getattr(self._deferred, "pending", None)
         if done:
             self._deferred.pending = None
@@ -479,8 +484,7 @@ class Index:
         held = []
         for view, buf, skey, gid in pending:
             with view:
-                np.copyto(np.frombuffer(buf, np.uint8), np.frombuffer(view, np.uint8))   # without the GIL
-            self.ssd.stage_finish(skey, buf)
+                self.ssd.stage_fill(skey, buf, view)
             if gid:
                 held.append(gid)
         pending.clear()

@@ -42,6 +42,17 @@ def test_embedded_default_loads_and_validates():
     assert cfg.log.level == "info"
 
 
+def test_embedded_default_is_found_from_a_source_tree_not_installed():
+    """Run from a checkout on PYTHONPATH (as on a GPU machine with nothing installed), `kvstore.configs` does not
+    exist as a package: the default comes from configs/default.yaml beside the package, the same file."""
+    code = ("import sys; sys.modules['kvstore.configs'] = None\n"
+            "from kvstore.config import embedded_default; import json; print(json.dumps(embedded_default()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    import json
+    assert json.loads(out.stdout) == yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "configs" / "*.yaml"))))
 def test_every_shipped_config_validates(path):
     load_config(path, env={})

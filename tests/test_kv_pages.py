@@ -212,3 +212,10 @@ def test_alignment_is_what_every_address_and_the_run_share() -> None:
     assert alignment(65536, a16) == 16
     assert alignment(65544, a16) == 8                   # the run length is only 8-aligned
     assert alignment(65536, a16, np.array([0x3003], dtype=np.int64)) == 1
+
+
+def test_an_unknown_copy_engine_is_refused_before_any_cuda_call() -> None:
+    from connectors.kv_pages import CudaMover
+
+    with pytest.raises(ValueError, match="copy_engine must be one of auto, kernel, copy, got 'fast'"):
+        CudaMover("cuda:0", engine="fast")

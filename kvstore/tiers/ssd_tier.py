@@ -8,8 +8,9 @@ When staging is full an evicted block is dropped, and counted. Reads take staged
 store's reads verify every record, so a bad one ends the prefix there.
 
 The copy into staging need not happen under the daemon's state lock: `stage_begin` books the block (present for
-lookups from then on) and hands out its buffer, the evicting thread copies the slot after releasing the state lock
-and calls `stage_finish`; readers of a block still being copied wait for it, and the writer skips it until then.
+lookups from then on) and hands out its buffer, and the evicting thread, once it has left the state lock, has
+`stage_fill` copy the slot into it and publish it; readers of a block still being copied wait for it, and the
+writer skips it until then.
 
 Keys here are the namespace digest + the block hash (32 bytes): stable across restarts, unlike namespace ids.
 Thread safety: `lock` guards the staging area and is held only for dict updates and copies; the store keeps its
@@ -90,10 +91,10 @@ class SsdTier:
 
     # ----- demotion -----
     def stage_begin(self, key: bytes, nbytes: int) -> bytearray | mmap.mmap | bool:
-        """Book an evicted block for its SSD write: its buffer, which the caller fills and hands to
-        `stage_finish`; True if the tier holds the block already (a key names its bytes: a chained hash of the
-        tokens in one namespace, and a delete removes the SSD copy too), so it is not written again; False
-        (dropped, counted) when staging is full. From here on the block is present for lookups and reads."""
+        """Book an evicted block for its SSD write: the buffer that the caller has `stage_fill` fill; True if
+        the tier holds the block already (a key names its bytes: a chained hash of the tokens in one namespace,
+        and a delete removes the SSD copy too), so it is not written again; False (dropped, counted) when staging
+        is full. From here on the block is present for lookups and reads."""
         with self.lock:
             if key in self.staging or self.store.has(key):
                 self.rewrites_saved += 1
@@ -106,9 +107,11 @@ class SsdTier:
             self.staging[key] = Pending(buf)
             return buf
 
-    def stage_finish(self, key: bytes, buf: bytearray | mmap.mmap) -> None:
-        """The staged copy of `key` is complete: readers may take it, the writer may write it (unless it was
+    def stage_fill(self, key: bytes, buf: bytearray | mmap.mmap, data: memoryview) -> None:
+        """(Without the daemon's state lock.) Copy the evicted block's bytes into the buffer `stage_begin` gave
+        (numpy, without the GIL), then publish it: readers may take it, the writer may write it (unless it was
         deleted meanwhile: then the buffer goes back to the spares)."""
+        np.copyto(np.frombuffer(buf, np.uint8), np.frombuffer(data, np.uint8))
         with self.lock:
             entry = self.staging.get(key)
             if isinstance(entry, Pending) and entry.buf is buf:
@@ -118,12 +121,11 @@ class SsdTier:
             self.lock.notify_all()
 
     def demote(self, key: bytes, data: memoryview) -> bool:
-        """Stage a copy of an evicted block at once (copied here, without the GIL); False if dropped."""
+        """Stage a copy of an evicted block at once; False if dropped."""
         buf = self.stage_begin(key, len(data))
         if isinstance(buf, bool):
             return buf
-        np.copyto(np.frombuffer(buf, np.uint8), np.frombuffer(data, np.uint8))
-        self.stage_finish(key, buf)
+        self.stage_fill(key, buf, data)
         return True
 
     def _staged(self, key: bytes) -> bytes | bytearray | mmap.mmap | None:

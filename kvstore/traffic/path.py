@@ -352,6 +352,7 @@ class Path:
                 q.clear()
                 self.lanes[lane].queued_bytes = 0
             self._cond.notify_all()
+            self._quiet.notify_all()
         for th in self._threads:
             if th is not threading.current_thread():
                 th.join(timeout=30)
