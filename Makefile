@@ -30,13 +30,13 @@ serve: $(STAMP)
 # script returns at once when it is built and up to date.
 test: $(STAMP) $(VLLM_STAMP)
 	TOKENIZERS_PARALLELISM=false $(BIN)/python -m pytest -q -m "not sglang"
-	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/test_keytable.py tests/test_index.py
-	KVSTORE_SSD_IO=threads $(BIN)/python -m pytest -q tests/test_ssd_tier.py tests/test_traffic_daemon.py
+	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/index
+	KVSTORE_SSD_IO=threads $(BIN)/python -m pytest -q tests/tiers/test_ssd_tier.py tests/traffic/test_traffic_daemon.py
 	bash tests/setup_sglang_env.sh .venv-sglang
-	TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q -m sglang tests/test_sglang_connector.py
+	TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q -m sglang tests/connectors/test_sglang_connector.py
 
 stress: $(STAMP)
-	KVSTORE_STRESS_ITERATIONS=50 $(BIN)/python -m pytest -q tests/test_ssd_tier.py -k "kill_9 or crash"
+	KVSTORE_STRESS_ITERATIONS=50 $(BIN)/python -m pytest -q tests/tiers/test_ssd_tier.py -k "kill_9 or crash"
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvstore connectors tests bench

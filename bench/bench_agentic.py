@@ -33,8 +33,8 @@ sys.path.insert(0, BENCH)
 import lmcache_side as lm  # noqa: E402
 from common import Daemon, Table, busy_cpus, progress, summary, warn_if_busy, write_json  # noqa: E402
 
-from kvstore.geometry import Geometry  # noqa: E402
-from kvstore.keys import NamespaceSpec, chain_hashes  # noqa: E402
+from kvstore.protocol.geometry import Geometry  # noqa: E402
+from kvstore.protocol.keys import NamespaceSpec, chain_hashes  # noqa: E402
 
 GEOM = Geometry(layers=4, tokens=256, kv_heads=4, head_dim=128, dtype="bfloat16")   # one LMCache chunk: 2 MiB
 BLOCK = GEOM.full_bytes

@@ -1,5 +1,5 @@
 """The vLLM connector's GPU path on a real GPU: scattered KV pages gathered into the daemon's slots (save) and
-scattered back (load), layer by layer, through `connectors.kv_pages.CudaMover`, against a plain pinned `copy_` of
+scattered back (load), layer by layer, through `kvstore.connectors.kv_pages.CudaMover`, against a plain pinned `copy_` of
 the same bytes (one contiguous pinned buffer <-> one contiguous GPU buffer: the link's limit) in the same run.
 
 Every figure is checked byte-exact: the slots must hold each page in the engine's memory order (compared with the
@@ -79,8 +79,8 @@ def run_case(torch, np, c, geo, layout: str, engine: str, kvs: list, raw, n: int
              rng) -> dict:
     """Save n scattered blocks through the mover into reserved slots, commit, acquire and load them into other
     blocks: timings of both directions and whether every byte landed where it should."""
-    from connectors.kv_pages import CudaMover, LayerPages
-    from kvstore.keys import NamespaceSpec
+    from kvstore.connectors.kv_pages import CudaMover, LayerPages
+    from kvstore.protocol.keys import NamespaceSpec
 
     pages = [LayerPages(kv, pool_blocks) for kv in kvs]
     mover = CudaMover("cuda:0", engine=engine)
@@ -148,7 +148,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("skipped: no CUDA device")
         return 77
-    from kvstore.geometry import Geometry
+    from kvstore.protocol.geometry import Geometry
 
     n, reps = args.blocks, args.reps
     geo = Geometry(layers=LAYERS, tokens=TOKENS, kv_heads=HEADS, head_dim=DIM, dtype="bfloat16", kv=2,

@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Table, progress, write_json  # noqa: E402
 
-from kvstore.keytable import PyKeyTable  # noqa: E402
+from kvstore.index.keytable import PyKeyTable  # noqa: E402
 
 try:
     from kvstore._kvindex import KeyTable as NativeKeyTable

@@ -21,7 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Table, progress, write_json  # noqa: E402
 
-from kvstore.tiers.ssd import SsdStore  # noqa: E402
+from kvstore.tiers.ssd.store import SsdStore  # noqa: E402
 
 BLOCK = 2 << 20
 BATCH = 32

@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Table, progress, write_json  # noqa: E402
 
-from kvstore.geometry import Geometry  # noqa: E402
-from kvstore.keys import NamespaceSpec  # noqa: E402
+from kvstore.protocol.geometry import Geometry  # noqa: E402
+from kvstore.protocol.keys import NamespaceSpec  # noqa: E402
 from tests.conftest import DaemonProc  # noqa: E402
 
 GEOM = Geometry(layers=32, tokens=16, kv_heads=8, head_dim=128, dtype="float16")   # 2 MiB

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Daemon, Table, progress, summary, warn_if_busy, write_json  # noqa: E402
 
-from kvstore.geometry import Geometry  # noqa: E402
-from kvstore.keys import NamespaceSpec  # noqa: E402
+from kvstore.protocol.geometry import Geometry  # noqa: E402
+from kvstore.protocol.keys import NamespaceSpec  # noqa: E402
 
 GEOM = Geometry(layers=32, tokens=16, kv_heads=8, head_dim=128, dtype="float16")   # 2 MiB
 BLOCK = GEOM.full_bytes

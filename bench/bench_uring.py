@@ -1,4 +1,4 @@
-"""io_uring (kvstore.tiers.uring.run_many, one thread) against a thread pool of os.preadv/os.pwritev, same run.
+"""io_uring (kvstore.tiers.ssd.uring.run_many, one thread) against a thread pool of os.preadv/os.pwritev, same run.
 
 O_DIRECT reads and writes of 2 MiB records over a ~1 GiB file (page cache bypassed, nothing dropped), in a
 shuffled record order, at 1, 2, 4 and 8 requests in flight: io_uring keeps `depth` ops in flight from one thread
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Table, busy_cpus, progress, summary, warn_if_busy, write_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kvstore.tiers import uring  # noqa: E402
+from kvstore.tiers.ssd import uring  # noqa: E402
 
 REC = 2 << 20
 

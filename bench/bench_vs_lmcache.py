@@ -39,8 +39,8 @@ import lmcache_side as lm  # noqa: E402  (sets LMCACHE_TRACK_USAGE=false before 
 from common import Daemon, Table, busy_cpus, progress, summary, warn_if_busy, write_json  # noqa: E402
 from limits import Memcpy, ODirect  # noqa: E402
 
-from kvstore.geometry import Geometry  # noqa: E402
-from kvstore.keys import NamespaceSpec  # noqa: E402
+from kvstore.protocol.geometry import Geometry  # noqa: E402
+from kvstore.protocol.keys import NamespaceSpec  # noqa: E402
 
 # The LMCache chunk's bytes as a kvstore block: 4 layers × K+V × 256 tokens × 4 KV heads × 128 × bf16 = 2 MiB
 GEOM = Geometry(layers=4, tokens=256, kv_heads=4, head_dim=128, dtype="bfloat16")

@@ -146,7 +146,7 @@ class CudaMover:
         self._kernels: list[Any] = []
         if engine != "copy":
             try:
-                from connectors.cuda_copy import chunk_copy_kernel
+                from kvstore.connectors.cuda_copy import chunk_copy_kernel
                 self._kernels = [chunk_copy_kernel(vectorize=True), chunk_copy_kernel(vectorize=False)]
             except Exception as e:  # noqa: BLE001 - no Triton: copy_ does the same with more calls
                 if engine == "kernel":
@@ -200,7 +200,7 @@ class CudaMover:
         flat = self._gpu_flat(pages)
         runs = pages.slot_runs(slots, a, len(block_ids))
         if self._kernel is not None:
-            from connectors.cuda_copy import alignment
+            from kvstore.connectors.cuda_copy import alignment
 
             dev = pages.run_starts(block_ids) + flat.data_ptr()
             host = np.fromiter((r.ctypes.data for r in runs), dtype=np.int64, count=len(runs))

@@ -2,7 +2,7 @@
 
     python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache \\
       --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
-      '{"backend_name": "kvstore", "module_path": "connectors.sglang_backend", "class_name": "KVStoreHiCache",
+      '{"backend_name": "kvstore", "module_path": "kvstore.connectors.sglang_backend", "class_name": "KVStoreHiCache",
         "interface_v1": 1, "socket": "/run/kvstore/kvstore.sock"}'
 
 Thin: SGLang's page hashes become kvstore keys and pages move between SGLang's host pool and the daemon's
@@ -50,9 +50,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvstore.client import Client, KVStoreError, Namespace
-from kvstore.geometry import Geometry
-from kvstore.index import EXISTS, IN_PROGRESS, RESERVED
-from kvstore.keys import NamespaceSpec, block_key
+from kvstore.protocol.geometry import Geometry
+from kvstore.protocol import ReserveStatus
+from kvstore.protocol.keys import NamespaceSpec, block_key
 
 log = logging.getLogger("sglang.kvstore")  # under "sglang": shown wherever SGLang's own lines are
 
@@ -341,7 +341,7 @@ class KVStoreHiCache(HiCacheStorage):
             ns.client.copier.copy([pair for slot, i in zip(res.views, res.reserved)
                                    for pair in _split_slot(slot, pages[i])])
             res.commit(res.checksums() if self.verify else None)
-        return [s in (RESERVED, EXISTS, IN_PROGRESS) for s in res.status]   # stored, stored already, being stored
+        return [s != ReserveStatus.NO_SPACE for s in res.status]   # stored, stored already, being stored
 
     # ----- the older flat-page interface -----
     def _to_block(self, flat: np.ndarray) -> np.ndarray:

@@ -3,7 +3,7 @@ from the daemon's shared-memory slots, one Layer Block at a time. Thin: no cache
 never a reason for the engine to stop (no hits while it is away, one log line, reconnect later).
 
     vllm serve MODEL --block-size 32 --prefix-caching-hash-algo sha256_cbor --kv-transfer-config \\
-      '{"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connectors.vllm_connector",
+      '{"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.connectors.vllm_connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"socket": "/run/user/1000/kvstore/kvstore.sock"}}'
 
@@ -38,10 +38,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from connectors.kv_pages import COPY_ENGINES, CpuMover, CudaMover, LayerPages
-from connectors.vllm_layout import DaemonLink, engine_identity, layer_order, layout_of_pages, make_spec
+from kvstore.connectors.kv_pages import COPY_ENGINES, CpuMover, CudaMover, LayerPages
+from kvstore.connectors.vllm_layout import DaemonLink, engine_identity, layer_order, layout_of_pages, make_spec
 from kvstore.client import KVStoreError, Lease, Reservation
-from kvstore.keys import block_key
+from kvstore.protocol.keys import block_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.client import Client, KVStoreError, Namespace
-from kvstore.geometry import Geometry
-from kvstore.keys import NamespaceSpec
+from kvstore.protocol.geometry import Geometry
+from kvstore.protocol.keys import NamespaceSpec
 
 log = logging.getLogger("vllm.kvstore")  # under "vllm": shown by vLLM's own log handler
 

@@ -1,9 +1,14 @@
 """kvstore: a per-node KV-cache storage and transfer daemon for LLM inference engines.
 
-`import kvstore` is light: it never imports torch, CUDA or an engine.
+The tree follows the data path. An engine process imports `kvstore.client` (and `kvstore.connectors`), which share
+only `kvstore.protocol` with the daemon. In the daemon a request enters `daemon` (server, session, ops), is checked
+against `protocol`, booked by `index`, decided by `policy`, carried out by `movers` through `traffic`, and its bytes
+live in a tier of `tiers` (host pool, SSD, ...).
+
+`import kvstore` is light: it never imports torch, CUDA, an engine or the daemon.
 """
-from kvstore.geometry import Geometry
-from kvstore.keys import NamespaceSpec, chain_hashes
+from kvstore.protocol.geometry import Geometry
+from kvstore.protocol.keys import NamespaceSpec, chain_hashes
 
 __version__ = "0.1.0"
 __all__ = ["Geometry", "NamespaceSpec", "__version__", "chain_hashes"]
@@ -16,7 +21,7 @@ def __getattr__(name: str) -> object:
 
         return getattr(client, name)
     if name == "AsyncClient":
-        from kvstore.aio import AsyncClient
+        from kvstore.client.aio import AsyncClient
 
         return AsyncClient
     raise AttributeError(name)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.metrics import BUCKETS
+from kvstore.daemon.metrics import BUCKETS
 from kvstore.units import format_size, parse_size
 
 
@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as e:
         from kvstore.client import KVStoreError
-        from kvstore.config import ConfigError
+        from kvstore.daemon.config import ConfigError
 
         if isinstance(e, (KVStoreError, ConfigError, ValueError)):
             print(f"kvstore: {e}", file=sys.stderr)
@@ -79,7 +79,7 @@ def _client(args: argparse.Namespace) -> Any:
 
     if args.socket:
         return Client(args.socket)
-    from kvstore.config import load_config
+    from kvstore.daemon.config import load_config
 
     return Client(load_config().server.socket)
 
@@ -99,8 +99,8 @@ def _out(args: argparse.Namespace, data: Any, human: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from kvstore.config import load_config
-    from kvstore.server import Daemon, StartupError
+    from kvstore.daemon.config import load_config
+    from kvstore.daemon.server import Daemon, StartupError
 
     if args.socket:
         os.environ["KVSTORE_SERVER_SOCKET"] = args.socket
@@ -262,7 +262,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from kvstore.tiers.ssd import SsdStore, StoreLocked
+    from kvstore.tiers.ssd.store import SsdStore, StoreLocked
 
     try:
         store = SsdStore(args.dir, capacity=1 << 62).open()

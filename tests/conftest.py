@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.client import Client
-from kvstore.geometry import Geometry
-from kvstore.keys import NamespaceSpec
+from kvstore.protocol.geometry import Geometry
+from kvstore.protocol.keys import NamespaceSpec
 
 MiB = 1 << 20
 

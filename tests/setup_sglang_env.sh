@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds .venv-sglang (beside this checkout's .venv) from nothing: SGLang 0.5.23 over a CPU torch, for
-# tests/test_sglang_connector.py. Idempotent: a stamp holding this script's digest skips a finished build; an edit of
+# tests/connectors/test_sglang_connector.py. Idempotent: a stamp holding this script's digest skips a finished build; an edit of
 # this script rebuilds. Usage: tests/setup_sglang_env.sh [VENV_DIR]   (default: <repo>/.venv-sglang)
 #
 # The recipe (../shared/ENGINES.md, "SGLang 0.5.23 on CPU"): pip must not resolve SGLang's own requirements (they pin
@@ -53,6 +53,6 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-import connectors.sglang_backend
+import kvstore.connectors.sglang_backend
 ")
 echo "$DIGEST" > "$STAMP"

@@ -52,7 +52,7 @@ def run(model: str, socket: str, steps: list[dict], extra: dict) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    ktc = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm_connector",
+    ktc = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connectors.vllm_connector",
                            kv_role="kv_both", kv_load_failure_policy="recompute",
                            kv_connector_extra_config={"socket": socket, "retry_s": 0.5, "timeout_s": 5, **extra})
     llm = LLM(model=model, dtype="float32", block_size=BLOCK_SIZE, enable_prefix_caching=False,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvstore.keytable import KeyTable
+from kvstore.index.keytable import KeyTable
 
 
 class EvictionPolicy(Protocol):

@@ -1,7 +1,7 @@
 """Least-recently-used eviction on the key table's per-class intrusive lists: every hook is O(1)."""
 from __future__ import annotations
 
-from kvstore.keytable import KeyTable
+from kvstore.index.keytable import KeyTable
 
 
 class LruPolicy:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.config import TrafficConfig
+from kvstore.daemon.config import TrafficConfig
 from kvstore.traffic.lanes import Lane
 from kvstore.traffic.path import Path
 from kvstore.traffic.slow import from_env

@@ -1,0 +1,11 @@
+"""The client: what an engine process imports, and nothing of the daemon.
+
+`Client` holds one connection to the local daemon and maps the host pool's segments it is handed; `Namespace` moves
+one namespace's blocks (put, get, lookup, prefetch, delete) with one copy between a caller's buffer and a shared
+slot; `Reservation` and `Lease` are the two-phase pieces under them (layer by layer for engines); `AsyncClient`
+(`kvstore.client.aio`) is the same for asyncio. A refusal raises `KVStoreError` with the protocol's code.
+"""
+from kvstore.client.blocks import Lease, Namespace, PutResult, Reservation, StreamLease
+from kvstore.client.connection import Client, KVStoreError
+
+__all__ = ["Client", "KVStoreError", "Lease", "Namespace", "PutResult", "Reservation", "StreamLease"]

@@ -1,0 +1,80 @@
+"""The asyncio flavour of the client: the same operations as awaitables.
+
+Each AsyncClient owns one sync Client and one worker thread; its calls run there in order, so the event loop never
+waits on the socket or on a copy (numpy copies release the GIL), and a connection is never used by two threads.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from kvstore.client import Client, Namespace, PutResult
+from kvstore.protocol.keys import NamespaceSpec
+
+T = TypeVar("T")
+
+
+class AsyncClient:
+    def __init__(self, path: str | None = None, copy_threads: int = 1) -> None:
+        self._path = path
+        self._copy_threads = copy_threads
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-aio")
+        self._client: Client | None = None
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def connect(self) -> AsyncClient:
+        self._client = await self._run(Client, self._path, self._copy_threads)
+        return self
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            raise RuntimeError("AsyncClient is not connected: use `async with AsyncClient(...)` or `await connect()`")
+        return self._client
+
+    async def namespace(self, spec: NamespaceSpec) -> AsyncNamespace:
+        return AsyncNamespace(self, await self._run(self.client.namespace, spec))
+
+    async def ping(self) -> dict[str, Any]:
+        return await self._run(self.client.ping)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._run(self.client.stats)
+
+    async def resize(self, nbytes: int) -> dict[str, Any]:
+        return await self._run(self.client.resize, nbytes)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._run(self._client.close)
+            self._client = None
+        self._executor.shutdown(wait=False)
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncNamespace:
+    def __init__(self, owner: AsyncClient, ns: Namespace) -> None:
+        self._owner = owner
+        self.sync = ns
+        self.id = ns.id
+
+    async def lookup(self, hashes: Sequence[bytes]) -> int:
+        return await self._owner._run(self.sync.lookup, hashes)
+
+    async def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32) -> PutResult:
+        return await self._owner._run(self.sync.put, hashes, blocks, batch)
+
+    async def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32) -> int:
+        return await self._owner._run(self.sync.get, hashes, outs, batch)
+
+    async def delete(self, hashes: Sequence[bytes]) -> int:
+        return await self._owner._run(self.sync.delete, hashes)

@@ -1,0 +1,312 @@
+"""A namespace's blocks as a client moves them: whole-block put and get, and the two-phase pieces under them —
+`Reservation` (reserve → write, whole or layer by layer → commit) and `Lease` (acquire → read → release), with
+`StreamLease` for a streaming acquire. Each copy is one numpy copy between the caller's buffer and a shared slot."""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvstore.client.copier import as_bytes
+from kvstore.protocol import HASH_BYTES, VERSION, ReserveStatus, encode
+from kvstore.protocol.geometry import Geometry
+from kvstore.protocol.keys import NamespaceSpec, pack_keys
+
+if TYPE_CHECKING:
+    from kvstore.client.connection import Client
+
+
+class Namespace:
+    """Blocks of one namespace: its geometry fixes every block's size."""
+
+    def __init__(self, client: Client, nid: int, spec: NamespaceSpec) -> None:
+        self.client = client
+        self.id = nid
+        self.spec = spec
+        self.geometry: Geometry = spec.geometry
+        self.block_bytes = spec.geometry.full_bytes
+
+    def _batches(self, hashes: Sequence[bytes]) -> Iterable[bytes]:
+        blob = pack_keys(hashes)
+        step = self.client.max_keys * HASH_BYTES
+        for i in range(0, len(blob), step):
+            yield blob[i:i + step]
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of `hashes` the daemon holds (in any tier)."""
+        if len(hashes) <= self.client.max_keys:       # the common case: one message
+            return int(self.client.call("lookup", ns=self.id, keys=pack_keys(hashes))["n"])
+        total = 0
+        for blob in self._batches(hashes):
+            n = self.client.call("lookup", ns=self.id, keys=blob)["n"]
+            total += n
+            if n < len(blob) // HASH_BYTES:
+                break
+        return total
+
+    def reserve(self, hashes: Sequence[bytes]) -> Reservation:
+        keys = pack_keys(hashes)
+        if len(keys) > self.client.max_keys * HASH_BYTES:
+            raise ValueError(f"reserve takes at most {self.client.max_keys} blocks at a time")
+        reply = self.client.call("reserve", ns=self.id, keys=keys)
+        return Reservation(self, keys, reply["slots"], reply["status"])
+
+    def acquire(self, hashes: Sequence[bytes], lane: str = "critical") -> Lease:
+        """Pin the longest stored prefix (promoting SSD blocks into host slots, in `lane`)."""
+        reply = self.client.call("acquire", ns=self.id, keys=self._acquire_keys(hashes), lane=lane)
+        return Lease(self, reply["slots"], reply.get("crcs"))
+
+    def acquire_stream(self, hashes: Sequence[bytes], lane: str = "critical") -> StreamLease:
+        """Like `acquire`, but the blocks are reported as they land in the host pool, in key order: iterate
+        `arrivals()` and copy the first blocks (a layer at a time, say) while later ones are still on the SSD.
+        Read the stream to its end (or release the lease) before the next call on this client."""
+        self.client.flush()
+        self.client.sock.sendall(encode({"v": VERSION, "op": "acquire", "id": next(self.client._ids), "ns": self.id,
+                                         "keys": self._acquire_keys(hashes), "lane": lane, "stream": True}))
+        return StreamLease(self)
+
+    def _acquire_keys(self, hashes: Sequence[bytes]) -> bytes:
+        keys = pack_keys(hashes)
+        if len(keys) > self.client.max_keys * HASH_BYTES:
+            raise ValueError(f"acquire takes at most {self.client.max_keys} blocks at a time")
+        return keys
+
+    def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32,
+            checksum: bool = False) -> PutResult:
+        """Store whole blocks: reserve → copy → commit, `batch` blocks per reserve.
+
+        Commits are pipelined: a batch is copied in parts and each part's commit is sent without waiting, so the
+        daemon books part i while this process copies part i+1; the replies are read before the next reserve.
+        """
+        if len(hashes) != len(blocks):
+            raise ValueError(f"{len(hashes)} hashes but {len(blocks)} blocks")
+        result = PutResult()
+        for i in reversed(range(0, len(hashes), batch)):     # tail first: see Reservation.write_and_commit
+            with self.reserve(hashes[i:i + batch]) as r:
+                r.write_and_commit(blocks[i:i + batch], checksum=checksum)
+            result.add(r)
+        self.client.flush()
+        return result
+
+    def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32, lane: str = "critical") -> int:
+        """Load the longest stored prefix into `outs`; returns how many blocks were loaded."""
+        if len(hashes) != len(outs):
+            raise ValueError(f"{len(hashes)} hashes but {len(outs)} output buffers")
+        done = 0
+        leases: list[Lease] = []
+        try:
+            for i in range(0, len(hashes), batch):
+                lease = self.acquire(hashes[i:i + batch], lane)
+                leases.append(lease)
+                lease.read_blocks(outs[i:i + len(lease)])
+                done += len(lease)
+                if len(lease) < len(hashes[i:i + batch]):
+                    break
+        finally:
+            for lease in reversed(leases):       # released tail first: the head stays the most recent
+                lease.release()
+        return done
+
+    def prefetch(self, hashes: Sequence[bytes], wait: bool = False) -> dict[str, int]:
+        """Ask the daemon to promote these blocks from SSD into free host space ahead of a get. Returns
+        {queued, done, skipped} (done and skipped are final with `wait`); KVStoreError `busy` when its queue is
+        full."""
+        total = {"queued": 0, "done": 0, "skipped": 0}
+        for blob in self._batches(hashes):
+            r = self.client.call("prefetch", ns=self.id, keys=blob, wait=wait)
+            for k in total:
+                total[k] += r[k]
+        return total
+
+    def delete(self, hashes: Sequence[bytes]) -> int:
+        return sum(self.client.call("delete", ns=self.id, keys=b)["n"] for b in self._batches(hashes))
+
+    def _check(self, bufs: Sequence[Any], nbytes: int, what: str, writable: bool) -> list[np.ndarray]:
+        arrs = [as_bytes(b, writable) for b in bufs]
+        for i, a in enumerate(arrs):
+            if a.nbytes != nbytes:
+                raise ValueError(f"wrong geometry: {what} {i} is {a.nbytes} bytes, namespace {self.id} "
+                                 f"({self.spec.model}) expects {nbytes}")
+        return arrs
+
+
+class PutResult:
+    def __init__(self) -> None:
+        self.stored = self.existed = self.busy = self.no_space = 0
+
+    def add(self, r: Reservation) -> None:
+        for s in r.status:
+            if s == ReserveStatus.RESERVED:
+                self.stored += 1
+            elif s == ReserveStatus.EXISTS:
+                self.existed += 1
+            elif s == ReserveStatus.IN_PROGRESS:
+                self.busy += 1
+            else:
+                self.no_space += 1
+
+    def __repr__(self) -> str:
+        return f"PutResult(stored={self.stored}, existed={self.existed}, busy={self.busy}, no_space={self.no_space})"
+
+
+class Reservation:
+    """Slots reserved for blocks being stored. Invisible to everyone until `commit()`; `abort()` (or leaving the
+    `with` block on an exception, or the connection ending) frees them. `status[i]`: the ReserveStatus of hash i."""
+
+    def __init__(self, ns: Namespace, keys: bytes, gids: list[int], status: list[int]) -> None:
+        self.ns = ns
+        self.keys = keys
+        self.gids = gids
+        self.status = [ReserveStatus(s) for s in status]
+        self.views = ns.client._views([g for g in gids if g])
+        self.done = False
+        self._uncommitted = len(self.reserved)   # write_and_commit commits from the end: positions before this
+
+    @property
+    def reserved(self) -> list[int]:
+        """Positions (in the hashes asked) that got a slot and must be written."""
+        return [i for i, s in enumerate(self.status) if s == ReserveStatus.RESERVED]
+
+    def _keys_at(self, positions: list[int]) -> bytes:
+        return b"".join(self.keys[i * HASH_BYTES:(i + 1) * HASH_BYTES] for i in positions)
+
+    def write_blocks(self, blocks: Sequence[Any]) -> None:
+        """Copy whole blocks, one per hash asked (blocks for positions not reserved are skipped)."""
+        srcs = self.ns._check([blocks[i] for i in self.reserved], self.ns.block_bytes, "block", False)
+        self.ns.client.copier.copy(list(zip(self.views, srcs)))
+
+    def write_and_commit(self, blocks: Sequence[Any], part: int = 8, checksum: bool = False) -> None:
+        """Copy whole blocks and commit them `part` at a time without waiting for the replies (read by the
+        client's next call or `flush`). A block is visible once its part's commit is booked. With `checksum`,
+        each block's CRC-32 goes with its commit, so readers can verify what they copy."""
+        pos = self.reserved
+        srcs = self.ns._check([blocks[i] for i in pos], self.ns.block_bytes, "block", False)
+        # The last part first: the daemon links each commit's blocks as the most recent, so the head of a prefix
+        # ends up most recent and eviction takes its tail first (a block is useless without those before it).
+        for start in reversed(range(0, len(pos), part)):
+            views = self.views[start:start + part]
+            self.ns.client.copier.copy(list(zip(views, srcs[start:start + part])))
+            extra = {"crcs": [_crc(v) for v in views]} if checksum else {}
+            self.ns.client.send("commit", ns=self.ns.id, keys=self._keys_at(pos[start:start + part]), **extra)
+            self._uncommitted = start
+        self.done = True
+
+    def write_layer(self, layer: int, srcs: Sequence[Any]) -> None:
+        """Copy Layer Block `layer` of every reserved block (one source per hash asked)."""
+        a, b = self.ns.geometry.layer_range(layer)
+        arrs = self.ns._check([srcs[i] for i in self.reserved], b - a, "layer block", False)
+        self.ns.client.copier.copy([(v[a:b], s) for v, s in zip(self.views, arrs)])
+
+    def checksums(self) -> list[int]:
+        """CRC-32 of each reserved slot as it is now (all layers written): what `commit(crcs=...)` takes."""
+        return [_crc(v) for v in self.views]
+
+    def commit(self, crcs: Sequence[int] | None = None) -> int:
+        """Publish the reserved blocks; `crcs` (one per reserved block, e.g. `checksums()`) lets readers verify."""
+        self.done = True
+        pos = self.reserved
+        if not pos:
+            return 0
+        extra = {"crcs": list(crcs)} if crcs is not None else {}
+        return int(self.ns.client.call("commit", ns=self.ns.id, keys=self._keys_at(pos), **extra)["n"])
+
+    def abort(self) -> None:
+        self.done = True
+        pos = self.reserved[:self._uncommitted]
+        if pos:
+            self.ns.client.call("abort", ns=self.ns.id, keys=self._keys_at(pos))
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if not self.done:
+            self.abort()
+
+
+class Lease:
+    """Pinned blocks (the longest stored prefix of the hashes asked): readable until `release()`."""
+
+    def __init__(self, ns: Namespace, gids: list[int], crcs: list[int | None] | None = None) -> None:
+        self.ns = ns
+        self.gids = gids
+        self.crcs = crcs or [None] * len(gids)
+        self.views = ns.client._views(gids)
+        self.released = False
+
+    def __len__(self) -> int:
+        return len(self.gids)
+
+    def verified_prefix(self) -> int:
+        """How many leading blocks are provably the bytes committed: each block committed with a CRC-32 is checked
+        against its slot now; one committed without is taken as it is. A mismatch (the slot was altered) ends it."""
+        for i, (view, crc) in enumerate(zip(self.views, self.crcs)):
+            if crc is not None and _crc(view) != crc:
+                return i
+        return len(self.gids)
+
+    def read_blocks(self, outs: Sequence[Any]) -> None:
+        dsts = self.ns._check(list(outs)[: len(self)], self.ns.block_bytes, "output block", True)
+        self.ns.client.copier.copy(list(zip(dsts, self.views)))
+
+    def read_layer(self, layer: int, outs: Sequence[Any]) -> None:
+        a, b = self.ns.geometry.layer_range(layer)
+        dsts = self.ns._check(list(outs)[: len(self)], b - a, "output layer block", True)
+        self.ns.client.copier.copy([(d, v[a:b]) for d, v in zip(dsts, self.views)])
+
+    def release(self) -> None:
+        """Unpin. Sent without waiting (the daemon handles requests in order, so any later request of this
+        client sees the pins gone); a refusal surfaces at the client's next call or `flush`."""
+        if not self.released and self.gids:
+            self.ns.client.send("release", slots=self.gids)
+        self.released = True
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class StreamLease(Lease):
+    """A lease that grows as a streaming acquire's replies arrive; `complete` once the last one is in."""
+
+    def __init__(self, ns: Namespace) -> None:
+        super().__init__(ns, [], [])
+        self.complete = False
+
+    def arrivals(self) -> Iterator[int]:
+        """Read the daemon's replies as they come; after each, yield how many leading blocks are ready."""
+        last = -1
+        while not self.complete:
+            try:
+                reply, fds = self.ns.client._reply(*self.ns.client._recv_frame(True))
+            except BaseException:
+                self.complete = True         # a refusal ends the stream: what arrived is still pinned, release it
+                raise
+            self.ns.client._adopt(reply.get("segments", []), fds)
+            self.complete = not reply.get("more")
+            gids = reply["slots"]
+            self.gids += gids
+            self.crcs += reply.get("crcs") or [None] * len(gids)
+            self.views += self.ns.client._views(gids)
+            if len(self.gids) > last or (self.complete and last < 0):
+                last = len(self.gids)
+                yield last
+
+    def wait(self) -> int:
+        """Read the stream to its end; the number of blocks pinned."""
+        for _ in self.arrivals():
+            pass
+        return len(self.gids)
+
+    def release(self) -> None:
+        self.wait()                      # the replies must be read before this client's next request
+        super().release()
+
+
+def _crc(arr: np.ndarray) -> int:
+    """CRC-32 of a slot's bytes (zlib releases the GIL on large buffers)."""
+    return zlib.crc32(arr.data)

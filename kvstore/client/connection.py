@@ -1,0 +1,227 @@
+"""The client library: talks to the local daemon over its Unix socket and maps the host pool's segments, so a
+block moves with one copy between the caller's buffer and a shared slot. Sync; `kvstore.client.aio` wraps it for asyncio.
+
+    with Client() as c:
+        ns = c.namespace(NamespaceSpec("llama-8b", Geometry(layers=32, tokens=16, kv_heads=8, head_dim=128)))
+        ns.put(hashes, blocks)           # reserve → copy → commit, in batches
+        n = ns.lookup(hashes)            # longest stored prefix
+        ns.get(hashes[:n], outs)         # acquire → copy → release
+
+Layer by layer: `ns.reserve(hashes)` gives a Reservation whose `write_layer(i, srcs)` fills layer i of every
+block (engines save as each layer finishes) and `commit()` publishes the Full Blocks; `ns.acquire(hashes)` gives a
+Lease whose `read_layer(i, dsts)` loads layer i of the prefix, and `release()` unpins it.
+
+A Client is not thread-safe: use one per thread (they are cheap), or the asyncio flavour.
+"""
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import socket
+import zlib
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvstore.protocol.paths import default_socket_path
+from kvstore.client.blocks import Namespace
+from kvstore.client.copier import Copier
+from kvstore.protocol import HEADER, VERSION, decode, encode
+from kvstore.protocol.keys import NamespaceSpec
+
+MAX_FDS = 253
+
+
+class KVStoreError(Exception):
+    """The daemon refused a request: `code` is one of kvstore.protocol.Code, `message` says why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class _Mapped:
+    __slots__ = ("arr", "mm", "nslots", "slot_bytes")
+
+    def __init__(self, fd: int, slot_bytes: int, nslots: int) -> None:
+        self.mm = mmap.mmap(fd, slot_bytes * nslots, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.arr = np.frombuffer(self.mm, dtype=np.uint8)
+        self.slot_bytes = slot_bytes
+        self.nslots = nslots
+
+    def close(self) -> None:
+        self.arr = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the daemon already returned the pages
+
+
+class Client:
+    def __init__(self, path: str | None = None, copy_threads: int = 1, timeout: float | None = 30.0) -> None:
+        self.path = path or os.environ.get("KVSTORE_SERVER_SOCKET") or default_socket_path()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            self.sock.close()
+            raise ConnectionError(f"no kvstore daemon at {self.path} ({e.strerror}); start one with "
+                                  f"`kvstore serve` or `make serve`") from None
+        self._ids = itertools.count(1)
+        self._rbuf = bytearray()
+        self._unanswered = 0
+        self._segments: dict[int, _Mapped] = {}
+        self.copier = Copier(copy_threads)
+        self.max_keys = 1024
+        self.generation = -1
+        # called with (segment id, its mapped bytes) just before a segment is unmapped: whoever registered the
+        # memory elsewhere (a GPU connector pins it) lets go of it first
+        self.before_unmap: list[Callable[[int, np.ndarray], None]] = []
+
+    # ----- plumbing -----
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one request, wait for its reply's fields (without the protocol envelope); raise KVStoreError on a
+        refusal."""
+        reply, _ = self._roundtrip(op, fields, want_fds=False)
+        for envelope in ("v", "id", "ok"):
+            reply.pop(envelope, None)
+        return reply
+
+    def send(self, op: str, **fields: Any) -> None:
+        """Send a request without waiting: its reply is read (and a refusal raised) by the next `call` or `flush`.
+        The daemon answers in order, so a client can keep the daemon busy while it copies."""
+        self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **fields}))
+        self._unanswered += 1
+
+    def flush(self) -> None:
+        """Read the replies of every request sent with `send`; raise the first refusal among them."""
+        first: KVStoreError | None = None
+        while self._unanswered:
+            self._unanswered -= 1
+            try:
+                self._reply(*self._recv_frame(False))
+            except KVStoreError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def _roundtrip(self, op: str, fields: dict[str, Any], want_fds: bool) -> tuple[dict[str, Any], list[int]]:
+        self.flush()
+        self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **fields}))
+        return self._reply(*self._recv_frame(want_fds))
+
+    def _reply(self, body: bytes, fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        reply = decode(body)
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            err = reply.get("error") or {}
+            raise KVStoreError(err.get("code", "?"), err.get("message", "?"))
+        return reply, fds
+
+    def _recv_frame(self, want_fds: bool) -> tuple[bytes, list[int]]:
+        """The next reply frame. Reads in large chunks (one syscall for a small reply) and keeps what belongs to
+        the replies after it. File descriptors only come with `segments`, which is never pipelined."""
+        fds: list[int] = []
+        buf = self._rbuf
+        while True:
+            if len(buf) >= HEADER.size:
+                end = HEADER.size + HEADER.unpack_from(buf)[0]
+                if len(buf) >= end:
+                    body = bytes(buf[HEADER.size:end])
+                    del buf[:end]
+                    return body, fds
+            if want_fds:
+                data, anc, _, _ = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(MAX_FDS * 4))
+                for level, kind, payload in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
+            else:
+                data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError(f"the kvstore daemon at {self.path} closed the connection")
+            buf += data
+
+    def _map(self, seg_ids: Iterable[int]) -> None:
+        wanted = sorted(set(seg_ids) - set(self._segments))
+        for start in range(0, len(wanted), 200):
+            reply, fds = self._roundtrip("segments", {"ids": wanted[start:start + 200]}, want_fds=True)
+            self._adopt(reply["segments"], fds)
+            for sid in set(self._segments) - set(reply["live"]):
+                self._unmap(sid)                  # released by a shrink
+            self.generation = reply["generation"]
+
+    def _adopt(self, info: list[list[int]], fds: list[int]) -> None:
+        """Map segments whose handles came with a reply (and close the handles: the mappings keep them)."""
+        try:
+            for (sid, slot_bytes, nslots), fd in zip(info, fds):
+                if sid not in self._segments:
+                    self._segments[sid] = _Mapped(fd, slot_bytes, nslots)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def mapped_segments(self) -> dict[int, np.ndarray]:
+        """The segments this client has mapped, by id: what a GPU connector registers as pinned memory once."""
+        return {sid: seg.arr for sid, seg in self._segments.items() if seg.arr is not None}
+
+    def slot(self, gid: int) -> np.ndarray:
+        """The shared bytes of one slot (writable uint8 view)."""
+        seg = self._segments.get(gid >> 32)
+        if seg is None:
+            self._map([gid >> 32])
+            seg = self._segments[gid >> 32]
+        i = gid & 0xFFFFFFFF
+        return seg.arr[i * seg.slot_bytes:(i + 1) * seg.slot_bytes]
+
+    def _views(self, gids: Sequence[int]) -> list[np.ndarray]:
+        self._map(g >> 32 for g in gids if g and (g >> 32) not in self._segments)
+        return [self.slot(g) for g in gids]
+
+    # ----- namespaces and admin -----
+    def namespace(self, spec: NamespaceSpec) -> Namespace:
+        reply = self.call("hello", namespace=spec.to_dict(), client=f"pid {os.getpid()}")
+        self.max_keys = reply["max_keys"]
+        return Namespace(self, reply["ns"], spec)
+
+    def ping(self) -> dict[str, Any]:
+        return self.call("ping")
+
+    def stats(self) -> dict[str, Any]:
+        return self.call("stats")
+
+    def list(self, ns: int | None = None, limit: int = 100) -> dict[str, Any]:
+        return self.call("list", **({"ns": ns, "limit": limit} if ns is not None else {}))
+
+    def resize(self, nbytes: int, tier: str = "host") -> dict[str, Any]:
+        return self.call("resize", bytes=nbytes, tier=tier)
+
+    def evict(self, nbytes: int = 0, everything: bool = False, ns: int | None = None) -> dict[str, Any]:
+        fields: dict[str, Any] = {"all": everything} if everything else {"bytes": nbytes}
+        if ns is not None:
+            fields["ns"] = ns
+        return self.call("evict", **fields)
+
+    def _unmap(self, sid: int) -> None:
+        seg = self._segments.pop(sid)
+        if seg.arr is not None:
+            for hook in self.before_unmap:
+                hook(sid, seg.arr)
+        seg.close()
+
+    def close(self) -> None:
+        for sid in list(self._segments):
+            self._unmap(sid)
+        self.copier.close()
+        self.sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

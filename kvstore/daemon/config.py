@@ -1,0 +1,263 @@
+"""Configuration: the embedded default (configs/default.yaml), a user file, then KVSTORE_* environment overrides.
+
+Validated once, with one message per invalid field, all of them reported together.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvstore.protocol.paths import default_socket_path
+from kvstore.units import parse_size
+
+
+class ConfigError(ValueError):
+    """Raised with every invalid field listed, one per line."""
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    socket: str = "auto"
+    max_connections: int = 64
+    max_frame_bytes: int = 1 << 20
+    max_keys_per_request: int = 1024
+    shutdown_timeout_s: float = 10.0
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    capacity: int = 0  # 0 after loading means "auto" was resolved already; see _resolve_auto
+    segment_bytes: int = 64 << 20
+    eviction: str = "lru"
+
+
+@dataclass(slots=True)
+class SsdConfig:
+    dir: str = ""                       # empty: no SSD tier
+    capacity: int = 16 << 30
+    sync: str = "batch"
+    staging_bytes: int = 256 << 20      # evicted blocks waiting in memory for their SSD write
+    write_through: bool = False         # also write every committed block to SSD at once (store lane)
+    io: str = "auto"                    # auto | io_uring | threads: how record payloads reach the disk
+    persist_on_stop: bool = True        # a graceful stop writes the host pool's blocks to SSD first
+
+
+@dataclass(slots=True)
+class TrafficConfig:
+    policy: str = "weighted"            # weighted | fifo (no lanes: the benchmark's baseline)
+    share_store: float = 0.02           # minimum shares of the lower lanes; critical takes the rest
+    share_prefetch: float = 0.01
+    share_background: float = 0.01
+    queue_critical: int = 8192          # transfers waiting per lane and path; more is refused with "busy"
+    queue_store: int = 4096
+    queue_prefetch: int = 1024
+    queue_background: int = 1024
+    ssd_in_flight: int = 4              # transfers the SSD path runs at once (its worker threads)
+
+
+@dataclass(slots=True)
+class MetricsConfig:
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 9464
+
+
+@dataclass(slots=True)
+class LogConfig:
+    level: str = "info"
+
+
+@dataclass(slots=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    ssd: SsdConfig = field(default_factory=SsdConfig)
+    traffic: TrafficConfig = field(default_factory=TrafficConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "traffic": TrafficConfig,
+            "metrics": MetricsConfig, "log": LogConfig}
+SIZE_FIELDS = {("server", "max_frame_bytes"), ("pool", "capacity"), ("pool", "segment_bytes"), ("ssd", "capacity"),
+               ("ssd", "staging_bytes")}
+EVICTION_POLICIES = ("lru",)
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def auto_capacity() -> int:
+    """A quarter of physical memory, at most 64 GiB: room for the engines beside it."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(total // 4, 64 << 30)
+
+
+def embedded_default() -> dict[str, Any]:
+    try:
+        text = importlib.resources.files("kvstore.configs").joinpath("default.yaml").read_text()
+    except ModuleNotFoundError:   # run from a source tree on PYTHONPATH, not installed: the file beside the package
+        text = (Path(__file__).resolve().parents[2] / "configs" / "default.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def load_config(path: str | None = None, env: dict[str, str] | None = None) -> Config:
+    """Merge default < file < environment, validate every field, resolve "auto" values."""
+    raw = embedded_default()
+    errors: list[str] = []
+    if path:
+        try:
+            with open(path) as f:
+                user = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read configuration {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        errors += _merge(raw, user, path)
+    errors += _apply_env(raw, os.environ if env is None else env)
+    return _build(raw, errors)
+
+
+def _merge(base: dict[str, Any], user: Any, where: str) -> list[str]:
+    if not isinstance(user, dict):
+        raise ConfigError(f"{where}: the top level must be a mapping of sections {sorted(SECTIONS)}")
+    errors = []
+    for section, values in user.items():
+        if section not in SECTIONS:
+            errors.append(f"{section}: unknown section (known: {', '.join(SECTIONS)})")
+        elif not isinstance(values, dict):
+            errors.append(f"{section}: must be a mapping")
+        else:
+            base[section].update(values)
+    return errors
+
+
+def _apply_env(raw: dict[str, Any], env: Any) -> list[str]:
+    errors = []
+    for name, value in env.items():
+        if not name.startswith("KVSTORE_") or name in ("KVSTORE_NO_NATIVE", "KVSTORE_CONFIG"):
+            continue
+        rest = name[len("KVSTORE_"):].lower()
+        section, _, key = rest.partition("_")
+        if section not in SECTIONS:
+            continue
+        types = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])}
+        if types.get(key) in ("str", str) or not value:   # as written: YAML would make "::" a map, "off" false
+            raw[section][key] = value
+            continue
+        try:
+            raw[section][key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            errors.append(f"{section}.{key}: {name}={value!r} is not a valid YAML value")
+    return errors
+
+
+def _build(raw: dict[str, Any], errors: list[str]) -> Config:
+    built: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        values = {}
+        for key, value in raw.get(section, {}).items():
+            where = f"{section}.{key}"
+            if key not in known:
+                errors.append(f"{where}: unknown field (known: {', '.join(known)})")
+                continue
+            try:
+                values[key] = _coerce(section, key, value, known[key].type)
+            except ValueError as e:
+                errors.append(f"{where}: {e}")
+        built[section] = cls(**values)
+    cfg = Config(**built)
+    errors += _check(cfg)
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    return cfg
+
+
+def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
+    if (section, key) in SIZE_FIELDS:
+        return 0 if value == "auto" else parse_size(value)
+    if typ in ("int", int) and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise ValueError(f"expected an integer, got {value!r}")
+    if typ in ("float", float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"expected a number, got {value!r}")
+        return float(value)
+    if typ in ("bool", bool) and not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    if typ in ("str", str) and not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _check(cfg: Config) -> list[str]:
+    errors = []
+    s, p, m = cfg.server, cfg.pool, cfg.metrics
+    if s.socket == "auto":
+        s.socket = default_socket_path()
+    if not os.path.isabs(s.socket):
+        errors.append(f"server.socket: must be an absolute path, got {s.socket!r}")
+    if len(s.socket.encode()) > 100:
+        errors.append(f"server.socket: path longer than 100 bytes (Unix socket limit): {s.socket}")
+    if not 1 <= s.max_connections <= 4096:
+        errors.append(f"server.max_connections: must be 1..4096, got {s.max_connections}")
+    if not 4096 <= s.max_frame_bytes <= 64 << 20:
+        errors.append(f"server.max_frame_bytes: must be 4KiB..64MiB, got {s.max_frame_bytes}")
+    if not 1 <= s.max_keys_per_request <= 65536:
+        errors.append(f"server.max_keys_per_request: must be 1..65536, got {s.max_keys_per_request}")
+    if s.shutdown_timeout_s < 0:
+        errors.append(f"server.shutdown_timeout_s: must not be negative, got {s.shutdown_timeout_s}")
+    if p.capacity == 0:
+        p.capacity = auto_capacity()
+    if p.segment_bytes < 1 << 20:
+        errors.append(f"pool.segment_bytes: must be at least 1MiB, got {p.segment_bytes}")
+    if p.eviction not in EVICTION_POLICIES:
+        errors.append(f"pool.eviction: must be one of {', '.join(EVICTION_POLICIES)}, got {p.eviction!r}")
+    try:
+        if not ipaddress.ip_address(m.host).is_loopback:
+            errors.append(f"metrics.host: must be a loopback address (the endpoint has no auth), got {m.host}")
+    except ValueError:
+        errors.append(f"metrics.host: not an IP address: {m.host!r}")
+    if not 1 <= m.port <= 65535:
+        errors.append(f"metrics.port: must be 1..65535, got {m.port}")
+    d = cfg.ssd
+    if d.dir and not os.path.isabs(d.dir):
+        errors.append(f"ssd.dir: must be an absolute path (or empty for no SSD tier), got {d.dir!r}")
+    if d.io not in ("auto", "threads", "io_uring"):
+        errors.append(f"ssd.io: must be auto, io_uring or threads, got {d.io!r}")
+    if d.sync not in ("always", "batch", "never"):
+        errors.append(f"ssd.sync: must be one of always, batch, never, got {d.sync!r}")
+    if d.dir and d.capacity < 1 << 20:
+        errors.append(f"ssd.capacity: must be at least 1MiB, got {d.capacity}")
+    errors += _check_traffic(cfg.traffic)
+    if cfg.log.level not in LOG_LEVELS:
+        errors.append(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}")
+    return errors
+
+
+def _check_traffic(t: TrafficConfig) -> list[str]:
+    errors = []
+    if t.policy not in ("weighted", "fifo"):
+        errors.append(f"traffic.policy: must be weighted or fifo, got {t.policy!r}")
+    shares = {"share_store": t.share_store, "share_prefetch": t.share_prefetch,
+              "share_background": t.share_background}
+    for name, v in shares.items():
+        if not 0 < v < 1:
+            errors.append(f"traffic.{name}: must be above 0 (a lane with no share could starve) and below 1, got {v}")
+    if sum(shares.values()) >= 0.5:
+        errors.append(f"traffic: the lower lanes' shares add up to {sum(shares.values()):.3f}; keep them below 0.5 "
+                      "so that critical reads take most of a contended path")
+    for name in ("queue_critical", "queue_store", "queue_prefetch", "queue_background"):
+        if not 1 <= getattr(t, name) <= 1 << 20:
+            errors.append(f"traffic.{name}: must be 1..1048576, got {getattr(t, name)}")
+    if not 1 <= t.ssd_in_flight <= 64:
+        errors.append(f"traffic.ssd_in_flight: must be 1..64, got {t.ssd_in_flight}")
+    return errors

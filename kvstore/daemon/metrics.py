@@ -1,0 +1,89 @@
+"""Numbers the daemon keeps about itself: op latency histograms and errors by code, plus a Prometheus endpoint that
+serves exactly what `kvstore stats` shows (the same snapshot function feeds both)."""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.histogram import BUCKETS, Histogram
+
+
+class OpMetrics:
+    def __init__(self) -> None:
+        self.latency: dict[str, Histogram] = {}
+        self.errors: Counter[str] = Counter()
+        self.refused_connections = 0
+
+    def observe(self, op: str, seconds: float) -> None:
+        h = self.latency.get(op)
+        if h is None:
+            h = self.latency[op] = Histogram()
+        h.observe(seconds)
+
+
+def start_prometheus(host: str, port: int, snapshot: Callable[[], dict[str, Any]]) -> Any:
+    """Serve /metrics on loopback from `snapshot()` (the stats op's reply). Returns the HTTP server."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    class Collector:
+        def collect(self) -> Any:
+            s = snapshot()
+            for name in ("capacity_bytes", "mapped_bytes", "used_bytes", "resident_bytes", "blocks"):
+                g = GaugeMetricFamily(f"kvstore_tier_{name}", f"{name} per tier", labels=["tier"])
+                for tier in s["tiers"]:
+                    g.add_metric([tier["tier"]], tier[name])
+                yield g
+            yield from _traffic_metrics(s.get("traffic", []))
+            for name, value in s["counters"].items():
+                yield CounterMetricFamily(f"kvstore_{name}", f"{name} since start", value=value)
+            for name in ("connections", "reserved", "pinned", "namespaces"):
+                yield GaugeMetricFamily(f"kvstore_{name}", name, value=s[name])
+            errs = CounterMetricFamily("kvstore_errors", "errors by code", labels=["code"])
+            for code, n in s["errors"].items():
+                errs.add_metric([code], n)
+            yield errs
+            lat = HistogramMetricFamily("kvstore_op_seconds", "op latency in the daemon", labels=["op"])
+            for op, h in s["latency"].items():
+                cum, acc = [], 0
+                for bound, c in zip([*map(str, BUCKETS), "+Inf"], h["buckets"]):
+                    acc += c
+                    cum.append((bound, acc))
+                lat.add_metric([op], cum, h["sum"])
+            yield lat
+
+    registry = CollectorRegistry()
+    registry.register(Collector())  # type: ignore[arg-type]
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server
+
+
+def _traffic_metrics(paths: list[dict[str, Any]]) -> Any:
+    """Per path and lane: what the traffic manager moved, what waits, and how long transfers took."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    labels = ["path", "lane"]
+    counters = {name: CounterMetricFamily(f"kvstore_traffic_{name}", f"{name} per path and lane", labels=labels)
+                for name in ("bytes", "transfers", "failed", "cancelled", "rejected", "escalated")}
+    gauges = {name: GaugeMetricFamily(f"kvstore_traffic_{name}", f"{name} now, per path and lane", labels=labels)
+              for name in ("queued", "queued_bytes", "in_flight")}
+    lat = HistogramMetricFamily("kvstore_traffic_seconds", "transfer latency, queued to done", labels=labels)
+    bw = GaugeMetricFamily("kvstore_traffic_bandwidth_bytes_per_second", "measured bandwidth per path",
+                           labels=["path"])
+    for p in paths:
+        bw.add_metric([p["path"]], p["bandwidth_bps"])
+        for lane, r in p["lanes"].items():
+            for name, fam in counters.items():
+                fam.add_metric([p["path"], lane], r[name])
+            for name, g in gauges.items():
+                g.add_metric([p["path"], lane], r[name])
+            cum, acc = [], 0
+            for bound, c in zip([*map(str, BUCKETS), "+Inf"], r["latency"]["buckets"]):
+                acc += c
+                cum.append((bound, acc))
+            lat.add_metric([p["path"], lane], cum, r["latency"]["sum"])
+    yield from counters.values()
+    yield from gauges.values()
+    yield lat
+    yield bw

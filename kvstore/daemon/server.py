@@ -1,0 +1,255 @@
+"""`kvstore serve`: the daemon's lifecycle. Binds the Unix socket (0600 in a 0700 directory, refusing to steal
+a live daemon's socket), accepts connections up to the cap (one thread each: ops are short book-keeping under one
+lock, and blocking sockets keep a round trip near the raw socket's), and shuts down gracefully on SIGTERM or
+Ctrl-C: stop accepting, let requests in flight finish, close connections, release the pool. A second signal forces
+the exit. A client over the cap gets a `too_many_connections` error frame; its connection stays open a moment
+(write side shut) so that a request it already sent cannot make its send fail before it reads the refusal."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+from collections import deque
+from types import FrameType
+
+from kvstore.daemon.config import Config
+from kvstore.index.books import Index
+from kvstore.daemon.metrics import start_prometheus
+from kvstore.daemon.ops import State, snapshot
+from kvstore.tiers.host import HostPool
+from kvstore.movers.prefetch import Prefetcher
+from kvstore.protocol import Code, encode, error
+from kvstore.daemon.session import Session
+from kvstore.tiers.ssd.store import StoreLocked
+from kvstore.tiers.ssd.tier import SsdTier
+from kvstore.traffic import Path
+from kvstore.traffic.manager import TrafficManager
+from kvstore.units import format_size
+from kvstore.movers.writethrough import WriteThrough, persist_host_pool
+
+log = logging.getLogger("kvstore")
+REFUSED_LINGER_S = 1.0   # how long a refused connection stays open for its client to read the refusal
+MAX_LINGERING = 64       # refused connections kept open at once; beyond that the oldest is closed at once
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+class SocketInUse(StartupError):
+    pass
+
+
+def prepare_socket_dir(path: str) -> None:
+    """Create the socket's directory 0700, or check that an existing one is ours and tighten it to 0700. A shared
+    directory (world-writable or sticky, like /tmp) is never tightened: the socket needs a private one inside it."""
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if st.st_uid != os.getuid():
+        raise StartupError(f"socket directory {d} belongs to uid {st.st_uid}, not to us ({os.getuid()}); "
+                           f"choose another server.socket")
+    if st.st_mode & (stat.S_ISVTX | stat.S_IWOTH):
+        raise StartupError(f"socket directory {d} is shared (world-writable or sticky); put the socket in a "
+                           f"private directory, e.g. {os.path.join(d, 'kvstore', os.path.basename(path))}")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(d, 0o700)
+
+
+def bind_unix(path: str) -> socket.socket:
+    try:
+        return _bind_unix(path)
+    except OSError as e:
+        raise StartupError(f"cannot listen at {path}: {e.strerror or e}") from None
+
+
+def _bind_unix(path: str) -> socket.socket:
+    prepare_socket_dir(path)
+    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise StartupError(f"{path} exists and is not a socket; refusing to replace it (remove it or set "
+                           f"server.socket / KVSTORE_SERVER_SOCKET to another path)")
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            raise SocketInUse(f"another kvstore daemon is serving at {path}; stop it first (or set "
+                              f"server.socket / KVSTORE_SERVER_SOCKET to another path)")
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)  # a stale socket from a daemon that died
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(128)
+    return sock
+
+
+def open_ssd(cfg: Config, path: Path) -> SsdTier:
+    try:
+        return SsdTier(cfg.ssd, path).open()
+    except StoreLocked as e:
+        raise StartupError(str(e)) from None
+    except OSError as e:
+        raise StartupError(f"cannot use ssd.dir {cfg.ssd.dir}: {e.strerror or e}") from None
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        pool = HostPool(config.pool.capacity, config.pool.segment_bytes)
+        self.state = State(config, pool, Index(pool, config.pool.eviction))
+        self.traffic = self.state.traffic = TrafficManager(config.traffic)
+        self.sessions: dict[int, tuple[Session, threading.Thread]] = {}
+        self.stopping = threading.Event()
+        self.listener: socket.socket | None = None
+        self.metrics_server: object | None = None
+        self._refused: deque[tuple[float, socket.socket]] = deque()
+        self._signals = 0
+
+    def serve(self) -> None:
+        cfg = self.config
+        # Threads waiting on I/O (an engine's SSD read) must get the GIL back quickly from threads copying or
+        # checksumming: Python's default switch interval (5 ms) would be the latency of a critical read.
+        sys.setswitchinterval(float(os.environ.get("KVSTORE_SWITCH_INTERVAL", "0.0005")))
+        if cfg.ssd.dir:
+            ssd_path = self.traffic.path("ssd", cfg.traffic.ssd_in_flight)
+            self.state.index.ssd = open_ssd(cfg, ssd_path)   # before the socket: a refused directory starts nothing
+            self.state.prefetcher = Prefetcher(self.state, ssd_path)
+            if cfg.ssd.write_through:
+                self.state.write_through = WriteThrough(self.state, cfg.ssd.staging_bytes)
+        self.listener = bind_unix(cfg.server.socket)
+        self.listener.settimeout(0.2)
+        try:
+            if cfg.metrics.enabled:
+                self._start_metrics()
+            self._install_signals()
+            log.info("kvstore serving at %s — host pool %s in %s segments (pid %d); try `kvstore stats`",
+                     cfg.server.socket, format_size(cfg.pool.capacity), format_size(cfg.pool.segment_bytes),
+                     os.getpid())
+            while not self.stopping.is_set():
+                self._close_refused(time.monotonic())
+                try:
+                    conn, _ = self.listener.accept()
+                except TimeoutError:
+                    continue
+                self._admit(conn)
+        finally:
+            self._shutdown()
+
+    def _start_metrics(self) -> None:
+        m = self.config.metrics
+        try:
+            self.metrics_server = start_prometheus(m.host, m.port, self._snapshot)
+        except OSError as e:
+            raise StartupError(f"cannot serve metrics at {m.host}:{m.port}: {e.strerror or e} (set metrics.port / "
+                               f"KVSTORE_METRICS_PORT to a free port)") from None
+        log.info("metrics at http://%s:%d/metrics", m.host, m.port)
+
+    def _snapshot(self) -> dict[str, object]:
+        with self.state.lock:
+            return snapshot(self.state)
+
+    def _admit(self, conn: socket.socket) -> None:
+        conn.settimeout(None)
+        st = self.state
+        with st.lock:
+            full = st.connections >= self.config.server.max_connections
+            if full:
+                st.metrics.refused_connections += 1
+            else:
+                st.connections += 1
+        if full:
+            log.warning("refused a client: %d connections is the cap (server.max_connections)", st.connections)
+            self._refuse(conn)
+            return
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        pid = int.from_bytes(creds[:4], "little")
+        session = Session(st, conn, f"pid {pid}")
+        t = threading.Thread(target=self._run_session, args=(session,), name=f"conn-{pid}", daemon=True)
+        self.sessions[id(session)] = (session, t)
+        t.start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        try:
+            conn.sendall(encode(error(0, Code.TOO_MANY_CONNECTIONS, f"the daemon serves at most "
+                                      f"{self.config.server.max_connections} connections; try again later")))
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            conn.close()
+            return
+        self._refused.append((time.monotonic() + REFUSED_LINGER_S, conn))
+        while len(self._refused) > MAX_LINGERING:
+            self._refused.popleft()[1].close()
+
+    def _close_refused(self, now: float) -> None:
+        while self._refused and self._refused[0][0] <= now:
+            self._refused.popleft()[1].close()
+
+    def _run_session(self, session: Session) -> None:
+        try:
+            session.run()
+        finally:
+            self.sessions.pop(id(session), None)
+
+    def _install_signals(self) -> None:
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self._signals += 1
+            if self._signals > 1:
+                log.warning("second signal: exiting now")
+                os._exit(1)
+            log.info("%s: draining (a second signal forces exit)", signal.Signals(signum).name)
+            self.stopping.set()
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_signal)
+            signal.signal(signal.SIGINT, on_signal)
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _shutdown(self) -> None:
+        self._close_refused(float("inf"))
+        if self.listener is not None:
+            self.listener.close()
+            try:
+                os.unlink(self.config.server.socket)
+            except FileNotFoundError:
+                pass
+        # Stop reading new requests; a request in flight finishes and its reply is still sent.
+        for session, _ in list(self.sessions.values()):
+            try:
+                session.sock.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+        deadline = self.config.server.shutdown_timeout_s
+        for _, t in list(self.sessions.values()):
+            t.join(timeout=deadline)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()  # type: ignore[attr-defined]
+        if self.state.prefetcher is not None:
+            self.state.prefetcher.close()
+        if self.state.write_through is not None:
+            self.state.write_through.close()     # before the pool closes: its writes read from the slots
+        if self.state.index.ssd is not None and self.config.ssd.persist_on_stop:
+            t0 = time.monotonic()
+            with self.state.lock:
+                written, left = persist_host_pool(self.state, self.config.server.shutdown_timeout_s)
+            log.info("ssd: wrote %d block(s) of the host pool to %s in %.1f s for the next start%s", written,
+                     self.config.ssd.dir, time.monotonic() - t0,
+                     f"; {left} left out (shutdown_timeout_s)" if left else "")
+        with self.state.lock:
+            self.state.pool.close()
+        if self.state.index.ssd is not None:
+            self.state.index.ssd.close()     # writes what is staged: a graceful stop loses no demoted block
+        self.traffic.close()
+        log.info("kvstore stopped")

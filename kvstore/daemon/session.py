@@ -1,0 +1,121 @@
+"""One client connection: read a frame, check it, run its op under the state lock, reply. Bad input gets a
+structured error; a frame that cannot be parsed also closes the connection; nothing a client sends can stop the
+daemon serving the others. When the connection ends, for any reason, its reservations and pins are dropped."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from kvstore.index.books import Holdings
+from kvstore.daemon.ops import HANDLERS, Reply, State
+from kvstore.protocol import HEADER, Code, ProtocolError, check_request, decode, encode, error, ok
+
+log = logging.getLogger("kvstore")
+
+
+class Session:
+    def __init__(self, state: State, sock: socket.socket, peer: str) -> None:
+        self.state = state
+        self.sock = sock
+        self.peer = peer
+        self.holdings = Holdings()
+        self.in_request = False
+        self._buf = bytearray()
+
+    def run(self) -> None:
+        try:
+            while self._serve_one():
+                pass
+        except OSError as e:
+            log.debug("connection %s ended: %s", self.peer, e)
+        finally:
+            with self.state.lock:
+                if self.holdings.reserved or self.holdings.pins:
+                    log.info("client %s left holding %d reservation(s) and %d pin(s): released", self.peer,
+                             len(self.holdings.reserved), sum(self.holdings.pins.values()))
+                self.state.index.disconnect(self.holdings)
+                self.state.connections -= 1
+            self.sock.close()
+
+    def _serve_one(self) -> bool:
+        body = self._next_frame()
+        if body is None:
+            return False
+        self.in_request = True
+        try:
+            return self._handle(body)
+        finally:
+            self.in_request = False
+
+    def _next_frame(self) -> bytes | None:
+        """The next request's body, or None when the connection ends or announces an oversize frame (refused
+        from its header, before any of it is buffered). Reads in 64 KiB chunks: a small request costs one recv,
+        and pipelined requests wait in the buffer, which never holds more than one frame plus one chunk."""
+        limit = self.state.config.server.max_frame_bytes
+        buf = self._buf
+        while True:
+            if len(buf) >= HEADER.size:
+                (length,) = HEADER.unpack_from(buf)
+                if length > limit:
+                    self._fail(0, Code.BAD_FRAME, f"frame of {length} bytes exceeds the limit of {limit} bytes")
+                    return None
+                end = HEADER.size + length
+                if len(buf) >= end:
+                    body = bytes(buf[HEADER.size:end])
+                    del buf[:end]
+                    return body
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                return None
+            buf += chunk
+
+    def _handle(self, body: bytes) -> bool:
+        t0 = time.perf_counter()
+        st, op, rid = self.state, "?", 0
+        try:
+            msg = decode(body)
+            rid = msg["id"] if type(msg.get("id")) is int else 0   # echoed even when invalid; never a bool
+            op, rid = check_request(msg, st.config.server.max_keys_per_request)
+            if msg.get("stream"):             # partial replies, sent while the op waits without the lock
+                msg["_emit"] = lambda fields, fds, rid=rid: self._send(ok(rid, more=True, **fields), fds)
+            st.index.deferring()              # staging copies of blocks the op evicts: after the lock, before
+            try:                              # the reply (the client writes a slot only once it has the reply)
+                with st.lock:
+                    result = HANDLERS[op](st, self.holdings, msg)
+                    st.metrics.observe(op, time.perf_counter() - t0)
+            finally:
+                st.index.run_deferred(st.lock)
+        except ProtocolError as e:
+            self._fail(rid, e.code, e.message)
+            return e.code != Code.BAD_FRAME
+        except Exception as e:  # a bug must cost one request, not the daemon
+            log.exception("op %s from %s failed", op, self.peer)
+            self._fail(rid, Code.INTERNAL, f"{op}: internal error {type(e).__name__}; see the daemon log")
+            return True
+        if isinstance(result, Reply):
+            self._send(ok(rid, **result.fields), result.fds)
+            return not result.close
+        self._send(ok(rid, **result))
+        return True
+
+    def _fail(self, rid: int, code: str, message: str) -> None:
+        with self.state.lock:
+            self.state.metrics.errors[code] += 1
+        log.debug("error %s to %s: %s", code, self.peer, message)
+        self._send(error(rid, code, message))
+
+    def _send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
+        data = encode(msg)
+        try:
+            if fds:
+                sent = socket.send_fds(self.sock, [data], fds)
+                if sent < len(data):
+                    self.sock.sendall(data[sent:])
+            else:
+                self.sock.sendall(data)
+        finally:
+            for fd in fds or ():
+                os.close(fd)

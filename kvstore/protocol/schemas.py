@@ -1,0 +1,99 @@
+"""One schema per op: every field's kind and bounds, no unknown fields; and the reply envelopes."""
+from __future__ import annotations
+
+from typing import Any
+
+from kvstore.protocol.codes import Code, ProtocolError
+from kvstore.protocol.frames import VERSION
+
+HASH_BYTES = 16
+MAX_INT = (1 << 63) - 1
+
+
+# ----- schemas -----
+# field → (kind, required). Kinds: int (0..2**63-1), bool, str, map, keys (bin of 16-byte hashes), ints (list of int).
+Schema = dict[str, tuple[str, bool]]
+_KEYS: Schema = {"ns": ("int", True), "keys": ("keys", True)}
+SCHEMAS: dict[str, Schema] = {
+    "ping": {},
+    "hello": {"namespace": ("map", False), "client": ("str", False)},
+    "segments": {"ids": ("ints", True)},
+    "lookup": _KEYS,
+    "reserve": _KEYS,
+    "commit": {**_KEYS, "crcs": ("ints", False)},
+    "abort": _KEYS,
+    "acquire": {**_KEYS, "lane": ("str", False), "stream": ("bool", False)},
+    "release": {"slots": ("ints", True)},
+    "delete": _KEYS,
+    "stats": {},
+    "list": {"ns": ("int", False), "limit": ("int", False)},
+    "resize": {"bytes": ("int", True), "tier": ("str", False)},
+    "evict": {"ns": ("int", False), "bytes": ("int", False), "all": ("bool", False)},
+    "prefetch": {"ns": ("int", True), "keys": ("keys", True), "wait": ("bool", False)},
+}
+_COMMON = {"v", "op", "id"}
+
+
+def check_request(msg: dict[str, Any], max_keys: int) -> tuple[str, int]:
+    """Validate a request against its op's schema; returns (op, request id)."""
+    rid = msg.get("id", 0)
+    if not _is_int(rid):
+        raise ProtocolError(Code.BAD_REQUEST, "field 'id' must be a non-negative integer")
+    if type(msg.get("v")) is not int or msg["v"] != VERSION:   # not True, not 1.0
+        raise ProtocolError(Code.BAD_VERSION, f"protocol version {msg.get('v')!r} not supported; this daemon "
+                                              f"speaks version {VERSION}")
+    op = msg.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError(Code.BAD_REQUEST, "field 'op' must be a string")
+    schema = SCHEMAS.get(op)
+    if schema is None:
+        raise ProtocolError(Code.UNKNOWN_OP, f"unknown op {op[:64]!r}; known: {', '.join(SCHEMAS)}")
+    extra = set(msg) - _COMMON - set(schema)
+    if extra:
+        raise ProtocolError(Code.BAD_REQUEST, f"{op}: unknown fields {', '.join(sorted(map(str, extra)))[:200]}")
+    for name, (kind, required) in schema.items():
+        if name not in msg:
+            if required:
+                raise ProtocolError(Code.BAD_REQUEST, f"{op}: field {name!r} is required")
+            continue
+        _check_field(op, name, kind, msg[name], max_keys)
+    return op, rid
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT
+
+
+def _check_field(op: str, name: str, kind: str, v: Any, max_keys: int) -> None:
+    bad = None
+    if kind == "int" and not _is_int(v):
+        bad = "a non-negative integer"
+    elif kind == "bool" and not isinstance(v, bool):
+        bad = "true or false"
+    elif kind == "str" and not (isinstance(v, str) and len(v) <= 256):
+        bad = "a string of at most 256 characters"
+    elif kind == "map" and not isinstance(v, dict):
+        bad = "a map"
+    elif kind == "ints" and not (isinstance(v, list) and len(v) <= max_keys and all(_is_int(x) for x in v)):
+        bad = f"a list of at most {max_keys} non-negative integers"
+    elif kind == "keys":
+        if not isinstance(v, bytes):
+            bad = "a bin of 16-byte block hashes"
+        elif len(v) % HASH_BYTES:
+            raise ProtocolError(Code.BAD_REQUEST, f"{op}: field 'keys' is {len(v)} bytes, not a multiple of 16")
+        elif len(v) > max_keys * HASH_BYTES:
+            raise ProtocolError(Code.BAD_REQUEST, f"{op}: {len(v) // HASH_BYTES} keys, above the limit of {max_keys}")
+    if bad:
+        raise ProtocolError(Code.BAD_REQUEST, f"{op}: field {name!r} must be {bad}, got {type(v).__name__}")
+
+
+def split_keys(blob: bytes) -> list[bytes]:
+    return [blob[i:i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
+
+
+def ok(rid: int, **fields: Any) -> dict[str, Any]:
+    return {"v": VERSION, "id": rid, "ok": True, **fields}
+
+
+def error(rid: int, code: str, message: str) -> dict[str, Any]:
+    return {"v": VERSION, "id": rid, "ok": False, "error": {"code": code, "message": message}}

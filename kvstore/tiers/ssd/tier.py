@@ -1,0 +1,277 @@
+"""The SSD tier as the daemon uses it: blocks evicted from the host pool are demoted here, and come back to the
+host pool (promoted) when a client acquires or prefetches them.
+
+Demotion never makes eviction wait for the disk: the evicted block's bytes are copied into a bounded staging area
+(memory outside the host pool, `ssd.staging_bytes`) and the slot is free at once; a background thread writes staged
+blocks to the record store in batches, in the background lane. A block staged or stored is present for lookups.
+When staging is full an evicted block is dropped, and counted. Reads take staged bytes first, then the store; the
+store's reads verify every record, so a bad one ends the prefix there.
+
+The copy into staging need not happen under the daemon's state lock: `stage_begin` books the block (present for
+lookups from then on) and hands out its buffer, and the evicting thread, once it has left the state lock, has
+`stage_fill` copy the slot into it and publish it; readers of a block still being copied wait for it, and the
+writer skips it until then.
+
+Keys here are the namespace digest + the block hash (32 bytes): stable across restarts, unlike namespace ids.
+Thread safety: `lock` guards the staging area and is held only for dict updates and copies; the store keeps its
+own books; all disk I/O is a transfer on the traffic manager's SSD path. Callers never hold the daemon's state lock
+across a read.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from kvstore.daemon.config import SsdConfig
+from kvstore.tiers.ssd.store import SsdStore
+from kvstore.traffic import Lane, Path
+
+log = logging.getLogger("kvstore")
+WRITE_BATCH = 32
+PENDING_WAIT_S = 5.0          # the longest a read waits for a block's staging copy to complete
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+
+class Pending:
+    """A staged block whose bytes are still being copied into `buf` (by the thread that evicted it)."""
+    __slots__ = ("buf",)
+
+    def __init__(self, buf: bytearray | mmap.mmap) -> None:
+        self.buf = buf
+
+    def __len__(self) -> int:
+        return len(self.buf)
+
+
+class SsdTier:
+    def __init__(self, cfg: SsdConfig, path: Path | None = None) -> None:
+        self.cfg = cfg
+        self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path, cfg.io)
+        self.path = self.store.path
+        self.staging: dict[bytes, bytes | bytearray | mmap.mmap | Pending] = {}
+        self.staged_bytes = 0
+        self.dropped = 0
+        self.rewrites_saved = 0
+        self.lock = threading.Condition()
+        self._stop = False
+        self._inflight: Counter[bytes] = Counter()    # keys in a write batch now (demotion or write-through)
+        self._killed: set[bytes] = set()               # ... deleted meanwhile: the batch must not publish them
+        self._spare: dict[int, list[mmap.mmap]] = {}     # staging buffers written to disk, ready for reuse
+        self._thread = threading.Thread(target=self._run, name="kvstore-demote", daemon=True)
+
+    def open(self, wait: bool = False) -> "SsdTier":
+        """Open the store and start its scan; the daemon serves meanwhile (a block not scanned yet is a miss)."""
+        def progress(done: int, total: int) -> None:
+            ready = "" if done < total else f"; ready in {self.store.scan_status()['seconds']:.1f} s"
+            log.info("ssd: scanned %d of %d records in %s (%d blocks found)%s", done, total, self.cfg.dir,
+                     len(self.store.index), ready)
+
+        self.store.open(progress, wait=wait)
+        log.info("ssd: %s: %d records to scan; serving meanwhile (kvstore stats shows the progress)",
+                 self.cfg.dir, self.store.scan.total)
+        self._thread.start()
+        return self
+
+    def _buffer(self, nbytes: int) -> bytearray | mmap.mmap:
+        """(Under `lock`.) A buffer for a staged copy: page-aligned memory when the block is a whole number of
+        pages, so that its SSD write goes straight from it (O_DIRECT) instead of through another copy; buffers are
+        reused once written (a fresh 2 MiB mapping costs 512 page faults)."""
+        if nbytes % mmap.PAGESIZE:
+            return bytearray(nbytes)
+        spare = self._spare.get(nbytes)
+        return spare.pop() if spare else mmap.mmap(-1, nbytes)
+
+    # ----- demotion -----
+    def stage_begin(self, key: bytes, nbytes: int) -> bytearray | mmap.mmap | bool:
+        """Book an evicted block for its SSD write: the buffer that the caller has `stage_fill` fill; True if
+        the tier holds the block already (a key names its bytes: a chained hash of the tokens in one namespace,
+        and a delete removes the SSD copy too), so it is not written again; False (dropped, counted) when staging
+        is full. From here on the block is present for lookups and reads."""
+        with self.lock:
+            if key in self.staging or self.store.has(key):
+                self.rewrites_saved += 1
+                return True
+            if self.staged_bytes + nbytes > self.cfg.staging_bytes:
+                self.dropped += 1
+                return False
+            self.staged_bytes += nbytes
+            buf = self._buffer(nbytes)
+            self.staging[key] = Pending(buf)
+            return buf
+
+    def stage_fill(self, key: bytes, buf: bytearray | mmap.mmap, data: memoryview) -> None:
+        """(Without the daemon's state lock.) Copy the evicted block's bytes into the buffer `stage_begin` gave
+        (numpy, without the GIL), then publish it: readers may take it, the writer may write it (unless it was
+        deleted meanwhile: then the buffer goes back to the spares)."""
+        np.copyto(np.frombuffer(buf, np.uint8), np.frombuffer(data, np.uint8))
+        with self.lock:
+            entry = self.staging.get(key)
+            if isinstance(entry, Pending) and entry.buf is buf:
+                self.staging[key] = buf
+            elif isinstance(buf, mmap.mmap):
+                self._spare.setdefault(len(buf), []).append(buf)
+            self.lock.notify_all()
+
+    def demote(self, key: bytes, data: memoryview) -> bool:
+        """Stage a copy of an evicted block at once; False if dropped."""
+        buf = self.stage_begin(key, len(data))
+        if isinstance(buf, bool):
+            return buf
+        self.stage_fill(key, buf, data)
+        return True
+
+    def _staged(self, key: bytes) -> bytes | bytearray | mmap.mmap | None:
+        """(Under `lock`.) The staged bytes of `key`, waiting out a copy in progress; None if not staged."""
+        entry = self.staging.get(key)
+        deadline = time.monotonic() + PENDING_WAIT_S
+        while isinstance(entry, Pending):
+            if time.monotonic() > deadline:              # never expected: a copy takes milliseconds
+                log.warning("ssd: the staging copy of a block took over %.0f s; served as a miss", PENDING_WAIT_S)
+                return None
+            self.lock.wait(0.1)
+            entry = self.staging.get(key)
+        return entry
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                while True:
+                    batch = [(k, v) for k, v in self.staging.items() if not isinstance(v, Pending)][:WRITE_BATCH]
+                    if batch or (self._stop and not self.staging):
+                        break
+                    self.lock.wait()
+                if not batch:
+                    return
+                self._begin([k for k, _ in batch])
+            try:
+                self.write_batch(batch, Lane.BACKGROUND)
+            except Exception:
+                log.exception("ssd: a demotion batch of %d blocks failed; they are dropped", len(batch))
+            with self.lock:
+                for k, v in batch:
+                    if self.staging.get(k) is v:           # not deleted or staged again meanwhile
+                        del self.staging[k]
+                        self.staged_bytes -= len(v)
+                        if isinstance(v, mmap.mmap):       # no one else holds it: reuse it, faulted in already
+                            self._spare.setdefault(len(v), []).append(v)
+
+    def begin_batch(self, keys: list[bytes]) -> None:
+        """Announce the keys of a write batch before their bytes are taken (a delete from then on cancels them)."""
+        with self.lock:
+            self._begin(keys)
+
+    def _begin(self, keys: list[bytes]) -> None:
+        self._inflight.update(keys)
+
+    def write_batch(self, items: Sequence[tuple[bytes, Buffer]], lane: Lane) -> int:
+        """Write announced blocks to the store in `lane`; a key deleted since `begin_batch` is not published."""
+        try:
+            return self.store.put_many([(k[:16], k[16:], v) for k, v in items], lane, cancelled=self._killed)
+        finally:
+            with self.lock:
+                for k, _ in items:
+                    self._inflight[k] -= 1
+                    if self._inflight[k] <= 0:
+                        del self._inflight[k]
+                        self._killed.discard(k)
+
+    # ----- reads -----
+    def has(self, key: bytes) -> bool:
+        return key in self.staging or self.store.has(key)
+
+    def read(self, keys: Sequence[bytes], outs: Sequence[memoryview], lane: Lane = Lane.CRITICAL,
+             on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None) -> int:
+        """Copy the longest prefix of `keys` that this tier holds and verifies into `outs`; returns its length.
+        `on_ready(n)` reports the prefix as it grows (streaming gets); `crcs` receives each block's CRC-32 from
+        its record (None for a block still staged)."""
+        n = 0
+        while n < len(keys):
+            with self.lock:
+                staged = self._staged(keys[n])
+                if staged is not None:
+                    outs[n][:] = staged
+                    end = -1
+                else:
+                    end = n                                     # a run on disk, of one namespace
+                    while end < len(keys) and keys[end] not in self.staging and keys[end][:16] == keys[n][:16]:
+                        end += 1
+            if end < 0:                                     # reported outside the lock: on_ready takes others
+                n += 1
+                if crcs is not None:
+                    crcs.append(None)
+                if on_ready is not None:
+                    on_ready(n)
+                continue
+            report = None if on_ready is None else (lambda k, base=n: on_ready(base + k))
+            got = self.store.get_many(keys[n][:16], [k[16:] for k in keys[n:end]], outs[n:end], lane, report,
+                                      crcs)
+            if got < end - n:
+                return n + got
+            n = end
+        return n
+
+    def read_async(self, key: bytes, out: memoryview, lane: Lane,
+                   on_done: Callable[[Future[Any]], None]) -> Future[Any] | None:
+        """Submit one block's read as a transfer in `lane` (a staged block is copied by the transfer too, so that
+        completions always arrive on a path worker); None if the tier does not hold it. Busy if the lane is full."""
+        if key not in self.staging:
+            return self.store.read_async(key, out, lane, on_done)
+        return self.path.submit(lane, len(out), lambda: self._read_now(key, out), tag=key, on_done=on_done)
+
+    def _read_now(self, key: bytes, out: memoryview) -> int | bool | None:
+        """(A path worker.) The block from staging (None: no CRC known), or from the store if it was written
+        meanwhile (its CRC-32); False if it is gone."""
+        with self.lock:
+            staged = self._staged(key)
+            if staged is not None:
+                out[:] = staged
+                return None
+        where = self.store.index.get(key)
+        if where is None or where[0] != len(out):
+            return False
+        return self.store.read_into(key, self.store.files[where[0]], where[1], out)
+
+    def delete(self, key: bytes) -> bool:
+        with self.lock:
+            staged = self.staging.pop(key, None)
+            if staged is not None:
+                self.staged_bytes -= len(staged)
+            if key in self._inflight:
+                self._killed.add(key)
+        return self.store.delete(key[:16], key[16:]) or staged is not None
+
+    def resize(self, capacity: int) -> int:
+        evicted = self.store.resize(capacity)
+        self.cfg.capacity = capacity
+        return evicted
+
+    # ----- inspection -----
+    def stats(self) -> dict[str, Any]:
+        s = self.store
+        with s.lock:
+            counters, blocks, used, files = dict(s.counters), len(s.index), s.used_bytes(), s.file_bytes()
+        with self.lock:
+            staged_blocks, staged_bytes = len(self.staging), self.staged_bytes
+        return {"tier": "ssd", "capacity_bytes": self.cfg.capacity, "mapped_bytes": files, "used_bytes": used,
+                "resident_bytes": files, "blocks": blocks, "segments": len(s.files), "staged_blocks": staged_blocks,
+                "staged_bytes": staged_bytes, "dropped": self.dropped, "rewrites_saved": self.rewrites_saved,
+                "counters": counters, "scan": s.scan_status(), "io": s.io,
+                "namespaces": {d.hex(): n for d, n in s.by_namespace().items()}}
+
+    def close(self) -> None:
+        """Write what is staged, then close the store."""
+        with self.lock:
+            self._stop = True
+            self.lock.notify()
+        self._thread.join()
+        self.store.close()
+
+

@@ -1,0 +1,233 @@
+"""Configuration: the embedded default < a YAML file < KVSTORE_* variables, validated once, one message per invalid
+field, all of them reported together; and `kvstore serve` refusing an invalid one."""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvstore.daemon.config import ConfigError, auto_capacity, default_socket_path, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def write(tmp_path: Path, data: Any, name: str = "kvstore.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return str(path)
+
+
+def errors_of(excinfo: pytest.ExceptionInfo[ConfigError]) -> list[str]:
+    """The one-per-line messages of a ConfigError."""
+    return [line.strip() for line in str(excinfo.value).splitlines() if line.strip() != "invalid configuration:"]
+
+
+def test_embedded_default_loads_and_validates():
+    cfg = load_config(env={})
+    assert cfg.server.socket == default_socket_path() and os.path.isabs(cfg.server.socket)
+    s = cfg.server
+    assert (s.max_connections, s.max_frame_bytes, s.max_keys_per_request) == (64, MiB, 1024)
+    assert cfg.server.shutdown_timeout_s == 10.0
+    assert cfg.pool.capacity == auto_capacity() > 0          # "auto": a quarter of memory, at most 64 GiB
+    assert cfg.pool.capacity <= 64 * GiB
+    assert (cfg.pool.segment_bytes, cfg.pool.eviction) == (64 * MiB, "lru")
+    assert (cfg.metrics.enabled, cfg.metrics.host, cfg.metrics.port) == (False, "127.0.0.1", 9464)
+    assert cfg.log.level == "info"
+
+
+def test_embedded_default_is_found_from_a_source_tree_not_installed():
+    """Run from a checkout on PYTHONPATH (as on a GPU machine with nothing installed), `kvstore.configs` does not
+    exist as a package: the default comes from configs/default.yaml beside the package, the same file."""
+    code = ("import sys; sys.modules['kvstore.configs'] = None\n"
+            "from kvstore.daemon.config import embedded_default; import json; print(json.dumps(embedded_default()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    import json
+    assert json.loads(out.stdout) == yaml.safe_load((ROOT / "configs" / "default.yaml").read_text())
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "configs" / "*.yaml"))))
+def test_every_shipped_config_validates(path):
+    load_config(path, env={})
+
+
+@pytest.mark.parametrize("name, value, where, expected", [
+    ("KVSTORE_POOL_CAPACITY", "2GiB", ("pool", "capacity"), 2 * GiB),
+    ("KVSTORE_POOL_CAPACITY", "1.5G", ("pool", "capacity"), 3 * GiB // 2),
+    ("KVSTORE_POOL_CAPACITY", "8388608", ("pool", "capacity"), 8 * MiB),
+    ("KVSTORE_POOL_SEGMENT_BYTES", "1MiB", ("pool", "segment_bytes"), MiB),
+    ("KVSTORE_SERVER_MAX_CONNECTIONS", "3", ("server", "max_connections"), 3),
+    ("KVSTORE_SERVER_MAX_FRAME_BYTES", "64KiB", ("server", "max_frame_bytes"), 64 << 10),
+    ("KVSTORE_SERVER_SHUTDOWN_TIMEOUT_S", "2.5", ("server", "shutdown_timeout_s"), 2.5),
+    ("KVSTORE_SERVER_SOCKET", "/run/kv/kvstore.sock", ("server", "socket"), "/run/kv/kvstore.sock"),
+    ("KVSTORE_METRICS_ENABLED", "true", ("metrics", "enabled"), True),
+    ("KVSTORE_METRICS_PORT", "9100", ("metrics", "port"), 9100),
+    ("KVSTORE_LOG_LEVEL", "debug", ("log", "level"), "debug"),
+])
+def test_environment_overrides(name, value, where, expected):
+    cfg = load_config(env={name: value})
+    assert getattr(getattr(cfg, where[0]), where[1]) == expected
+
+
+@pytest.mark.parametrize("name, value, where", [
+    ("KVSTORE_METRICS_HOST", "::1", ("metrics", "host")),
+    ("KVSTORE_SERVER_SOCKET", "/run/kv: 1/kvstore.sock", ("server", "socket")),
+    ("KVSTORE_POOL_EVICTION", "lru", ("pool", "eviction")),
+])
+def test_string_fields_take_the_variable_as_written(name, value, where):
+    assert getattr(getattr(load_config(env={name: value}), where[0]), where[1]) == value
+
+
+def test_string_field_that_yaml_would_turn_into_a_bool_gets_its_own_message():
+    with pytest.raises(ConfigError) as e:
+        load_config(env={"KVSTORE_LOG_LEVEL": "off"})
+    assert errors_of(e) == ["log.level: must be one of debug, info, warning, error, got 'off'"]
+
+
+def test_environment_wins_over_the_file_which_wins_over_the_default(tmp_path):
+    path = write(tmp_path, {"pool": {"capacity": "1GiB", "segment_bytes": "2MiB"}, "server": {"max_connections": 5}})
+    cfg = load_config(path, env={"KVSTORE_POOL_CAPACITY": "2GiB"})
+    assert (cfg.pool.capacity, cfg.pool.segment_bytes, cfg.server.max_connections) == (2 * GiB, 2 * MiB, 5)
+    assert cfg.server.max_keys_per_request == 1024                  # untouched: the default
+
+
+def test_other_kvstore_variables_are_not_fields():
+    cfg = load_config(env={"KVSTORE_NO_NATIVE": "1", "KVSTORE_CONFIG": "/nowhere.yaml", "KVSTORE_OTHER_THING": "x",
+                           "PATH": "/bin"})
+    assert cfg.pool.eviction == "lru"
+
+
+@pytest.mark.parametrize("section, field, value, fragment", [
+    ("server", "socket", 5, "expected a string"),
+    ("server", "socket", "relative/kvstore.sock", "must be an absolute path"),
+    ("server", "socket", "/" + "s" * 120, "longer than 100 bytes"),
+    ("server", "max_connections", 0, "must be 1..4096"),
+    ("server", "max_connections", "many", "expected an integer"),
+    ("server", "max_connections", True, "expected an integer"),
+    ("server", "max_frame_bytes", "1KiB", "must be 4KiB..64MiB"),
+    ("server", "max_frame_bytes", "lots", "expected a size"),
+    ("server", "max_keys_per_request", 0, "must be 1..65536"),
+    ("server", "shutdown_timeout_s", -1, "must not be negative"),
+    ("server", "shutdown_timeout_s", "soon", "expected a number"),
+    ("pool", "capacity", -5, "must not be negative"),
+    ("pool", "capacity", "2 parsecs", "expected a size"),
+    ("pool", "segment_bytes", "512KiB", "must be at least 1MiB"),
+    ("pool", "eviction", "random", "must be one of lru"),
+    ("metrics", "enabled", "yes please", "expected true or false"),
+    ("metrics", "host", "0.0.0.0", "must be a loopback address"),
+    ("metrics", "host", "localhost", "not an IP address"),
+    ("metrics", "port", 0, "must be 1..65535"),
+    ("metrics", "port", 70000, "must be 1..65535"),
+    ("log", "level", "loud", "must be one of debug, info, warning, error"),
+])
+def test_each_invalid_field_has_its_own_message(tmp_path, section, field, value, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, {section: {field: value}}), env={})
+    (only,) = errors_of(e)                         # exactly one complaint: the field's own
+    assert only.startswith(f"{section}.{field}: ") and fragment in only
+
+
+def test_all_invalid_fields_are_reported_together(tmp_path):
+    path = write(tmp_path, {"server": {"max_connections": 0}, "pool": {"eviction": "fifo"},
+                            "metrics": {"port": "http"}})
+    with pytest.raises(ConfigError) as e:
+        load_config(path, env={})
+    errs = errors_of(e)
+    assert sorted(line.split(":")[0] for line in errs) == ["metrics.port", "pool.eviction", "server.max_connections"]
+
+
+def test_file_and_environment_errors_are_reported_together(tmp_path):
+    path = write(tmp_path, {"cache": {"size": 1}, "pool": {"colour": "red", "capacity": "big"}})
+    with pytest.raises(ConfigError) as e:
+        load_config(path, env={"KVSTORE_METRICS_PORT": "[9100", "KVSTORE_SERVER_MAX_CONNECTIONS": "0"})
+    errs = errors_of(e)
+    assert len(errs) == 5, errs
+    assert any(x.startswith("cache: unknown section (known: server, pool, ssd, traffic, metrics, log)") for x in errs)
+    assert any(x.startswith("pool.colour: unknown field (known: capacity") for x in errs)
+    assert any(x.startswith("pool.capacity: expected a size") for x in errs)
+    assert any(x.startswith("metrics.port: KVSTORE_METRICS_PORT='[9100' is not a valid YAML value") for x in errs)
+    assert any(x.startswith("server.max_connections: must be 1..4096") for x in errs)
+
+
+def test_unknown_field_from_the_environment(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(env={"KVSTORE_POOL_CAPACTIY": "2GiB"})           # a typo is not silently ignored
+    assert errors_of(e)[0].startswith("pool.capactiy: unknown field")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "192.168.0.1"])
+def test_non_loopback_metrics_host_is_refused(host):
+    with pytest.raises(ConfigError, match=r"metrics.host: must be a loopback address \(the endpoint has no auth\)"):
+        load_config(env={"KVSTORE_METRICS_HOST": host})
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1"])
+def test_loopback_metrics_hosts_are_accepted(host):
+    assert load_config(env={"KVSTORE_METRICS_HOST": host}).metrics.host == host
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("server: [1, 2\n", "is not valid YAML"),
+    ("- server\n- pool\n", "the top level must be a mapping of sections"),
+    ("pool: 5\n", "pool: must be a mapping"),
+])
+def test_malformed_files(tmp_path, text, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(write(tmp_path, text), env={})
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=f"cannot read configuration {tmp_path}/absent.yaml: No such file"):
+        load_config(str(tmp_path / "absent.yaml"), env={})
+
+
+def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    sock = str(tmp_path / "run" / "kvstore.sock")
+    full_env = {**os.environ, "KVSTORE_SERVER_SOCKET": sock, "KVSTORE_POOL_CAPACITY": "16MiB", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "kvstore", "serve", *args], env=full_env, capture_output=True,
+                          text=True, timeout=30)
+
+
+def test_serve_with_an_invalid_config_file_exits_with_every_message(tmp_path):
+    path = write(tmp_path, {"server": {"max_connections": 0}, "pool": {"eviction": "fifo"},
+                            "metrics": {"host": "0.0.0.0"}})
+    r = serve(tmp_path, "--config", path)
+    assert r.returncode == 1
+    assert r.stderr.startswith("kvstore: invalid configuration:")
+    for field in ("server.max_connections", "pool.eviction", "metrics.host"):
+        assert f"  {field}: " in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()           # refused before touching the socket
+
+
+@pytest.mark.parametrize("env, args, fragment", [
+    ({"KVSTORE_POOL_SEGMENT_BYTES": "1KiB"}, (), "pool.segment_bytes: must be at least 1MiB"),
+    ({"KVSTORE_CONFIG": "/nonexistent/kvstore.yaml"}, (), "cannot read configuration /nonexistent/kvstore.yaml"),
+    ({}, ("--capacity", "lots"), "pool.capacity: expected a size"),
+])
+def test_serve_with_invalid_settings_exits_nonzero(tmp_path, env, args, fragment):
+    r = serve(tmp_path, *args, env=env)
+    assert r.returncode == 1
+    assert fragment in r.stderr and "Traceback" not in r.stderr
+
+
+def test_traffic_and_ssd_io_settings_are_checked(tmp_path):
+    path = write(tmp_path, {"traffic": {"policy": "lifo", "share_store": 0, "share_prefetch": 0.3,
+                                        "share_background": 0.3, "queue_prefetch": 0, "ssd_in_flight": 100},
+                            "ssd": {"io": "aio"}})
+    with pytest.raises(ConfigError) as e:
+        load_config(path, env={})
+    errs = errors_of(e)
+    assert sorted(line.split(":")[0] for line in errs) == [
+        "ssd.io", "traffic", "traffic.policy", "traffic.queue_prefetch", "traffic.share_store",
+        "traffic.ssd_in_flight"]
+    assert any("could starve" in x for x in errs) and any("keep them below 0.5" in x for x in errs)
+    cfg = load_config(env={"KVSTORE_TRAFFIC_SHARE_BACKGROUND": "0.05", "KVSTORE_TRAFFIC_POLICY": "fifo"})
+    assert (cfg.traffic.share_background, cfg.traffic.policy, cfg.ssd.io) == (0.05, "fifo", "auto")

@@ -1,0 +1,146 @@
+"""The index and pool as a library, scenario by scenario (tiny keys, expected outcomes as data).
+
+`make test` runs this file twice: with the native key table and with the pure-Python fallback.
+"""
+from __future__ import annotations
+
+import pytest
+
+from kvstore.protocol.geometry import Geometry
+from kvstore.index.books import EXISTS, IN_PROGRESS, NO_SPACE, RESERVED, Holdings, Index
+from kvstore.protocol.keys import NamespaceSpec
+from kvstore.tiers.host import HostPool
+from kvstore.protocol import ProtocolError
+
+SMALL = Geometry(layers=1, tokens=1, kv_heads=1, head_dim=256, dtype="uint8", kv=2)   # 512-byte blocks
+BIG = Geometry(layers=2, tokens=1, kv_heads=1, head_dim=256, dtype="uint8", kv=2)     # 1 KiB blocks
+SEG = 4096
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def keys(*ids: int) -> list[bytes]:
+    return [k(i) for i in ids]
+
+
+@pytest.fixture
+def idx() -> Index:
+    return Index(HostPool(capacity=2 * SEG, segment_bytes=SEG))   # 16 small blocks
+
+
+def ns_of(idx: Index, model: str = "m", geom: Geometry = SMALL) -> tuple[object, Holdings]:
+    h = Holdings()
+    return idx.register(NamespaceSpec(model, geom), h), h
+
+
+def put(idx: Index, ns: object, h: Holdings, *ids: int) -> list[int]:
+    gids, status = idx.reserve(ns, keys(*ids), h)  # type: ignore[arg-type]
+    idx.commit(ns, [k(i) for i, s in zip(ids, status) if s == RESERVED], h)  # type: ignore[arg-type]
+    return status
+
+
+def test_reserve_statuses(idx):
+    ns, a = ns_of(idx)
+    b = Holdings()
+    b.namespaces.add(ns.id)
+    put(idx, ns, a, 1)
+    idx.reserve(ns, keys(2), a)
+    _, status = idx.reserve(ns, keys(1, 2, 3), b)
+    assert status == [EXISTS, IN_PROGRESS, RESERVED]
+
+
+def test_lru_evicts_oldest_unpinned(idx):
+    ns, h = ns_of(idx)
+    put(idx, ns, h, *range(16))                        # full: 16 slots
+    idx.acquire(ns, keys(0, 1), h)                     # 0 and 1 pinned
+    idx.release(idx.acquire(ns, keys(2), h), h)        # 2 used again: most recent
+    assert put(idx, ns, h, 100, 101, 102) == [RESERVED] * 3
+    # one commit is one prefix, linked head last: its tail is the oldest, so 15, 14, 13 went
+    assert [idx.lookup(ns, k(i))[0] for i in range(16)] == [1] * 13 + [0] * 3
+    assert idx.counters["evictions"] == 3
+
+
+def test_no_space_when_all_pinned_and_nothing_leaks(idx):
+    ns, h = ns_of(idx)
+    put(idx, ns, h, *range(16))
+    idx.acquire(ns, keys(*range(16)), h)
+    assert put(idx, ns, h, 99) == [NO_SPACE]
+    idx.disconnect(h)
+    assert (len(idx.pins), idx.pool.used_bytes) == (0, 16 * 512)
+    assert put(idx, ns, h, 99) == [RESERVED]
+
+
+def test_disconnect_frees_reservations(idx):
+    ns, h = ns_of(idx)
+    idx.reserve(ns, keys(1, 2, 3), h)
+    assert idx.pool.used_bytes == 3 * 512
+    idx.disconnect(h)
+    assert (idx.pool.used_bytes, len(idx.pending), idx.lookup(ns, k(1))[0]) == (0, 0, 0)
+
+
+def test_unknown_namespace_for_this_holder(idx):
+    ns, _ = ns_of(idx)
+    with pytest.raises(ProtocolError) as e:
+        idx.namespace(ns.id, Holdings())
+    assert e.value.code == "unknown_namespace"
+
+
+def test_other_size_reclaims_an_idle_segment(idx):
+    small, h = ns_of(idx)
+    big, _ = ns_of(idx, "big", BIG)
+    h.namespaces.add(big.id)
+    put(idx, small, h, *range(16))                     # both segments hold small blocks
+    assert put(idx, big, h, 500) == [RESERVED]         # a whole small segment was emptied for it
+    assert idx.pool.mapped_bytes <= idx.pool.capacity
+    assert sum(idx.lookup(small, k(i))[0] for i in range(16)) == 8
+    assert idx.lookup(big, k(500))[0] == 1
+
+
+def test_delete_while_pinned_then_store_again(idx):
+    ns, h = ns_of(idx)
+    put(idx, ns, h, 7)
+    gids = idx.acquire(ns, keys(7), h)
+    assert idx.delete(ns, keys(7)) == 1
+    assert put(idx, ns, h, 7) == [RESERVED]           # a new block under the same key, another slot
+    new = idx.table.get(ns.prefix + k(7))
+    assert new != gids[0]
+    idx.release(gids, h)                               # frees the old slot only
+    assert idx.table.get(ns.prefix + k(7)) == new
+    assert idx.pool.used_bytes == 512
+
+
+def test_shrink_cost_follows_released_blocks(idx):
+    ns, h = ns_of(idx)
+    put(idx, ns, h, *range(8))                         # fills exactly one segment
+    idx.resize(4 * SEG)
+    r = idx.resize(SEG)
+    assert (r.released_segments, r.evicted) == (0, 0)  # only the full segment exists: nothing to release
+    put(idx, ns, h, *range(8, 16))                     # the cap is one segment now: they replace 0..7
+    assert idx.pool.mapped_bytes == SEG
+    assert idx.counters["evictions"] == 8
+
+
+def test_memory_follows_use_across_block_sizes(idx):
+    small, h = ns_of(idx)
+    big, _ = ns_of(idx, "big", BIG)
+    h.namespaces.add(big.id)
+    put(idx, small, h, *range(16))                     # the small size fills the pool first, then goes idle
+    for i in range(8):                                 # the big size is busy: one block at a time
+        put(idx, big, h, 500 + i)
+    assert sum(idx.lookup(big, k(500 + i))[0] for i in range(8)) == 8     # it got both segments, not one
+    assert sum(idx.lookup(small, k(i))[0] for i in range(16)) == 0
+
+
+def test_recently_used_other_size_keeps_its_segment(idx):
+    small, h = ns_of(idx)
+    big, _ = ns_of(idx, "big", BIG)
+    h.namespaces.add(big.id)
+    put(idx, small, h, *range(8))                      # one segment of small blocks
+    put(idx, big, h, *range(500, 504))                 # one segment of big blocks: the pool is full
+    idx.release(idx.acquire(small, keys(*range(8)), h), h)   # the small blocks are used again: fresher
+    put(idx, big, h, 504)
+    assert sum(idx.lookup(small, k(i))[0] for i in range(8)) == 8            # kept
+    assert sum(idx.lookup(big, k(i))[0] for i in range(500, 505)) == 4      # big evicted its own oldest
+    assert idx.lookup(big, k(503))[0] == 0             # its oldest: the tail of the commit

@@ -1,0 +1,223 @@
+"""The SSD record store on real files: round trips, restart, torn and corrupted records, the lock, the cap."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from kvstore.tiers.ssd.store import SsdStore, StoreLocked
+from kvstore.tiers.ssd.record import HEADER_BYTES, padded
+
+NS = bytes(range(16))
+PAYLOAD = 10_000                                    # not a multiple of 4 KiB on purpose
+RECORD = HEADER_BYTES + padded(PAYLOAD)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def payload(i: int) -> bytes:
+    return (i.to_bytes(4, "big") * (PAYLOAD // 4 + 1))[:PAYLOAD]
+
+
+@pytest.fixture
+def ssd_dir(tmp_path):
+    return str(tmp_path / "ssd")
+
+
+def open_store(d: str, capacity: int = 64 * RECORD) -> SsdStore:
+    return SsdStore(d, capacity).open()
+
+
+def read(s: SsdStore, i: int) -> bytes | None:
+    out = bytearray(PAYLOAD)
+    return bytes(out) if s.get(NS, h(i), out) else None
+
+
+def test_roundtrip_and_restart_finds_every_durable_record(ssd_dir):
+    s = open_store(ssd_dir)
+    assert s.put_many([(NS, h(i), payload(i)) for i in range(10)]) == 10
+    s.delete(NS, h(3))
+    s.close()
+    s = open_store(ssd_dir)                           # a restart: the index comes from the headers
+    assert [read(s, i) == payload(i) for i in range(10)] == [i != 3 for i in range(10)]
+    assert s.used_bytes() == 9 * RECORD and s.by_namespace() == {NS: 9}
+    assert s.file_bytes() == os.stat(os.path.join(ssd_dir, f"blocks-{PAYLOAD}.kvs")).st_size
+    assert stat.S_IMODE(os.stat(ssd_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(os.path.join(ssd_dir, f"blocks-{PAYLOAD}.kvs")).st_mode) == 0o600
+
+
+def test_a_second_owner_is_refused(ssd_dir):
+    s = open_store(ssd_dir)
+    with pytest.raises(StoreLocked, match="another kvstore daemon owns"):
+        open_store(ssd_dir)
+    s.close()
+    open_store(ssd_dir).close()                      # free again once the first is gone
+
+
+def test_capacity_is_never_exceeded(ssd_dir):
+    s = open_store(ssd_dir, capacity=5 * RECORD + 100)
+    assert s.put_many([(NS, h(i), payload(i)) for i in range(8)]) == 5
+    assert s.counters["full"] == 3
+    assert s.file_bytes() <= 5 * RECORD + 100
+    assert s.put_many([(NS, h(i), payload(i)) for i in range(8, 11)]) == 3     # room made by evicting 3
+    assert s.counters["evictions"] == 3 and s.by_namespace() == {NS: 5} and s.used_bytes() == 5 * RECORD
+
+
+def _corrupt(ssd_dir: str, record: int, offset: int, data: bytes) -> None:
+    with open(os.path.join(ssd_dir, f"blocks-{PAYLOAD}.kvs"), "r+b") as f:
+        f.seek(record * RECORD + offset)
+        f.write(data)
+
+
+def stored_then_corrupted(ssd_dir: str, n: int, record: int, offset: int, data: bytes) -> SsdStore:
+    """Store blocks 0..n-1, stop, overwrite `data` at `offset` in `record`, and open the store again."""
+    s = open_store(ssd_dir)
+    s.put_many([(NS, h(i), payload(i)) for i in range(n)])
+    s.close()
+    _corrupt(ssd_dir, record, offset, data)
+    return open_store(ssd_dir)
+
+
+@pytest.mark.parametrize("where, data, reason", [
+    (HEADER_BYTES + 5000, b"\xff", "payload_checksum"),     # a flipped byte in the payload
+    (HEADER_BYTES, bytes(PAYLOAD), "payload_checksum"),    # the payload zero-filled
+    (40, b"\x01", "header_checksum"),                       # a flipped byte in the header's key field
+    (0, b"NOTOURS!", "foreign"),                            # another program's bytes
+])
+def test_corrupt_record_is_a_quarantined_miss(ssd_dir, where, data, reason):
+    s = stored_then_corrupted(ssd_dir, 3, 1, where, data)
+    assert read(s, 1) is None                        # never the wrong bytes
+    assert s.counters[f"bad.{reason}"] == 1
+    assert read(s, 0) == payload(0) and read(s, 2) == payload(2)
+    s.close()
+    s = open_store(ssd_dir)                          # quarantined: gone for good, its space reusable
+    assert read(s, 1) is None and s.used_bytes() == 2 * RECORD
+
+
+@pytest.mark.parametrize("cut", [1, HEADER_BYTES - 1, HEADER_BYTES + PAYLOAD - 1])
+def test_torn_tail_and_appended_garbage(ssd_dir, cut):
+    s = open_store(ssd_dir)
+    s.put_many([(NS, h(i), payload(i)) for i in range(3)])
+    s.close()
+    path = os.path.join(ssd_dir, f"blocks-{PAYLOAD}.kvs")
+    size = os.path.getsize(path)
+    os.truncate(path, size - RECORD * (64 - 3) - RECORD + cut)   # the last written record torn after `cut` bytes
+    with open(path, "ab") as f:
+        f.write(b"garbage")
+    s = open_store(ssd_dir)
+    assert s.counters["bad.torn_tail"] == 1
+    assert [read(s, i) == payload(i) for i in range(3)] == [True, True, False]
+    assert os.path.getsize(path) % RECORD == 0
+
+
+def test_foreign_temporary_and_symlinked_files_are_skipped(ssd_dir, tmp_path):
+    s = open_store(ssd_dir)
+    s.put_many([(NS, h(1), payload(1))])
+    s.close()
+    outside = tmp_path / "outside.kvs"
+    outside.write_bytes(b"x" * RECORD)
+    os.symlink(outside, os.path.join(ssd_dir, "blocks-20000.kvs"))
+    for name in ("notes.txt", "blocks-123.kvs.tmp"):
+        with open(os.path.join(ssd_dir, name), "w") as f:
+            f.write("not a record")
+    s = open_store(ssd_dir)
+    assert s.counters["skipped_files"] == 3
+    assert read(s, 1) == payload(1)
+    assert outside.read_bytes() == b"x" * RECORD     # never written through the symlink
+
+
+def test_wrong_geometry_is_a_miss(ssd_dir):
+    s = open_store(ssd_dir)
+    s.put_many([(NS, h(1), payload(1))])
+    assert s.get(NS, h(1), bytearray(PAYLOAD - 1)) is False
+    assert s.counters["wrong_geometry"] == 1
+    assert read(s, 1) == payload(1)
+
+
+def test_newest_copy_wins_after_restart(ssd_dir):
+    s = open_store(ssd_dir)
+    s.put_many([(NS, h(1), payload(1))])
+    s.put_many([(NS, h(1), payload(2))])             # the same key stored again
+    s.close()
+    s = open_store(ssd_dir)
+    assert read(s, 1) == payload(2) and s.used_bytes() == RECORD
+
+
+def test_verify_reports_then_fixes(ssd_dir):
+    s = stored_then_corrupted(ssd_dir, 4, 2, HEADER_BYTES + 7, b"\x00\x01")
+    bad = s.verify()
+    assert [(rec, reason) for _, rec, reason in bad] == [(2, "payload_checksum")]
+    assert s.verify() == bad                         # reporting changes nothing
+    assert len(s.verify(fix=True)) == 1
+    assert s.verify() == [] and read(s, 2) is None and s.used_bytes() == 3 * RECORD
+
+
+def test_cli_verify(ssd_dir):
+    import json
+    import subprocess
+    import sys
+
+    s = open_store(ssd_dir)
+    s.put_many([(NS, h(i), payload(i)) for i in range(3)])
+    s.close()
+    _corrupt(ssd_dir, 0, HEADER_BYTES + 1, b"\xee")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvstore", "verify", "--dir", ssd_dir, *a],  # noqa: E731
+                                    capture_output=True, text=True)
+    r = run("--json")
+    assert r.returncode == 1
+    out = json.loads(r.stdout)
+    assert out["records"] == 3 and [b["reason"] for b in out["bad"]] == ["payload_checksum"]
+    assert run("--fix").returncode == 0
+    r = run()
+    assert r.returncode == 0 and "2 record(s) checked, 0 bad" in r.stdout
+    held = open_store(ssd_dir)                       # a daemon owns the directory: verify refuses
+    r = run()
+    assert r.returncode == 1 and "stop the daemon" in r.stderr
+    held.close()
+
+
+def test_bad_record_in_a_batch_cuts_the_prefix_there(ssd_dir):
+    s = stored_then_corrupted(ssd_dir, 6, 3, HEADER_BYTES + 100, b"\x99")
+    outs = [bytearray(PAYLOAD) for _ in range(6)]
+    assert s.get_many(NS, [h(i) for i in range(6)], outs) == 3
+    assert [bytes(o) for o in outs[:3]] == [payload(i) for i in range(3)]
+    assert s.counters["bad.payload_checksum"] == 1
+    assert s.get_many(NS, [h(4), h(5)], outs[:2]) == 2           # the blocks after it are still good
+
+
+@pytest.mark.parametrize("io", ["threads", "auto"])
+@pytest.mark.parametrize("nbytes", [2 << 20, (1536 << 10) + 4096])
+def test_records_larger_than_a_piece_round_trip_in_every_lane(ssd_dir, io: str, nbytes: int) -> None:
+    """Payloads of several 512 KiB pieces (whole, and a last piece that is not) are written piece by piece with
+    checkpoints between them (background lane) and read back into page-aligned buffers piece by piece (prefetch)
+    or in one read (critical): byte-exact, and the store's CRC check passes, across a restart too."""
+    import mmap
+
+    import numpy as np
+
+    from kvstore.traffic import Lane
+    from kvstore.traffic.path import PIECE_BYTES
+
+    assert nbytes > 2 * PIECE_BYTES
+    rng = np.random.default_rng(nbytes)
+    blocks = []
+    for _ in range(3):
+        m = mmap.mmap(-1, nbytes)                       # page-aligned: written straight from it, as host slots are
+        m[:] = rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+        blocks.append(m)
+    s = SsdStore(ssd_dir, 16 * (nbytes + HEADER_BYTES), io=io).open()
+    assert s.put_many([(NS, h(i), blocks[i]) for i in range(3)], Lane.BACKGROUND) == 3
+    for reopen in (False, True):
+        if reopen:
+            s.close()
+            s = SsdStore(ssd_dir, 16 * (nbytes + HEADER_BYTES), io=io).open(wait=True)
+        for lane in (Lane.PREFETCH, Lane.CRITICAL):
+            outs = [mmap.mmap(-1, nbytes) for _ in range(3)]
+            crcs: list[int | None] = []
+            assert s.get_many(NS, [h(i) for i in range(3)], [memoryview(o) for o in outs], lane, crcs=crcs) == 3
+            assert [bytes(o) for o in outs] == [bytes(b) for b in blocks]
+            assert all(c is not None for c in crcs)
+    s.close()
