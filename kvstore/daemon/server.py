@@ -17,20 +17,15 @@ import time
 from collections import deque
 from types import FrameType
 
+from kvstore.daemon.admin import snapshot
 from kvstore.daemon.config import Config
-from kvstore.index.books import Index
 from kvstore.daemon.metrics import start_prometheus
-from kvstore.daemon.ops import State, snapshot
-from kvstore.tiers.host import HostPool
-from kvstore.movers.prefetch import Prefetcher
-from kvstore.protocol import Code, encode, error
 from kvstore.daemon.session import Session
-from kvstore.tiers.ssd.store import StoreLocked
-from kvstore.tiers.ssd.tier import SsdTier
-from kvstore.traffic import Path
-from kvstore.traffic.manager import TrafficManager
+from kvstore.daemon.state import State, build_state
+from kvstore.movers.persist import persist_host_pool
+from kvstore.protocol import Code, encode, error
+from kvstore.tiers import TierUnavailable
 from kvstore.units import format_size
-from kvstore.movers.writethrough import WriteThrough, persist_host_pool
 
 log = logging.getLogger("kvstore")
 REFUSED_LINGER_S = 1.0   # how long a refused connection stays open for its client to read the refusal
@@ -94,21 +89,15 @@ def _bind_unix(path: str) -> socket.socket:
     return sock
 
 
-def open_ssd(cfg: Config, path: Path) -> SsdTier:
-    try:
-        return SsdTier(cfg.ssd, path).open()
-    except StoreLocked as e:
-        raise StartupError(str(e)) from None
-    except OSError as e:
-        raise StartupError(f"cannot use ssd.dir {cfg.ssd.dir}: {e.strerror or e}") from None
-
-
 class Daemon:
     def __init__(self, config: Config) -> None:
+        """Builds the whole state: the lower tiers open (and start their scans) before the socket is bound, so a
+        refused tier directory starts nothing."""
         self.config = config
-        pool = HostPool(config.pool.capacity, config.pool.segment_bytes)
-        self.state = State(config, pool, Index(pool, config.pool.eviction))
-        self.traffic = self.state.traffic = TrafficManager(config.traffic)
+        try:
+            self.state: State = build_state(config)
+        except TierUnavailable as e:
+            raise StartupError(str(e)) from None
         self.sessions: dict[int, tuple[Session, threading.Thread]] = {}
         self.stopping = threading.Event()
         self.listener: socket.socket | None = None
@@ -121,12 +110,6 @@ class Daemon:
         # Threads waiting on I/O (an engine's SSD read) must get the GIL back quickly from threads copying or
         # checksumming: Python's default switch interval (5 ms) would be the latency of a critical read.
         sys.setswitchinterval(float(os.environ.get("KVSTORE_SWITCH_INTERVAL", "0.0005")))
-        if cfg.ssd.dir:
-            ssd_path = self.traffic.path("ssd", cfg.traffic.ssd_in_flight)
-            self.state.index.ssd = open_ssd(cfg, ssd_path)   # before the socket: a refused directory starts nothing
-            self.state.prefetcher = Prefetcher(self.state, ssd_path)
-            if cfg.ssd.write_through:
-                self.state.write_through = WriteThrough(self.state, cfg.ssd.staging_bytes)
         self.listener = bind_unix(cfg.server.socket)
         self.listener.settimeout(0.2)
         try:
@@ -236,20 +219,23 @@ class Daemon:
             t.join(timeout=deadline)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()  # type: ignore[attr-defined]
-        if self.state.prefetcher is not None:
-            self.state.prefetcher.close()
-        if self.state.write_through is not None:
-            self.state.write_through.close()     # before the pool closes: its writes read from the slots
-        if self.state.index.ssd is not None and self.config.ssd.persist_on_stop:
-            t0 = time.monotonic()
-            with self.state.lock:
-                written, left = persist_host_pool(self.state, self.config.server.shutdown_timeout_s)
-            log.info("ssd: wrote %d block(s) of the host pool to %s in %.1f s for the next start%s", written,
-                     self.config.ssd.dir, time.monotonic() - t0,
-                     f"; {left} left out (shutdown_timeout_s)" if left else "")
+        self._stop_movers()
         with self.state.lock:
             self.state.pool.close()
-        if self.state.index.ssd is not None:
-            self.state.index.ssd.close()     # writes what is staged: a graceful stop loses no demoted block
-        self.traffic.close()
+        self.state.lower.close()             # each writes what it has staged: a graceful stop loses no demoted block
+        self.state.traffic.close()
         log.info("kvstore stopped")
+
+    def _stop_movers(self) -> None:
+        st = self.state
+        if st.prefetcher is not None:
+            st.prefetcher.close()
+        if st.write_through is not None:
+            st.write_through.close()         # before the pool closes: its writes read from the slots
+        if st.lower and self.config.ssd.persist_on_stop:
+            t0 = time.monotonic()
+            with st.lock:
+                written, left = persist_host_pool(st.index, st.pool, st.lower.first,
+                                                  self.config.server.shutdown_timeout_s)
+            log.info("%s: wrote %d block(s) of the host pool in %.1f s for the next start%s", st.lower.first.name,
+                     written, time.monotonic() - t0, f"; {left} left out (shutdown_timeout_s)" if left else "")

@@ -1,6 +1,7 @@
 """One client connection: read a frame, check it, run its op under the state lock, reply. Bad input gets a
-structured error; a frame that cannot be parsed also closes the connection; nothing a client sends can stop the
-daemon serving the others. When the connection ends, for any reason, its reservations and pins are dropped."""
+structured error (a refusal of the books becomes its protocol code here); a frame that cannot be parsed also
+closes the connection; nothing a client sends can stop the daemon serving the others. When the connection ends, for
+any reason, its reservations and pins are dropped."""
 from __future__ import annotations
 
 import logging
@@ -9,11 +10,14 @@ import socket
 import time
 from typing import Any
 
-from kvstore.index.books import Holdings
-from kvstore.daemon.ops import HANDLERS, Reply, State
+from kvstore.daemon.ops import HANDLERS, Reply
+from kvstore.daemon.state import State
+from kvstore.index import Holdings, InvalidRequest, NotHeld, Refused, TooLarge, UnknownNamespace
 from kvstore.protocol import HEADER, Code, ProtocolError, check_request, decode, encode, error, ok
 
 log = logging.getLogger("kvstore")
+REFUSALS: dict[type[Refused], str] = {UnknownNamespace: Code.UNKNOWN_NAMESPACE, NotHeld: Code.NOT_FOUND,
+                                      InvalidRequest: Code.BAD_REQUEST, TooLarge: Code.WRONG_GEOMETRY}
 
 
 class Session:
@@ -81,16 +85,19 @@ class Session:
             op, rid = check_request(msg, st.config.server.max_keys_per_request)
             if msg.get("stream"):             # partial replies, sent while the op waits without the lock
                 msg["_emit"] = lambda fields, fds, rid=rid: self._send(ok(rid, more=True, **fields), fds)
-            st.index.deferring()              # staging copies of blocks the op evicts: after the lock, before
+            st.defer_copies()                 # demotion copies of blocks the op evicts: after the lock, before
             try:                              # the reply (the client writes a slot only once it has the reply)
                 with st.lock:
                     result = HANDLERS[op](st, self.holdings, msg)
                     st.metrics.observe(op, time.perf_counter() - t0)
             finally:
-                st.index.run_deferred(st.lock)
+                st.copy_deferred()
         except ProtocolError as e:
             self._fail(rid, e.code, e.message)
             return e.code != Code.BAD_FRAME
+        except Refused as e:
+            self._fail(rid, REFUSALS[type(e)], str(e))
+            return True
         except Exception as e:  # a bug must cost one request, not the daemon
             log.exception("op %s from %s failed", op, self.peer)
             self._fail(rid, Code.INTERNAL, f"{op}: internal error {type(e).__name__}; see the daemon log")

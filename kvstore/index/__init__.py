@@ -1,2 +1,15 @@
 """The index: the daemon's books. Which key lives in which host slot, who pins or reserves it, which namespaces
-exist; it decides nothing about bytes and moves none (see `books`)."""
+exist, and — as decisions handed to movers — which blocks leave the host pool. It moves no byte.
+
+- `books.Index`: reads, two-phase stores, promotion books, pins; `capacity`: allocation, eviction, resize.
+- `namespaces`: the registry (index keys are namespace id + block hash, 20 bytes) and each connection's holdings.
+- `keytable`: the key → slot table with intrusive LRU lists (native, with a pure-Python fallback).
+- `errors`: what the books refuse; the daemon turns each into a protocol status.
+"""
+from kvstore.index.books import Index
+from kvstore.index.capacity import Eviction, EvictionSink, ResizeResult
+from kvstore.index.errors import InvalidRequest, NotHeld, Refused, TooLarge, UnknownNamespace
+from kvstore.index.namespaces import Holdings, NamespaceEntry
+
+__all__ = ["Eviction", "EvictionSink", "Holdings", "Index", "InvalidRequest", "NamespaceEntry", "NotHeld", "Refused",
+           "ResizeResult", "TooLarge", "UnknownNamespace"]

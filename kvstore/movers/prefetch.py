@@ -9,17 +9,21 @@ cancels its transfer, and a delete that races a read in progress wins: the block
 from __future__ import annotations
 
 import time
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from threading import Condition
+from typing import Any
 
-from kvstore.index.books import Holdings, NamespaceEntry
-from kvstore.protocol import Code, ProtocolError
-from kvstore.traffic import Busy, Lane, Path
+from kvstore.index import Holdings, Index, NamespaceEntry
+from kvstore.tiers import LowerTier, LowerTiers
+from kvstore.tiers.host import HostPool
+from kvstore.traffic import Busy, Lane
 
-if TYPE_CHECKING:
-    from kvstore.daemon.ops import State
+
+class LaneFull(Exception):
+    """The prefetch lane has no room for the whole request: nothing was queued; the message says how much fits."""
 
 
 @dataclass
@@ -37,79 +41,86 @@ class Ticket:
 @dataclass(eq=False)
 class _Flight:
     ns: NamespaceEntry
+    tier: LowerTier
     plan: list[tuple[bytes, int]]
     ticket: Ticket
     view: memoryview
     future: Future[Any] | None = None
 
+    @property
+    def block_id(self) -> bytes:
+        return self.ns.block_id(self.plan[0][0])
+
 
 class Prefetcher:
-    def __init__(self, state: State, path: Path) -> None:
-        self.state = state
-        self.path = path
+    def __init__(self, index: Index, pool: HostPool, lower: LowerTiers, changed: Condition,
+                 counters: Counter[str]) -> None:
+        self.index = index
+        self.pool = pool
+        self.lower = lower
+        self.changed = changed                  # on the state lock: notified when a prefetch lands or gives up
+        self.counters = counters
         self.holder = Holdings()                # the prefetcher's own reservations
         self.flights: dict[bytes, _Flight] = {}  # index key → its transfer
         self._closed = False
 
     def submit(self, ns: NamespaceEntry, hashes: list[bytes]) -> Ticket:
-        """(Under the state lock.) Queue the keys' reads, or refuse them all with `busy` if they do not fit."""
-        st, idx = self.state, self.state.index
-        room = self.path.room(Lane.PREFETCH)
+        """(Under the state lock.) Queue the blocks' reads, or refuse them all (LaneFull) if they do not fit."""
+        room = min(t.path.room(Lane.PREFETCH) for t in self.lower)
         if room < len(hashes) or self._closed:
-            idx.counters["prefetch_busy"] += 1
-            raise ProtocolError(Code.BUSY, f"prefetch: the prefetch lane has room for {max(room, 0)} more blocks; "
-                                           f"{len(hashes)} do not fit, try again later")
+            self.counters["prefetch_busy"] += 1
+            raise LaneFull(f"prefetch: the prefetch lane has room for {max(room, 0)} more blocks; {len(hashes)} do "
+                           "not fit, try again later")
         ticket = Ticket(len(hashes))
         self.holder.namespaces.add(ns.id)
-        assert idx.ssd is not None
         for h in hashes:
-            plan = idx.plan_promotion(ns, [h], self.holder, evict=False)
-            if not plan:
+            tier = self.lower.holder(ns.block_id(h))
+            plan = self.index.plan_promotion(ns, [h], self.holder, evict=False) if tier is not None else []
+            if not plan or tier is None:
                 self._skip(ticket)
                 continue
-            flight = _Flight(ns, plan, ticket, st.pool.view(plan[0][1]))
+            flight = _Flight(ns, tier, plan, ticket, self.pool.view(plan[0][1]))
             try:
-                flight.future = idx.ssd.read_async(ns.digest + h, flight.view, Lane.PREFETCH,
-                                                   partial(self._landed, flight))
+                flight.future = tier.read_async(ns.block_id(h), flight.view, Lane.PREFETCH,
+                                                partial(self._landed, flight))
             except Busy:
                 flight.future = None
             if flight.future is None:
                 self._finish(flight, ok=False)
                 continue
-            self.flights[ns.prefix + h] = flight
+            self.flights[ns.key(h)] = flight
         return ticket
 
     def _skip(self, ticket: Ticket) -> None:
         ticket.skipped += 1
-        self.state.index.counters["prefetch_skipped"] += 1
+        self.counters["prefetch_skipped"] += 1
 
     def _landed(self, flight: _Flight, f: Future[Any]) -> None:
         """(A path worker.) Publish the block, unpinned — unless it was deleted while it was read."""
         r = f.result() if f.exception() is None else False
-        with self.state.lock:
+        with self.changed:
             self._finish(flight, r is not False, r if type(r) is int else None)
 
     def _finish(self, flight: _Flight, ok: bool, crc: int | None = None) -> None:
         """(Under the state lock.)"""
-        st, idx = self.state, self.state.index
         flight.view.release()
-        self.flights.pop(flight.ns.prefix + flight.plan[0][0], None)
-        got = idx.finish_promotion(flight.ns, flight.plan, int(ok), self.holder, pin=False, crcs=[crc])
+        self.flights.pop(flight.ns.key(flight.plan[0][0]), None)
+        got = self.index.finish_promotion(flight.ns, flight.plan, int(ok), self.holder, pin=False, crcs=[crc])
         if got:
             flight.ticket.done += 1
-            idx.counters["prefetched"] += 1
+            self.counters["prefetched"] += 1
         else:
             self._skip(flight.ticket)
-        st.changed.notify_all()
+        self.changed.notify_all()
 
     def cancel(self, ns: NamespaceEntry, hashes: list[bytes]) -> int:
         """(Under the state lock.) Drop the queued reads of these keys (they are being deleted); a read already
         running is left to finish, and the index does not publish it. Returns how many were cancelled."""
         n = 0
         for h in hashes:
-            flight = self.flights.get(ns.prefix + h)
-            if flight is not None and self.path.cancel(ns.digest + h):
-                self.state.index.counters["prefetch_cancelled"] += 1
+            flight = self.flights.get(ns.key(h))
+            if flight is not None and flight.tier.path.cancel(flight.block_id):
+                self.counters["prefetch_cancelled"] += 1
                 self._finish(flight, ok=False)
                 n += 1
         return n
@@ -117,19 +128,18 @@ class Prefetcher:
     def escalate(self, key: bytes) -> bool:
         """(Under the state lock.) A get waits for this key: its queued read becomes critical."""
         flight = self.flights.get(key)
-        return flight is not None and self.path.escalate(flight.ns.digest + flight.plan[0][0], Lane.CRITICAL) > 0
+        return flight is not None and flight.tier.path.escalate(flight.block_id, Lane.CRITICAL) > 0
 
     def queued(self) -> int:
         return len(self.flights)
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel what is queued and wait for the reads in progress (their slots must outlive them)."""
-        st = self.state
-        with st.lock:
+        with self.changed:
             self._closed = True
             for flight in list(self.flights.values()):
-                if self.path.cancel(flight.ns.digest + flight.plan[0][0]):
+                if flight.tier.path.cancel(flight.block_id):
                     self._finish(flight, ok=False)
             deadline = time.monotonic() + timeout
             while self.flights and time.monotonic() < deadline:
-                st.changed.wait(0.1)
+                self.changed.wait(0.1)

@@ -1,2 +1,133 @@
-"""Storage tiers below the host pool. Each holds Full Blocks and says where a block is; none decides what to evict
-(the index and its policy do) and none serves a byte it cannot prove is the one stored under the key."""
+"""Tiers: where block bytes live. Each tier owns its bytes and its capacity; none decides what to evict (the index and
+its policies do) and none serves a byte it cannot prove is the one stored under the key.
+
+The host pool (`host`) is the staging tier: shared-memory slots that clients copy into and out of, booked by the
+index. Every other tier sits below it behind `LowerTier`, addressed by block id — the namespace digest (16 bytes)
+and the block hash (16 bytes), stable across restarts and nodes — and is reached only through the movers:
+
+- demotion: an evicted block is `stage`d (the tier books it and hands out a buffer), its bytes are copied in by
+  `fill` after the daemon's state lock is left, and the tier writes it when it likes (in the background lane);
+- write-through and persistence: `announce` the ids of a batch (under the state lock: a delete from then on
+  cancels them), then `write` them from host slots (without the lock);
+- promotion and prefetch: `read` (the longest verified prefix into host slots) and `read_async` (one block, as a
+  transfer in a lane); a block that fails its check is a miss, never served;
+- `has`, `delete`, `resize`, `stats` for the books and the operator.
+
+A tier's disk or network access is a transfer on one of the traffic manager's paths. `LowerTiers` keeps the tiers
+below the host pool in order (fastest first): evictions go to the first, reads find a block in whichever holds it.
+A new tier is a module implementing `LowerTier` plus one line in `registry.TIER_TYPES`.
+"""
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from kvstore.traffic import Lane, Path
+
+BLOCK_ID_BYTES = 32                 # namespace digest + block hash
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+StagingBuffer = bytearray | mmap.mmap
+
+
+class TierUnavailable(RuntimeError):
+    """A configured tier cannot start (its directory is taken, refused, unreachable); the message says why."""
+
+
+class LowerTier(Protocol):
+    """A tier below the host pool (see the module docstring for who calls what, and when)."""
+    name: str
+    path: Path          # the traffic path its transfers take (cancel and escalate act on it)
+
+    def has(self, bid: bytes) -> bool: ...
+
+    def stage(self, bid: bytes, nbytes: int) -> StagingBuffer | bool:
+        """Book an evicted block: a buffer for `fill`, True if the tier holds it already, False if it cannot take
+        it now (dropped, counted). Present for `has` and reads from here on."""
+        ...
+
+    def fill(self, bid: bytes, buf: StagingBuffer, data: memoryview) -> None:
+        """(Without the state lock.) Copy the evicted block's bytes into the buffer `stage` gave."""
+        ...
+
+    def announce(self, bids: list[bytes]) -> None:
+        """(Under the state lock.) The ids of a coming `write`: a delete from now on cancels them."""
+        ...
+
+    def write(self, items: Sequence[tuple[bytes, Buffer]], lane: Lane) -> int:
+        """Store announced blocks from where they are (host slots); returns how many were stored."""
+        ...
+
+    def read(self, bids: Sequence[bytes], outs: Sequence[memoryview], lane: Lane,
+             on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None) -> int:
+        """Read the longest prefix of `bids` this tier holds and verifies into `outs`; its length. `on_ready(n)`
+        reports the prefix as it grows; `crcs` receives each block's CRC-32 (None where unknown)."""
+        ...
+
+    def read_async(self, bid: bytes, out: memoryview, lane: Lane,
+                   on_done: Callable[[Future[Any]], None]) -> Future[Any] | None:
+        """One block's verified read as a transfer; None if not held. The result is its CRC-32 (None if unknown)
+        or False for a block that failed its check. Raises traffic.Busy when the lane's queue is full."""
+        ...
+
+    def delete(self, bid: bytes) -> bool: ...
+
+    def resize(self, capacity: int) -> dict[str, Any]:
+        """Set the cap; the reply fields of the resize op (capacity, evicted, mapped_bytes). ValueError if the
+        capacity is too small for this tier, RuntimeError if it cannot resize now."""
+        ...
+
+    def namespaces(self) -> dict[bytes, int]:
+        """Blocks held per namespace digest."""
+        ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class LowerTiers:
+    """The tiers below the host pool, fastest first: an evicted block goes to the first; a read finds a block in
+    whichever tier holds it; a delete reaches all of them."""
+
+    def __init__(self, tiers: Sequence[LowerTier]) -> None:
+        self.tiers = list(tiers)
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    def __iter__(self) -> Iterator[LowerTier]:
+        return iter(self.tiers)
+
+    @property
+    def first(self) -> LowerTier:
+        return self.tiers[0]
+
+    def named(self, name: str) -> LowerTier | None:
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def holder(self, bid: bytes) -> LowerTier | None:
+        return next((t for t in self.tiers if t.has(bid)), None)
+
+    def prefix(self, digest: bytes, hashes: Sequence[bytes]) -> int:
+        """How many leading `hashes` of namespace `digest` some lower tier holds."""
+        n = 0
+        for h in hashes:
+            if self.holder(digest + h) is None:
+                break
+            n += 1
+        return n
+
+    def delete(self, bid: bytes) -> bool:
+        found = False
+        for t in self.tiers:
+            found = t.delete(bid) or found
+        return found
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [t.stats() for t in self.tiers]
+
+    def close(self) -> None:
+        for t in reversed(self.tiers):
+            t.close()

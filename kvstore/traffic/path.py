@@ -36,7 +36,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.daemon.metrics import Histogram
+from kvstore.histogram import Histogram
 from kvstore.traffic.lanes import DEFAULT_QUEUE, DEFAULT_SHARES, LANES, Lane
 
 log = logging.getLogger("kvstore")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.index import Eviction, Holdings, Index, UnknownNamespace
+from kvstore.protocol import ReserveStatus
 from kvstore.protocol.geometry import Geometry
-from kvstore.index.books import EXISTS, IN_PROGRESS, NO_SPACE, RESERVED, Holdings, Index
 from kvstore.protocol.keys import NamespaceSpec
 from kvstore.tiers.host import HostPool
-from kvstore.protocol import ProtocolError
+
+RESERVED, EXISTS, IN_PROGRESS, NO_SPACE = ReserveStatus
 
 SMALL = Geometry(layers=1, tokens=1, kv_heads=1, head_dim=256, dtype="uint8", kv=2)   # 512-byte blocks
 BIG = Geometry(layers=2, tokens=1, kv_heads=1, head_dim=256, dtype="uint8", kv=2)     # 1 KiB blocks
@@ -58,7 +60,7 @@ def test_lru_evicts_oldest_unpinned(idx):
     idx.release(idx.acquire(ns, keys(2), h), h)        # 2 used again: most recent
     assert put(idx, ns, h, 100, 101, 102) == [RESERVED] * 3
     # one commit is one prefix, linked head last: its tail is the oldest, so 15, 14, 13 went
-    assert [idx.lookup(ns, k(i))[0] for i in range(16)] == [1] * 13 + [0] * 3
+    assert [idx.host_prefix(ns, k(i)) for i in range(16)] == [1] * 13 + [0] * 3
     assert idx.counters["evictions"] == 3
 
 
@@ -77,14 +79,13 @@ def test_disconnect_frees_reservations(idx):
     idx.reserve(ns, keys(1, 2, 3), h)
     assert idx.pool.used_bytes == 3 * 512
     idx.disconnect(h)
-    assert (idx.pool.used_bytes, len(idx.pending), idx.lookup(ns, k(1))[0]) == (0, 0, 0)
+    assert (idx.pool.used_bytes, len(idx.pending), idx.host_prefix(ns, k(1))) == (0, 0, 0)
 
 
 def test_unknown_namespace_for_this_holder(idx):
     ns, _ = ns_of(idx)
-    with pytest.raises(ProtocolError) as e:
+    with pytest.raises(UnknownNamespace, match="not registered on this connection"):
         idx.namespace(ns.id, Holdings())
-    assert e.value.code == "unknown_namespace"
 
 
 def test_other_size_reclaims_an_idle_segment(idx):
@@ -94,15 +95,15 @@ def test_other_size_reclaims_an_idle_segment(idx):
     put(idx, small, h, *range(16))                     # both segments hold small blocks
     assert put(idx, big, h, 500) == [RESERVED]         # a whole small segment was emptied for it
     assert idx.pool.mapped_bytes <= idx.pool.capacity
-    assert sum(idx.lookup(small, k(i))[0] for i in range(16)) == 8
-    assert idx.lookup(big, k(500))[0] == 1
+    assert sum(idx.host_prefix(small, k(i)) for i in range(16)) == 8
+    assert idx.host_prefix(big, k(500)) == 1
 
 
 def test_delete_while_pinned_then_store_again(idx):
     ns, h = ns_of(idx)
     put(idx, ns, h, 7)
     gids = idx.acquire(ns, keys(7), h)
-    assert idx.delete(ns, keys(7)) == 1
+    assert idx.delete(ns, keys(7)) == [True]
     assert put(idx, ns, h, 7) == [RESERVED]           # a new block under the same key, another slot
     new = idx.table.get(ns.prefix + k(7))
     assert new != gids[0]
@@ -129,8 +130,8 @@ def test_memory_follows_use_across_block_sizes(idx):
     put(idx, small, h, *range(16))                     # the small size fills the pool first, then goes idle
     for i in range(8):                                 # the big size is busy: one block at a time
         put(idx, big, h, 500 + i)
-    assert sum(idx.lookup(big, k(500 + i))[0] for i in range(8)) == 8     # it got both segments, not one
-    assert sum(idx.lookup(small, k(i))[0] for i in range(16)) == 0
+    assert sum(idx.host_prefix(big, k(500 + i)) for i in range(8)) == 8     # it got both segments, not one
+    assert sum(idx.host_prefix(small, k(i)) for i in range(16)) == 0
 
 
 def test_recently_used_other_size_keeps_its_segment(idx):
@@ -141,6 +142,45 @@ def test_recently_used_other_size_keeps_its_segment(idx):
     put(idx, big, h, *range(500, 504))                 # one segment of big blocks: the pool is full
     idx.release(idx.acquire(small, keys(*range(8)), h), h)   # the small blocks are used again: fresher
     put(idx, big, h, 504)
-    assert sum(idx.lookup(small, k(i))[0] for i in range(8)) == 8            # kept
-    assert sum(idx.lookup(big, k(i))[0] for i in range(500, 505)) == 4      # big evicted its own oldest
-    assert idx.lookup(big, k(503))[0] == 0             # its oldest: the tail of the commit
+    assert sum(idx.host_prefix(small, k(i)) for i in range(8)) == 8            # kept
+    assert sum(idx.host_prefix(big, k(i)) for i in range(500, 505)) == 4      # big evicted its own oldest
+    assert idx.host_prefix(big, k(503)) == 0             # its oldest: the tail of the commit
+
+
+class HoldingSink:
+    """An eviction sink that holds every slot it may, as the demotion mover does while it copies."""
+
+    def __init__(self) -> None:
+        self.seen: list[Eviction] = []
+
+    def __call__(self, e: Eviction) -> bool:
+        self.seen.append(e)
+        return True
+
+
+def test_evictions_are_decisions_held_until_let_go():
+    sink = HoldingSink()
+    idx = Index(HostPool(capacity=2 * SEG, segment_bytes=SEG), on_evict=sink)
+    ns, h = ns_of(idx)
+    put(idx, ns, h, *range(16))                        # full
+    idx.evict(nbytes=3 * 512)                          # three evictions, each handed to the sink
+    assert [e.block_id for e in sink.seen] == [ns.digest + k(i) for i in (15, 14, 13)]
+    assert all(not e.handed_over and not e.draining and e.nbytes == 512 for e in sink.seen)
+    held = [e.gid for e in sink.seen]
+    assert idx.pool.used_bytes == 16 * 512             # their slots are held: not free, not reusable
+    assert all(idx.pool.segment_of(g).busy > 0 for g in held)
+    idx.let_go(held)
+    assert idx.pool.used_bytes == 13 * 512
+    assert [s.busy for s in idx.pool.segments.values()] == [0, 0]   # holds leave no busy count behind
+
+
+def test_an_eviction_for_a_slot_hands_the_slot_over():
+    sink = HoldingSink()
+    idx = Index(HostPool(capacity=SEG, segment_bytes=SEG), on_evict=sink)     # 8 small blocks
+    ns, h = ns_of(idx)
+    put(idx, ns, h, *range(8))
+    gids, status = idx.reserve(ns, keys(100), h)       # full: the oldest block's slot is handed over
+    assert status == [RESERVED] and len(sink.seen) == 1
+    e = sink.seen[0]
+    assert (e.handed_over, e.gid, e.block_id) == (True, gids[0], ns.digest + k(7))
+    assert idx.pins[e.gid] == 0                        # not held: the caller owns it (writes it after the copy)

@@ -7,12 +7,13 @@ blocks to the record store in batches, in the background lane. A block staged or
 When staging is full an evicted block is dropped, and counted. Reads take staged bytes first, then the store; the
 store's reads verify every record, so a bad one ends the prefix there.
 
-The copy into staging need not happen under the daemon's state lock: `stage_begin` books the block (present for
+The copy into staging need not happen under the daemon's state lock: `stage` books the block (present for
 lookups from then on) and hands out its buffer, and the evicting thread, once it has left the state lock, has
-`stage_fill` copy the slot into it and publish it; readers of a block still being copied wait for it, and the
-writer skips it until then.
+`fill` copy the slot into it and publish it; readers of a block still being copied wait for it, and the writer
+skips it until then.
 
-Keys here are the namespace digest + the block hash (32 bytes): stable across restarts, unlike namespace ids.
+Blocks are addressed by block id (kvstore.tiers): the namespace digest + the block hash (32 bytes), stable across
+restarts, unlike namespace ids. This is a `LowerTier`; `open_tier` builds it from the configuration.
 Thread safety: `lock` guards the staging area and is held only for dict updates and copies; the store keeps its
 own books; all disk I/O is a transfer on the traffic manager's SSD path. Callers never hold the daemon's state lock
 across a read.
@@ -30,14 +31,16 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.daemon.config import SsdConfig
-from kvstore.tiers.ssd.store import SsdStore
+from kvstore.daemon.config import Config, SsdConfig
+from kvstore.tiers import Buffer, StagingBuffer, TierUnavailable
+from kvstore.tiers.ssd.store import SsdStore, StoreLocked
 from kvstore.traffic import Lane, Path
+from kvstore.traffic.manager import TrafficManager
 
 log = logging.getLogger("kvstore")
 WRITE_BATCH = 32
 PENDING_WAIT_S = 5.0          # the longest a read waits for a block's staging copy to complete
-Buffer = bytes | bytearray | memoryview | mmap.mmap
+MIN_CAPACITY = 1 << 20
 
 
 class Pending:
@@ -52,6 +55,8 @@ class Pending:
 
 
 class SsdTier:
+    name = "ssd"
+
     def __init__(self, cfg: SsdConfig, path: Path | None = None) -> None:
         self.cfg = cfg
         self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path, cfg.io)
@@ -90,8 +95,8 @@ class SsdTier:
         return spare.pop() if spare else mmap.mmap(-1, nbytes)
 
     # ----- demotion -----
-    def stage_begin(self, key: bytes, nbytes: int) -> bytearray | mmap.mmap | bool:
-        """Book an evicted block for its SSD write: the buffer that the caller has `stage_fill` fill; True if
+    def stage(self, key: bytes, nbytes: int) -> StagingBuffer | bool:
+        """Book an evicted block for its SSD write: the buffer that the caller has `fill` fill; True if
         the tier holds the block already (a key names its bytes: a chained hash of the tokens in one namespace,
         and a delete removes the SSD copy too), so it is not written again; False (dropped, counted) when staging
         is full. From here on the block is present for lookups and reads."""
@@ -107,8 +112,8 @@ class SsdTier:
             self.staging[key] = Pending(buf)
             return buf
 
-    def stage_fill(self, key: bytes, buf: bytearray | mmap.mmap, data: memoryview) -> None:
-        """(Without the daemon's state lock.) Copy the evicted block's bytes into the buffer `stage_begin` gave
+    def fill(self, key: bytes, buf: StagingBuffer, data: memoryview) -> None:
+        """(Without the daemon's state lock.) Copy the evicted block's bytes into the buffer `stage` gave
         (numpy, without the GIL), then publish it: readers may take it, the writer may write it (unless it was
         deleted meanwhile: then the buffer goes back to the spares)."""
         np.copyto(np.frombuffer(buf, np.uint8), np.frombuffer(data, np.uint8))
@@ -119,14 +124,6 @@ class SsdTier:
             elif isinstance(buf, mmap.mmap):
                 self._spare.setdefault(len(buf), []).append(buf)
             self.lock.notify_all()
-
-    def demote(self, key: bytes, data: memoryview) -> bool:
-        """Stage a copy of an evicted block at once; False if dropped."""
-        buf = self.stage_begin(key, len(data))
-        if isinstance(buf, bool):
-            return buf
-        self.stage_fill(key, buf, data)
-        return True
 
     def _staged(self, key: bytes) -> bytes | bytearray | mmap.mmap | None:
         """(Under `lock`.) The staged bytes of `key`, waiting out a copy in progress; None if not staged."""
@@ -152,7 +149,7 @@ class SsdTier:
                     return
                 self._begin([k for k, _ in batch])
             try:
-                self.write_batch(batch, Lane.BACKGROUND)
+                self.write(batch, Lane.BACKGROUND)
             except Exception:
                 log.exception("ssd: a demotion batch of %d blocks failed; they are dropped", len(batch))
             with self.lock:
@@ -163,7 +160,7 @@ class SsdTier:
                         if isinstance(v, mmap.mmap):       # no one else holds it: reuse it, faulted in already
                             self._spare.setdefault(len(v), []).append(v)
 
-    def begin_batch(self, keys: list[bytes]) -> None:
+    def announce(self, keys: list[bytes]) -> None:
         """Announce the keys of a write batch before their bytes are taken (a delete from then on cancels them)."""
         with self.lock:
             self._begin(keys)
@@ -171,8 +168,8 @@ class SsdTier:
     def _begin(self, keys: list[bytes]) -> None:
         self._inflight.update(keys)
 
-    def write_batch(self, items: Sequence[tuple[bytes, Buffer]], lane: Lane) -> int:
-        """Write announced blocks to the store in `lane`; a key deleted since `begin_batch` is not published."""
+    def write(self, items: Sequence[tuple[bytes, Buffer]], lane: Lane) -> int:
+        """Write announced blocks to the store in `lane`; a key deleted since `announce` is not published."""
         try:
             return self.store.put_many([(k[:16], k[16:], v) for k, v in items], lane, cancelled=self._killed)
         finally:
@@ -248,10 +245,16 @@ class SsdTier:
                 self._killed.add(key)
         return self.store.delete(key[:16], key[16:]) or staged is not None
 
-    def resize(self, capacity: int) -> int:
+    def resize(self, capacity: int) -> dict[str, Any]:
+        """Set the cap: records beyond it are evicted and the files cut (waits for a write batch in flight)."""
+        if capacity < MIN_CAPACITY:
+            raise ValueError(f"the SSD tier needs at least 1 MiB, got {capacity} bytes")
         evicted = self.store.resize(capacity)
         self.cfg.capacity = capacity
-        return evicted
+        return {"capacity": capacity, "evicted": evicted, "mapped_bytes": self.store.file_bytes()}
+
+    def namespaces(self) -> dict[bytes, int]:
+        return self.store.by_namespace()
 
     # ----- inspection -----
     def stats(self) -> dict[str, Any]:
@@ -275,3 +278,15 @@ class SsdTier:
         self.store.close()
 
 
+def open_tier(config: Config, traffic: TrafficManager) -> SsdTier | None:
+    """The SSD tier `ssd.dir` asks for (None when empty), open and scanning; TierUnavailable says why not."""
+    cfg = config.ssd
+    if not cfg.dir:
+        return None
+    path = traffic.path("ssd", config.traffic.ssd_in_flight)
+    try:
+        return SsdTier(cfg, path).open()
+    except StoreLocked as e:
+        raise TierUnavailable(str(e)) from None
+    except OSError as e:
+        raise TierUnavailable(f"cannot use ssd.dir {cfg.dir}: {e.strerror or e}") from None

@@ -1,0 +1,103 @@
+"""The operator's ops: stats (and the snapshot Prometheus serves), list, resize and evict. Like every op they run
+under the state lock; a lower tier's resize, which may wait for a write in flight, runs without it."""
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvstore import __version__
+from kvstore.index import Holdings
+from kvstore.protocol import Code, ProtocolError
+
+if TYPE_CHECKING:
+    from kvstore.daemon.state import State
+
+COUNTERS = ("lookups", "hits", "misses", "puts", "gets", "evictions", "deletes", "aborts", "demotions", "dropped",
+            "promotions", "prefetched", "prefetch_skipped", "prefetch_busy", "prefetch_cancelled", "written_through",
+            "write_through_skipped")
+
+
+def op_stats(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    return snapshot(st)
+
+
+def op_list(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    rows = []
+    for n in st.index.namespaces.values():
+        s = n.spec
+        rows.append({"id": n.id, "model": s.model, "group": s.share_group, "adapter": s.adapter,
+                     "tp": f"{s.tp_rank}/{s.tp_size}", "role": s.role, "digest": n.digest.hex(),
+                     "geometry": s.geometry.to_dict(), "slot_bytes": n.slot_bytes, "blocks": n.blocks,
+                     "bytes": n.blocks * n.slot_bytes})
+    reply: dict[str, Any] = {"namespaces": rows}
+    known = {n.digest: n.id for n in st.index.namespaces.values()}
+    for tier in st.lower:
+        reply[tier.name] = [{"digest": d.hex(), "ns": known.get(d), "blocks": n}
+                            for d, n in tier.namespaces().items()]
+    if "ns" in m:
+        ns = st.index.namespaces.get(m["ns"])
+        if ns is None:
+            raise ProtocolError(Code.UNKNOWN_NAMESPACE, f"list: no namespace {m['ns']}")
+        limit = min(m.get("limit", 100), 10000)
+        reply["keys"] = [[k, gid] for k, gid in st.index.keys_of(ns, limit)]
+    return reply
+
+
+def op_resize(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    name = m.get("tier", "host")
+    if name != "host":
+        return _resize_lower(st, name, m["bytes"])
+    seg = st.pool.segment_bytes
+    if m["bytes"] < seg:
+        raise ProtocolError(Code.BAD_REQUEST, f"resize: {m['bytes']} bytes is below one segment ({seg} bytes)")
+    r = st.index.resize(m["bytes"])
+    return {"capacity": r.capacity, "released_segments": r.released_segments, "evicted": r.evicted,
+            "draining_bytes": r.draining_bytes, "mapped_bytes": st.pool.mapped_bytes, "seconds": r.seconds}
+
+
+def _resize_lower(st: State, name: str, nbytes: int) -> dict[str, Any]:
+    tier = st.lower.named(name)
+    if tier is None:
+        names = ", ".join(["host", *(t.name for t in st.lower)])
+        if name == "ssd":
+            raise ProtocolError(Code.BAD_REQUEST, "resize: this daemon has no SSD tier (set ssd.dir)")
+        raise ProtocolError(Code.BAD_REQUEST, f"resize: unknown tier {name[:32]!r}; tiers: {names}")
+    t0 = time.perf_counter()
+    st.lock.release()                       # may wait for a write batch in flight: not under the state lock
+    try:
+        r = tier.resize(nbytes)
+    except ValueError as e:
+        raise ProtocolError(Code.BAD_REQUEST, f"resize: {e}") from None
+    except RuntimeError as e:
+        raise ProtocolError(Code.BUSY, f"resize: {e}") from None
+    finally:
+        st.lock.acquire()
+    return {"tier": name, "released_segments": 0, "draining_bytes": 0, "seconds": time.perf_counter() - t0, **r}
+
+
+def op_evict(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    if not m.get("all") and not m.get("bytes"):
+        raise ProtocolError(Code.BAD_REQUEST, "evict: give 'bytes' (how much to free) or 'all': true")
+    if "ns" in m and st.index.namespaces.get(m["ns"]) is None:
+        raise ProtocolError(Code.UNKNOWN_NAMESPACE, f"evict: no namespace {m['ns']}")
+    blocks, freed = st.index.evict(m.get("ns"), m.get("bytes", 0), bool(m.get("all")))
+    return {"blocks": blocks, "bytes": freed}
+
+
+def snapshot(st: State) -> dict[str, Any]:
+    """(Under the state lock.) Everything `kvstore stats` shows, and Prometheus serves."""
+    pool, idx = st.pool, st.index
+    classes = [{"slot_bytes": c.slot_bytes, "segments": len(c.segments),
+                "slots": sum(s.nslots for s in c.segments.values()),
+                "free": sum(len(s.free) for s in c.segments.values())} for c in pool.classes.values()]
+    host = {"tier": "host", "capacity_bytes": pool.capacity, "mapped_bytes": pool.mapped_bytes,
+            "used_bytes": pool.used_bytes, "resident_bytes": pool.resident_bytes(), "blocks": len(idx.table),
+            "reaping_bytes": pool.reaping_bytes,
+            "segments": len(pool.segments), "segment_bytes": pool.segment_bytes, "classes": classes}
+    counters = {k: st.counters[k] for k in COUNTERS}
+    counters["refused_connections"] = st.metrics.refused_connections
+    return {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - st.started,
+            "socket": st.config.server.socket, "counters": counters, "tiers": [host, *st.lower.stats()],
+            "traffic": st.traffic.stats(), "errors": dict(st.metrics.errors), "connections": st.connections,
+            "latency": {op: hist.to_dict() for op, hist in st.metrics.latency.items()}, **idx.stats()}

@@ -1,0 +1,88 @@
+"""The daemon's state, built whole from the configuration at start: the host pool and its index, the lower tiers,
+the traffic manager, and the movers — each mover given only the parts it uses. Nothing is filled in later; a part
+that the configuration leaves out (no lower tier: no demotion, promotion reads, prefetch or write-through) is None
+from the start.
+
+`lock` guards the books (index, pool, connection count); `changed` (on it) is notified when a promotion or a
+prefetch finishes or a mover has work. Ops run under `lock`; block copies never do (see movers.demotion).
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import partial
+from threading import Condition, Lock
+
+from kvstore.daemon.config import Config
+from kvstore.daemon.metrics import OpMetrics
+from kvstore.index import Index
+from kvstore.movers.demotion import Demotion
+from kvstore.movers.prefetch import Prefetcher
+from kvstore.movers.promotion import Promotion
+from kvstore.movers.writethrough import WriteThrough
+from kvstore.tiers import LowerTiers
+from kvstore.tiers.host import HostPool
+from kvstore.tiers.registry import open_lower_tiers
+from kvstore.traffic.manager import TrafficManager
+
+
+@dataclass(eq=False)
+class State:
+    config: Config
+    lock: Lock
+    changed: Condition
+    counters: Counter[str]
+    pool: HostPool
+    index: Index
+    traffic: TrafficManager
+    lower: LowerTiers
+    promotion: Promotion
+    demotion: Demotion | None
+    prefetcher: Prefetcher | None
+    write_through: WriteThrough | None
+    metrics: OpMetrics = field(default_factory=OpMetrics)
+    connections: int = 0
+    started: float = field(default_factory=time.time)
+
+    def defer_copies(self) -> None:
+        """Demotion copies of blocks this thread evicts wait until `copy_deferred` (after the lock)."""
+        if self.demotion is not None:
+            self.demotion.deferring()
+
+    def copy_deferred(self, done: bool = True) -> None:
+        """(Without the lock.) Make this thread's deferred demotion copies, then let go of their slots."""
+        copy_deferred(self.demotion, self.index, self.lock, done)
+
+
+def copy_deferred(demotion: Demotion | None, index: Index, lock: Lock, done: bool = True) -> None:
+    if demotion is None:
+        return
+    held = demotion.copy_deferred(done)
+    if held:
+        with lock:
+            index.let_go(held)
+
+
+def build_state(config: Config) -> State:
+    """Open the tiers and wire the movers. A lower tier that cannot start raises (tiers.TierUnavailable)."""
+    lock = Lock()
+    changed = Condition(lock)
+    counters: Counter[str] = Counter()
+    traffic = TrafficManager(config.traffic)
+    lower = open_lower_tiers(config, traffic)
+    pool = HostPool(config.pool.capacity, config.pool.segment_bytes)
+    demotion = Demotion(lower.first, pool, counters) if lower else None
+    index = Index(pool, config.pool.eviction, demotion, counters)
+    prefetcher = Prefetcher(index, pool, lower, changed, counters) if lower else None
+    promotion = Promotion(index, pool, lower, lock, changed, partial(copy_deferred, demotion, index, lock, False),
+                          prefetcher.escalate if prefetcher is not None else _no_flight)
+    write_through = None
+    if lower and config.ssd.write_through:
+        write_through = WriteThrough(index, pool, lower.first, changed, counters, config.ssd.staging_bytes)
+    return State(config, lock, changed, counters, pool, index, traffic, lower, promotion, demotion, prefetcher,
+                 write_through)
+
+
+def _no_flight(key: bytes) -> bool:
+    return False

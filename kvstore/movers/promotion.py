@@ -1,0 +1,99 @@
+"""Promotion: a get that runs past the host pool reads the following blocks from the lower tier that holds them into
+host slots, verified, and pins them for the getter.
+
+The index reserves the slots (two-phase, `plan_promotion`); the read runs without the state lock, in the getter's
+lane; `finish_promotion` publishes what was read and verified, unless a delete came in between. A block already
+being promoted (by a prefetch or another get) is waited for, never read twice, and a queued prefetch of it moves up
+to the critical lane. Slots taken from evicted blocks are written only after those blocks' demotion copies.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from threading import Condition, Lock
+
+from kvstore.index import Holdings, Index, NamespaceEntry
+from kvstore.tiers import LowerTiers
+from kvstore.tiers.host import HostPool
+from kvstore.traffic import Lane
+
+log = logging.getLogger("kvstore")
+PROMOTION_WAIT_S = 5.0      # a get waiting for a promotion in flight gives up (a miss) after this long
+
+Early = Callable[[list[int]], None]     # blocks published before the whole read is done (under the state lock)
+
+
+class Promotion:
+    def __init__(self, index: Index, pool: HostPool, lower: LowerTiers, lock: Lock, changed: Condition,
+                 copy_evicted: Callable[[], None], escalate: Callable[[bytes], bool]) -> None:
+        self.index = index
+        self.pool = pool
+        self.lower = lower
+        self.lock = lock
+        self.changed = changed                  # notified whenever a promotion publishes or gives up blocks
+        self.copy_evicted = copy_evicted        # (without the lock) the demotion copies this thread owes
+        self.escalate = escalate                # a queued prefetch of a key becomes critical
+
+    def in_flight(self, ns: NamespaceEntry, block_hash: bytes) -> bool:
+        return ns.key(block_hash) in self.index.promoting
+
+    def wait(self, ns: NamespaceEntry, block_hash: bytes) -> bool:
+        """(Under the state lock.) Wait for the promotion of this block in flight; False if it is still in flight
+        after PROMOTION_WAIT_S."""
+        key = ns.key(block_hash)
+        self.escalate(key)
+        deadline = time.monotonic() + PROMOTION_WAIT_S
+        while key in self.index.promoting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.changed.wait(left)
+        return True
+
+    def promote(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings, lane: Lane,
+                early: Early | None = None) -> list[int]:
+        """(Under the state lock, released during the read.) Promote the leading blocks that one lower tier holds
+        into pinned host slots; returns their gids in key order — except those already handed to `early`, which
+        gets the blocks verified so far while later ones are still being read."""
+        tier = self.lower.holder(ns.block_id(hashes[0]))
+        if tier is None:
+            return []
+        run = 0
+        while run < len(hashes) and tier.has(ns.block_id(hashes[run])):
+            run += 1
+        plan = self.index.plan_promotion(ns, hashes[:run], holder)
+        if not plan:
+            return []
+        views = [self.pool.view(gid) for _, gid in plan]    # the reserved slots keep their segments mapped
+        crcs: list[int | None] = []                          # each verified block's CRC-32: its slot carries it on
+        done = [0, False]                                    # blocks published early; a chunk came back short
+
+        def on_ready(n: int) -> None:                        # the reading thread, without the state lock
+            with self.lock:
+                if done[1]:
+                    return
+                chunk = plan[done[0]:n]
+                part = self.index.finish_promotion(ns, chunk, len(chunk), holder, crcs=crcs[done[0]:n])
+                done[0], done[1] = n, len(part) < len(chunk)    # deleted meanwhile: the prefix ends there
+                self.changed.notify_all()
+                assert early is not None
+                early(part)
+
+        self.lock.release()
+        try:
+            self.copy_evicted()                  # slots taken by eviction: their old bytes copied down first
+            n = tier.read([ns.block_id(h) for h, _ in plan], views, lane, on_ready if early else None, crcs)
+        except OSError as e:
+            log.error("%s: promotion read failed (%s); serving the host prefix only", tier.name, e)
+            n = 0
+        finally:
+            for v in views:
+                v.release()
+            self.lock.acquire()
+        rest: list[int] = []
+        if done[0] < len(plan):
+            rest = self.index.finish_promotion(ns, plan[done[0]:], 0 if done[1] else max(n - done[0], 0), holder,
+                                               crcs=crcs[done[0]:])
+        self.changed.notify_all()
+        return rest
