@@ -23,6 +23,7 @@ from kvstore.daemon.metrics import start_prometheus
 from kvstore.daemon.session import Session
 from kvstore.daemon.state import State, build_state
 from kvstore.movers.persist import persist_host_pool
+from kvstore.private_dir import NotPrivateDir, ensure_private_dir
 from kvstore.protocol import Code, encode, error
 from kvstore.tiers import TierUnavailable
 from kvstore.units import format_size
@@ -41,19 +42,12 @@ class SocketInUse(StartupError):
 
 
 def prepare_socket_dir(path: str) -> None:
-    """Create the socket's directory 0700, or check that an existing one is ours and tighten it to 0700. A shared
-    directory (world-writable or sticky, like /tmp) is never tightened: the socket needs a private one inside it."""
+    """The socket's directory: ours alone (0700), never a shared one like /tmp (kvstore.private_dir)."""
     d = os.path.dirname(path) or "."
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    st = os.stat(d)
-    if st.st_uid != os.getuid():
-        raise StartupError(f"socket directory {d} belongs to uid {st.st_uid}, not to us ({os.getuid()}); "
-                           f"choose another server.socket")
-    if st.st_mode & (stat.S_ISVTX | stat.S_IWOTH):
-        raise StartupError(f"socket directory {d} is shared (world-writable or sticky); put the socket in a "
-                           f"private directory, e.g. {os.path.join(d, 'kvstore', os.path.basename(path))}")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(d, 0o700)
+    try:
+        ensure_private_dir(d, "socket directory")
+    except NotPrivateDir as e:
+        raise StartupError(f"{e}; or set server.socket / KVSTORE_SERVER_SOCKET") from None
 
 
 def bind_unix(path: str) -> socket.socket:

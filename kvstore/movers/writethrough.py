@@ -33,7 +33,7 @@ class WriteThrough:
         self.counters = counters
         self.max_bytes = max_bytes
         self.holder = Holdings()
-        self.queue: deque[tuple[bytes, int, int, NamespaceEntry, bytes]] = deque()   # (block id, gid, bytes, ns, hash)
+        self.queue: deque[tuple[bytes, int, int, NamespaceEntry, bytes]] = deque()   # block id, gid, size, ns, hash
         self.pinned_bytes = 0
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvstore-writethrough", daemon=True)
