@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,9 +47,10 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from kvstore.client import Client, KVStoreError, Namespace
-from kvstore.protocol.geometry import Geometry
+from kvstore.client import Namespace
+from kvstore.connectors.daemon_link import DaemonLink
 from kvstore.protocol import ReserveStatus
+from kvstore.protocol.geometry import Geometry
 from kvstore.protocol.keys import NamespaceSpec, block_key
 
 log = logging.getLogger("sglang.kvstore")  # under "sglang": shown wherever SGLang's own lines are
@@ -115,85 +114,6 @@ def describe_pool(pool: Any, config: HiCacheStorageConfig, extra: dict[str, Any]
                          tp_size=tp_size, salt="|".join(shard)[:256])
 
 
-class DaemonLink:
-    """Connections to the daemon, one per calling thread (SGLang's prefetch and backup threads call at once, and a
-    Client is not thread-safe), with one shared view of the daemon's health: the first failure logs one line for the
-    whole outage and no thread tries again before `retry_s`; the first thread back logs the way back."""
-
-    def __init__(self, path: str | None, spec: NamespaceSpec, retry_s: float, timeout_s: float) -> None:
-        self.path, self.spec, self.retry_s, self.timeout_s = path, spec, retry_s, timeout_s
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._clients: list[Client] = []
-        self._retry_at = 0.0
-        self._down_since: float | None = None
-        self.outages = 0
-
-    def namespace(self) -> Namespace | None:
-        ns: Namespace | None = getattr(self._local, "ns", None)
-        if ns is not None:
-            return ns
-        if time.monotonic() < self._retry_at:
-            return None
-        try:
-            client = Client(self.path, timeout=self.timeout_s)
-        except (ConnectionError, OSError) as e:
-            self.failed(e)
-            return None
-        with self._lock:
-            self._clients.append(client)
-        self._local.client = client
-        try:
-            ns = self._local.ns = client.namespace(self.spec)
-        except KVStoreError as e:               # the daemon refuses this namespace: no cache, no outage
-            log.warning("kvstore: namespace refused: %s", e)
-            self._drop()
-            self._retry_at = time.monotonic() + self.retry_s
-            return None
-        except (ConnectionError, OSError) as e:
-            self.failed(e)
-            return None
-        with self._lock:
-            if self._down_since is not None:
-                log.warning("kvstore: daemon at %s is back after %.1f s", client.path,
-                            time.monotonic() - self._down_since)
-                self._down_since = None
-        return ns
-
-    def _drop(self) -> None:
-        client = getattr(self._local, "client", None)
-        self._local.client = self._local.ns = None
-        if client is not None:
-            with self._lock:
-                if client in self._clients:
-                    self._clients.remove(client)
-            try:
-                client.close()
-            except Exception:  # noqa: BLE001 - closing a broken client must not raise into SGLang
-                pass
-
-    def failed(self, exc: BaseException) -> None:
-        """This thread's daemon call failed (or could not connect): drop its client, retry later, log once."""
-        self._drop()
-        with self._lock:
-            self._retry_at = time.monotonic() + self.retry_s
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-                self.outages += 1
-                log.warning("kvstore: daemon unavailable (%s: %s); HiCache runs without its storage tier, retrying "
-                            "every %.1f s", type(exc).__name__, exc, self.retry_s)
-
-    def close(self) -> None:
-        with self._lock:
-            clients, self._clients = self._clients, []
-        for c in clients:
-            try:
-                c.close()
-            except Exception:  # noqa: BLE001
-                pass
-        self._local = threading.local()
-
-
 class KVStoreHiCache(HiCacheStorage):
     """See the module docstring. Built by SGLang as `KVStoreHiCache(storage_config, kwargs)`; usable once
     `register_mem_pool_host(host_pool)` has described the pages."""
@@ -224,7 +144,9 @@ class KVStoreHiCache(HiCacheStorage):
             self._legacy = (2, self.geometry.layers, self.geometry.layer_bytes // 2)
         if self.link is not None:
             self.link.close()
-        self.link = DaemonLink(self.extra.get("socket"), spec, retry_s=float(self.extra.get("retry_s", 5.0)),
+        self.link = DaemonLink(self.extra.get("socket"), lambda adapter: spec, log=log, who="HiCache",
+                               without="HiCache runs without its storage tier", per_thread=True,
+                               retry_s=float(self.extra.get("retry_s", 5.0)),
                                timeout_s=float(self.extra.get("timeout_s", 5.0)))
         self.disabled = None
         log.info("kvstore HiCache backend: model %s, tp %d/%d, %s%s", spec.model, spec.tp_rank, spec.tp_size,

@@ -38,9 +38,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstore.connectors.kv_pages import COPY_ENGINES, CpuMover, CudaMover, LayerPages
-from kvstore.connectors.vllm_layout import DaemonLink, engine_identity, layer_order, layout_of_pages, make_spec
 from kvstore.client import KVStoreError, Lease, Reservation
+from kvstore.connectors.daemon_link import DaemonLink
+from kvstore.connectors.kv_pages import COPY_ENGINES, CpuMover, CudaMover, LayerPages
+from kvstore.connectors.vllm_layout import engine_identity, layer_order, layout_of_pages, make_spec
 from kvstore.protocol.keys import block_key
 
 if TYPE_CHECKING:
@@ -55,18 +56,19 @@ log = logging.getLogger("vllm.kvstore")  # under "vllm": shown by vLLM's own log
 
 
 @dataclass
-class Transfer:
-    """Blocks of one request to load or save: 16-byte keys and the engine's block ids, position by position."""
+class RequestBlocks:
+    """Blocks of one request that the worker loads or saves: their block hashes (16 bytes) and the engine's block
+    ids, position by position."""
     req_id: str
     adapter: str
-    keys: list[bytes]
+    hashes: list[bytes]
     block_ids: list[int]
 
 
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
-    loads: list[Transfer] = field(default_factory=list)
-    saves: list[Transfer] = field(default_factory=list)
+    loads: list[RequestBlocks] = field(default_factory=list)
+    saves: list[RequestBlocks] = field(default_factory=list)
 
 
 @dataclass
@@ -93,7 +95,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.disabled: str | None = None
         # scheduler state
         self._reqs: dict[str, _ReqState] = {}
-        self._loads: dict[str, Transfer] = {}
+        self._loads: dict[str, RequestBlocks] = {}
         self._hit_start: dict[str, int] = {}
         # worker state
         self._layers: dict[str, int] = {}
@@ -105,8 +107,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             log.warning("kvstore: copy_engine %r is not one of %s; using auto", self.copy_engine,
                         ", ".join(COPY_ENGINES))
             self.copy_engine = "auto"
-        self._leases: list[tuple[Transfer, Lease, set[int]]] = []
-        self._reservations: list[tuple[Transfer, Reservation, set[int]]] | None = None
+        self._leases: list[tuple[RequestBlocks, Lease, set[int]]] = []
+        self._reservations: list[tuple[RequestBlocks, Reservation, set[int]]] | None = None
         self._to_commit: list[Reservation] = []
         self._load_errors: set[int] = set()
         tp_rank = 0
@@ -128,14 +130,15 @@ class KVStoreConnector(KVConnectorBase_V1):
                         "block hashes (keys of different algorithms never meet)", fields["hash_algo"])
         geometry = self.geometry
         self.link = DaemonLink(extra.get("socket"), lambda adapter: make_spec(geometry, fields, tp_rank, adapter),
-                               who, retry_s=float(extra.get("retry_s", 5.0)),
-                               timeout_s=float(extra.get("timeout_s", 5.0)))
+                               log=log, who=who, without="serving without the external KV cache",
+                               retry_s=float(extra.get("retry_s", 5.0)), timeout_s=float(extra.get("timeout_s", 5.0)))
         log.info("kvstore connector (%s): model %s, %s, tp %d/%d", who, fields["model"], self.geometry, tp_rank,
                  fields["tp_size"])
 
     # ======================= scheduler side =======================
 
-    def _keys(self, request: Request, start: int, end: int) -> list[bytes]:
+    def _hashes(self, request: Request, start: int, end: int) -> list[bytes]:
+        """The 16-byte block hashes of the request's blocks [start, end) (vLLM's are folded by block_key)."""
         return [block_key(h) for h in request.block_hashes[start:end]]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -150,7 +153,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if ns is None:
             return 0, False
         try:
-            n = ns.lookup(self._keys(request, start, usable))   # keys are chained: a hit at `start` names the prefix
+            n = ns.lookup(self._hashes(request, start, usable))   # chained: a hit at `start` names the prefix
         except KVStoreError as e:
             log.debug("kvstore lookup refused: %s", e)
             return 0, False
@@ -171,8 +174,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])
         start = self._hit_start.pop(request.request_id, request.num_computed_tokens // self.block_size)
         end = start + num_external_tokens // self.block_size
-        self._loads[request.request_id] = Transfer(request.request_id, _adapter(request),
-                                                   self._keys(request, start, end), block_ids[start:end])
+        self._loads[request.request_id] = RequestBlocks(request.request_id, _adapter(request),
+                                                        self._hashes(request, start, end), block_ids[start:end])
         state.stored_upto = max(state.stored_upto, end)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -208,9 +211,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             done = (computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // self.block_size
             hi = min(done, len(state.request.block_hashes), len(state.block_ids))
             if hi > state.stored_upto:
-                meta.saves.append(Transfer(req_id, _adapter(state.request),
-                                           self._keys(state.request, state.stored_upto, hi),
-                                           state.block_ids[state.stored_upto:hi]))
+                meta.saves.append(RequestBlocks(req_id, _adapter(state.request),
+                                                self._hashes(state.request, state.stored_upto, hi),
+                                                state.block_ids[state.stored_upto:hi]))
                 state.stored_upto = hi
         self._loads.clear()     # loads of requests not scheduled after all are asked again when they are
         return meta
@@ -281,7 +284,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._load_errors.update(t.block_ids)
                 continue
             try:
-                lease = ns.acquire(t.keys)
+                lease = ns.acquire(t.hashes)
             except Exception as e:  # noqa: BLE001 - any failure here means: recompute these blocks
                 self._io_failed(e)
                 self._load_errors.update(t.block_ids)
@@ -289,9 +292,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             n = lease.verified_prefix() if self.verify else len(lease)   # bytes checked against their CRC-32
             if n < len(lease):
                 log.warning("kvstore: block %d of request %s does not match its checksum: recomputed", n, t.req_id)
-            if n < len(t.keys):     # evicted since the scheduler's lookup, or altered: the rest is recomputed
+            if n < len(t.hashes):     # evicted since the scheduler's lookup, or altered: the rest is recomputed
                 self._load_errors.update(t.block_ids[n:])
-            part = Transfer(t.req_id, t.adapter, t.keys[:n], t.block_ids[:n])
+            part = RequestBlocks(t.req_id, t.adapter, t.hashes[:n], t.block_ids[:n])
             done: set[int] = set()
             if self._cuda and part.block_ids:
                 try:
@@ -303,7 +306,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                     part.block_ids = []
             self._leases.append((part, lease, done))
 
-    def _enqueue_loads(self, part: Transfer, lease: Lease) -> None:
+    def _enqueue_loads(self, part: RequestBlocks, lease: Lease) -> None:
         """GPU: every layer's copies queued now on the mover's stream; each attention layer waits for its own."""
         assert self.link is not None and self.link.client is not None
         self._mover.pin(self.link.client)
@@ -341,7 +344,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 if ns is None:
                     continue
                 try:
-                    self._reservations.append((t, ns.reserve(t.keys), set()))
+                    self._reservations.append((t, ns.reserve(t.hashes), set()))
                 except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
                     self._io_failed(e)
         a = self.geometry.layer_range(li)[0]

@@ -1,22 +1,18 @@
-"""Helpers of the vLLM connector that do not depend on vLLM's connector interface: the namespace derived from the
-engine's configuration and the link to the daemon (lazy connect, one log line per outage, retry later). The page
-movers, which copy Layer Blocks between the engine's KV pages and the daemon's slots, are in `kv_pages.py`.
+"""Helpers of the vLLM connector that do not depend on vLLM's connector interface: the block geometry, page layout
+and namespace derived from the engine's configuration. The link to the daemon (lazy connect, one log line per
+outage, retry later) is `daemon_link.py`; the page movers, which copy Layer Blocks between the engine's KV pages and
+the daemon's slots, are in `kv_pages.py`.
 
 Kept apart from `vllm_connector.py` so that the connector stays thin and these parts can be read (and tested) alone.
 """
 from __future__ import annotations
 
-import logging
 import re
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from kvstore.client import Client, KVStoreError, Namespace
 from kvstore.protocol.geometry import Geometry
 from kvstore.protocol.keys import NamespaceSpec
-
-log = logging.getLogger("vllm.kvstore")  # under "vllm": shown by vLLM's own log handler
 
 # torch dtype name -> kvstore Geometry dtype
 TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
@@ -98,73 +94,3 @@ def engine_identity(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any
 def make_spec(geometry: Geometry, fields: dict[str, Any], tp_rank: int, adapter: str) -> NamespaceSpec:
     return NamespaceSpec(model=fields["model"], geometry=geometry, group=fields["group"], adapter=adapter[:256],
                          tp_rank=tp_rank, tp_size=fields["tp_size"], salt=fields["salt"])
-
-
-class DaemonLink:
-    """A connection to the daemon that is never a reason for the engine to stop or wait long.
-
-    Connects lazily; every operation is bounded by the client's socket timeout. A failure closes the client, logs
-    one warning for the whole outage, and the next attempt is made `retry_s` later (a restarted daemon is found
-    again, with fresh namespaces and segment mappings). Namespaces are opened per adapter on first use.
-    """
-
-    def __init__(self, path: str | None, spec_for: Callable[[str], NamespaceSpec], who: str,
-                 retry_s: float = 5.0, timeout_s: float = 5.0) -> None:
-        self.path = path
-        self.spec_for = spec_for
-        self.who = who
-        self.retry_s = retry_s
-        self.timeout_s = timeout_s
-        self.client: Client | None = None
-        self._ns: dict[str, Namespace] = {}
-        self._retry_at = 0.0
-        self._down_since: float | None = None
-        self.outages = 0
-
-    def namespace(self, adapter: str = "") -> Namespace | None:
-        """The namespace for `adapter`, or None while the daemon is unreachable."""
-        if self.client is None:
-            if time.monotonic() < self._retry_at:
-                return None
-            try:
-                self.client = Client(self.path, timeout=self.timeout_s)
-            except (ConnectionError, OSError) as e:
-                self.failed(e)
-                return None
-        ns = self._ns.get(adapter)
-        if ns is None:
-            try:
-                ns = self._ns[adapter] = self.client.namespace(self.spec_for(adapter))
-            except KVStoreError as e:          # the daemon refuses this namespace: no cache for it, no outage
-                log.warning("kvstore (%s): namespace refused: %s", self.who, e)
-                return None
-            except (ConnectionError, OSError, ValueError) as e:
-                self.failed(e)
-                return None
-            if self._down_since is not None:
-                log.warning("kvstore (%s): daemon at %s is back after %.1f s", self.who, self.client.path,
-                            time.monotonic() - self._down_since)
-                self._down_since = None
-        return ns
-
-    def failed(self, exc: BaseException) -> None:
-        """The daemon did not answer (or the connection broke): drop the client, retry later, log once."""
-        if self.client is not None:
-            try:
-                self.client.close()
-            except Exception:  # noqa: BLE001 - closing a broken client must not raise into the engine
-                pass
-        self.client = None
-        self._ns.clear()
-        self._retry_at = time.monotonic() + self.retry_s
-        if self._down_since is None:
-            self._down_since = time.monotonic()
-            self.outages += 1
-            log.warning("kvstore (%s): daemon unavailable (%s: %s); serving without the external KV cache, "
-                        "retrying every %.1f s", self.who, type(exc).__name__, exc, self.retry_s)
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-        self.client = None
-        self._ns.clear()

@@ -1,10 +1,14 @@
 """A namespace's blocks as a client moves them: whole-block put and get, and the two-phase pieces under them —
 `Reservation` (reserve → write, whole or layer by layer → commit) and `Lease` (acquire → read → release), with
-`StreamLease` for a streaming acquire. Each copy is one numpy copy between the caller's buffer and a shared slot."""
+`StreamLease` for a streaming acquire. Each copy is one numpy copy between the caller's buffer and a shared slot.
+
+Blocks are named by their block hashes (`hashes`): 16 bytes each on the wire, where longer engine hashes are folded
+by `kvstore.protocol.keys.block_key`; a batched request carries them packed in its `keys` field."""
 from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class Namespace:
-    """Blocks of one namespace: its geometry fixes every block's size."""
+    """Blocks of one namespace, by block hash: its geometry fixes every block's size."""
 
     def __init__(self, client: Client, nid: int, spec: NamespaceSpec) -> None:
         self.client = client
@@ -59,9 +63,9 @@ class Namespace:
         return Lease(self, reply["slots"], reply.get("crcs"))
 
     def acquire_stream(self, hashes: Sequence[bytes], lane: str = "critical") -> StreamLease:
-        """Like `acquire`, but the blocks are reported as they land in the host pool, in key order: iterate
-        `arrivals()` and copy the first blocks (a layer at a time, say) while later ones are still on the SSD.
-        Read the stream to its end (or release the lease) before the next call on this client."""
+        """Like `acquire`, but the blocks are reported as they land in the host pool, in the order of `hashes`:
+        iterate `arrivals()` and copy the first blocks (a layer at a time, say) while later ones are still on the
+        SSD. Read the stream to its end (or release the lease) before the next call on this client."""
         self.client.flush()
         self.client.sock.sendall(encode({"v": VERSION, "op": "acquire", "id": next(self.client._ids), "ns": self.id,
                                          "keys": self._acquire_keys(hashes), "lane": lane, "stream": True}))
@@ -132,9 +136,14 @@ class Namespace:
         return arrs
 
 
+@dataclass
 class PutResult:
-    def __init__(self) -> None:
-        self.stored = self.existed = self.busy = self.no_space = 0
+    """What a put did, in blocks: stored now, stored already, being stored by another writer (`busy`), or refused
+    for want of space."""
+    stored: int = 0
+    existed: int = 0
+    busy: int = 0
+    no_space: int = 0
 
     def add(self, r: Reservation) -> None:
         for s in r.status:
@@ -144,22 +153,20 @@ class PutResult:
                 self.existed += 1
             elif s == ReserveStatus.IN_PROGRESS:
                 self.busy += 1
-            else:
+            elif s == ReserveStatus.NO_SPACE:
                 self.no_space += 1
-
-    def __repr__(self) -> str:
-        return f"PutResult(stored={self.stored}, existed={self.existed}, busy={self.busy}, no_space={self.no_space})"
 
 
 class Reservation:
     """Slots reserved for blocks being stored. Invisible to everyone until `commit()`; `abort()` (or leaving the
-    `with` block on an exception, or the connection ending) frees them. `status[i]`: the ReserveStatus of hash i."""
+    `with` block on an exception, or the connection ending) frees them. `keys`: the block hashes asked, packed;
+    `status[i]`: the ReserveStatus of the i-th."""
 
     def __init__(self, ns: Namespace, keys: bytes, gids: list[int], status: list[int]) -> None:
         self.ns = ns
         self.keys = keys
         self.gids = gids
-        self.status = [ReserveStatus(s) for s in status]
+        self.status: list[ReserveStatus] = [ReserveStatus(s) for s in status]
         self.views = ns.client._views([g for g in gids if g])
         self.done = False
         self._uncommitted = len(self.reserved)   # write_and_commit commits from the end: positions before this

@@ -1,5 +1,6 @@
 """The client library: talks to the local daemon over its Unix socket and maps the host pool's segments, so a
-block moves with one copy between the caller's buffer and a shared slot. Sync; `kvstore.client.aio` wraps it for asyncio.
+block moves with one copy between the caller's buffer and a shared slot. Sync; `kvstore.client.aio` wraps it for
+asyncio.
 
     with Client() as c:
         ns = c.namespace(NamespaceSpec("llama-8b", Geometry(layers=32, tokens=16, kv_heads=8, head_dim=128)))
@@ -19,20 +20,20 @@ import itertools
 import mmap
 import os
 import socket
-import zlib
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from kvstore.protocol.paths import default_socket_path
 from kvstore.client.blocks import Namespace
 from kvstore.client.copier import Copier
-from kvstore.protocol import HEADER, VERSION, decode, encode
+from kvstore.protocol import VERSION, FrameReader, decode, encode
 from kvstore.protocol.keys import NamespaceSpec
+from kvstore.protocol.paths import default_socket_path
 
-MAX_FDS = 253
+MAX_FDS = 253          # segment handles one reply can carry (SCM_RIGHTS)
+RECV_BYTES = 1 << 16   # one recv: a whole small reply, or a large one's next chunk
 
 
 class KVStoreError(Exception):
@@ -73,7 +74,7 @@ class Client:
             raise ConnectionError(f"no kvstore daemon at {self.path} ({e.strerror}); start one with "
                                   f"`kvstore serve` or `make serve`") from None
         self._ids = itertools.count(1)
-        self._rbuf = bytearray()
+        self._frames = FrameReader()          # replies: no limit (the daemon is trusted to frame them)
         self._unanswered = 0
         self._segments: dict[int, _Mapped] = {}
         self.copier = Copier(copy_threads)
@@ -128,24 +129,18 @@ class Client:
         """The next reply frame. Reads in large chunks (one syscall for a small reply) and keeps what belongs to
         the replies after it. File descriptors only come with `segments`, which is never pipelined."""
         fds: list[int] = []
-        buf = self._rbuf
-        while True:
-            if len(buf) >= HEADER.size:
-                end = HEADER.size + HEADER.unpack_from(buf)[0]
-                if len(buf) >= end:
-                    body = bytes(buf[HEADER.size:end])
-                    del buf[:end]
-                    return body, fds
+        while (body := self._frames.next()) is None:
             if want_fds:
-                data, anc, _, _ = self.sock.recvmsg(1 << 16, socket.CMSG_SPACE(MAX_FDS * 4))
+                data, anc, _, _ = self.sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(MAX_FDS * 4))
                 for level, kind, payload in anc:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                         fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
             else:
-                data = self.sock.recv(1 << 16)
+                data = self.sock.recv(RECV_BYTES)
             if not data:
                 raise ConnectionError(f"the kvstore daemon at {self.path} closed the connection")
-            buf += data
+            self._frames.feed(data)
+        return body, fds
 
     def _map(self, seg_ids: Iterable[int]) -> None:
         wanted = sorted(set(seg_ids) - set(self._segments))

@@ -13,7 +13,7 @@ from typing import Any
 from kvstore.daemon.ops import HANDLERS, Reply
 from kvstore.daemon.state import State
 from kvstore.index import Holdings, InvalidRequest, NotHeld, Refused, TooLarge, UnknownNamespace
-from kvstore.protocol import HEADER, Code, ProtocolError, check_request, decode, encode, error, ok
+from kvstore.protocol import Code, FrameReader, ProtocolError, check_request, decode, encode, error, ok
 
 log = logging.getLogger("kvstore")
 REFUSALS: dict[type[Refused], str] = {UnknownNamespace: Code.UNKNOWN_NAMESPACE, NotHeld: Code.NOT_FOUND,
@@ -27,7 +27,7 @@ class Session:
         self.peer = peer
         self.holdings = Holdings()
         self.in_request = False
-        self._buf = bytearray()
+        self._frames = FrameReader(state.config.server.max_frame_bytes)
 
     def run(self) -> None:
         try:
@@ -57,24 +57,19 @@ class Session:
     def _next_frame(self) -> bytes | None:
         """The next request's body, or None when the connection ends or announces an oversize frame (refused
         from its header, before any of it is buffered). Reads in 64 KiB chunks: a small request costs one recv,
-        and pipelined requests wait in the buffer, which never holds more than one frame plus one chunk."""
-        limit = self.state.config.server.max_frame_bytes
-        buf = self._buf
+        and pipelined requests wait in the reader, which never holds more than one frame plus one chunk."""
         while True:
-            if len(buf) >= HEADER.size:
-                (length,) = HEADER.unpack_from(buf)
-                if length > limit:
-                    self._fail(0, Code.BAD_FRAME, f"frame of {length} bytes exceeds the limit of {limit} bytes")
-                    return None
-                end = HEADER.size + length
-                if len(buf) >= end:
-                    body = bytes(buf[HEADER.size:end])
-                    del buf[:end]
-                    return body
+            try:
+                body = self._frames.next()
+            except ProtocolError as e:
+                self._fail(0, e.code, e.message)
+                return None
+            if body is not None:
+                return body
             chunk = self.sock.recv(1 << 16)
             if not chunk:
                 return None
-            buf += chunk
+            self._frames.feed(chunk)
 
     def _handle(self, body: bytes) -> bool:
         t0 = time.perf_counter()

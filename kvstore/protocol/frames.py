@@ -37,3 +37,35 @@ def decode(body: bytes) -> dict[str, Any]:
     if not isinstance(msg, dict):
         raise ProtocolError(Code.BAD_FRAME, f"a message must be a msgpack map, got {type(msg).__name__}")
     return msg
+
+
+class FrameReader:
+    """Splits a byte stream into frame bodies: `feed` what the socket gave, then take whole bodies with `next`
+    until it returns None (more bytes are needed). Pipelined frames wait in the buffer, in order.
+
+    With a `limit`, a header announcing a longer body is refused as soon as it is buffered, before the body is
+    read: `next` raises ProtocolError(BAD_FRAME) (and again on every later call: the stream cannot be resynced).
+    """
+
+    __slots__ = ("_buf", "limit")
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def next(self) -> bytes | None:
+        buf = self._buf
+        if len(buf) < HEADER.size:
+            return None
+        (length,) = HEADER.unpack_from(buf)
+        if self.limit is not None and length > self.limit:
+            raise ProtocolError(Code.BAD_FRAME, f"frame of {length} bytes exceeds the limit of {self.limit} bytes")
+        end = HEADER.size + length
+        if len(buf) < end:
+            return None
+        body = bytes(buf[HEADER.size:end])
+        del buf[:end]
+        return body

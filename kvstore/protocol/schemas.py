@@ -5,8 +5,8 @@ from typing import Any
 
 from kvstore.protocol.codes import Code, ProtocolError
 from kvstore.protocol.frames import VERSION
+from kvstore.protocol.keys import HASH_BYTES
 
-HASH_BYTES = 16
 MAX_INT = (1 << 63) - 1
 
 
