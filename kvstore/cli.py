@@ -269,6 +269,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except StoreLocked as e:
         print(f"kvstore: {e}; stop the daemon before verifying", file=sys.stderr)
         return 1
+    except OSError as e:                # a directory refused (kvstore.private_dir.NotPrivateDir) or unreadable
+        print(f"kvstore: cannot verify {args.dir}: {e.strerror or e}", file=sys.stderr)
+        return 1
     try:
         bad = store.verify(fix=args.fix)
         data = {"records": len(store.index) + (len(bad) if args.fix else 0), "bad": [

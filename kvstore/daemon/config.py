@@ -15,6 +15,8 @@ from typing import Any
 import yaml
 
 from kvstore.protocol.paths import default_socket_path
+from kvstore.tiers.ssd.files import IO_MODES
+from kvstore.tiers.ssd.writes import SYNC_POLICIES
 from kvstore.units import parse_size
 
 
@@ -231,10 +233,10 @@ def _check(cfg: Config) -> list[str]:
     d = cfg.ssd
     if d.dir and not os.path.isabs(d.dir):
         errors.append(f"ssd.dir: must be an absolute path (or empty for no SSD tier), got {d.dir!r}")
-    if d.io not in ("auto", "threads", "io_uring"):
-        errors.append(f"ssd.io: must be auto, io_uring or threads, got {d.io!r}")
-    if d.sync not in ("always", "batch", "never"):
-        errors.append(f"ssd.sync: must be one of always, batch, never, got {d.sync!r}")
+    if d.io not in IO_MODES:
+        errors.append(f"ssd.io: must be one of {', '.join(IO_MODES)}, got {d.io!r}")
+    if d.sync not in SYNC_POLICIES:
+        errors.append(f"ssd.sync: must be one of {', '.join(SYNC_POLICIES)}, got {d.sync!r}")
     if d.dir and d.capacity < 1 << 20:
         errors.append(f"ssd.capacity: must be at least 1MiB, got {d.capacity}")
     errors += _check_traffic(cfg.traffic)

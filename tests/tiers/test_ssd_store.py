@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
+from pathlib import Path
 
 import pytest
 
-from kvstore.tiers.ssd.store import SsdStore, StoreLocked
 from kvstore.tiers.ssd.record import HEADER_BYTES, padded
+from kvstore.tiers.ssd.store import SsdStore, StoreLocked
 
 NS = bytes(range(16))
 PAYLOAD = 10_000                                    # not a multiple of 4 KiB on purpose
@@ -221,3 +223,192 @@ def test_records_larger_than_a_piece_round_trip_in_every_lane(ssd_dir, io: str, 
             assert [bytes(o) for o in outs] == [bytes(b) for b in blocks]
             assert all(c is not None for c in crcs)
     s.close()
+
+
+# ----- one record check, shared by reads and verify -----
+def test_check_record_is_the_one_check() -> None:
+    import zlib
+
+    from kvstore.tiers.ssd.record import BadRecord, Header, check_record
+
+    body = payload(7)
+    raw = Header(NS, h(7), PAYLOAD, zlib.crc32(body), 5).pack()
+    assert check_record(raw, body, NS + h(7), PAYLOAD).seq == 5
+    for raw_header, data, key, length, reason in [
+        (raw, body, NS + h(8), PAYLOAD, "key_mismatch"),              # another block
+        (raw, body, NS + h(7), PAYLOAD - 1, "key_mismatch"),          # another length
+        (bytes(HEADER_BYTES), body, NS + h(7), PAYLOAD, "key_mismatch"),   # never written
+        (raw[:50], body, NS + h(7), PAYLOAD, "truncated"),            # a torn header
+        (raw, body[:-1], NS + h(7), PAYLOAD, "truncated"),            # a short payload
+        (raw, b"\xff" + body[1:], NS + h(7), PAYLOAD, "payload_checksum"),
+    ]:
+        with pytest.raises(BadRecord) as e:
+            check_record(raw_header, data, key, length)
+        assert e.value.reason == reason
+
+
+def test_verify_and_reads_agree_on_a_record_of_another_length(ssd_dir: str) -> None:
+    """A whole, checksummed header that names fewer bytes than the file's records hold: reads refuse it, and so
+    does verify (it applies the same check)."""
+    import zlib
+
+    from kvstore.tiers.ssd.record import Header
+
+    s = open_store(ssd_dir)
+    s.put_many([(NS, h(i), payload(i)) for i in range(3)])
+    _, rec, seq = s.index[NS + h(1)]
+    short = payload(1)[:PAYLOAD - 16]
+    _corrupt(ssd_dir, rec, 0, Header(NS, h(1), len(short), zlib.crc32(short), seq).pack())
+    assert [(r, reason) for _, r, reason in s.verify()] == [(rec, "key_mismatch")]
+    assert read(s, 1) is None and s.counters["bad.key_mismatch"] == 1
+    assert read(s, 0) == payload(0) and s.verify() == []
+    s.close()
+
+
+# ----- the restart scan -----
+def _gated_scan(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Scan chunks wait for the returned event before they read anything."""
+    from kvstore.tiers.ssd import scan
+
+    gate = threading.Event()
+    real = scan.RestartScan._scan_chunk
+
+    def gated(self, cf, start, end):  # type: ignore[no-untyped-def]
+        assert gate.wait(30)
+        return real(self, cf, start, end)
+
+    monkeypatch.setattr(scan.RestartScan, "_scan_chunk", gated)
+    return gate
+
+
+def test_a_write_during_the_scan_is_never_undone_by_it(ssd_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file grows for a write made while the scan runs: the scan reads only the records the file held when it
+    started, so it neither frees the grown records a second time nor quarantines the new record as a copy."""
+    import time
+
+    s = open_store(ssd_dir, capacity=1000 * RECORD)
+    s.put_many([(NS, h(i), payload(i)) for i in range(3)])
+    s.close()                                        # 64 records, 3 of them used
+    gate = _gated_scan(monkeypatch)
+    s = SsdStore(ssd_dir, 1000 * RECORD).open(wait=False)
+    assert s.put_many([(NS, h(100), payload(100))]) == 1     # no free record known yet: the file grows
+    gate.set()
+    deadline = time.monotonic() + 30
+    while s.scan.state == "scanning" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.scan.state == "ready" and s.scan.total == 64
+    cf = s.files[PAYLOAD]
+    assert cf.nrecords == 128 and len(cf.free) == len(set(cf.free)) == 128 - 4
+    assert not [k for k in s.counters if k.startswith("bad.")]
+    assert [read(s, i) for i in (0, 1, 2, 100)] == [payload(i) for i in (0, 1, 2, 100)]
+    s.close()
+    s = open_store(ssd_dir)
+    assert read(s, 100) == payload(100) and s.used_bytes() == 4 * RECORD
+    s.close()
+
+
+def test_close_during_the_scan_stops_it_at_once(ssd_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from kvstore.tiers.ssd import scan
+
+    monkeypatch.setattr(scan, "SCAN_CHUNK", 1)       # a transfer per record: 64 chunks, 8 of them in flight
+    s = open_store(ssd_dir)
+    s.put_many([(NS, h(1), payload(1))])             # a file of 64 records
+    s.close()
+    gate = _gated_scan(monkeypatch)
+    s = SsdStore(ssd_dir, 64 * RECORD).open(wait=False)
+    s.scanner.closing = True                         # as close() sets it, with every slot taken
+    gate.set()
+    t0 = time.monotonic()
+    s.close()
+    assert time.monotonic() - t0 < 2.0
+    assert s.scan.state == "stopped" and s.scan.done < s.scan.total == 64
+
+
+def test_scan_progress_is_reported_as_it_goes(ssd_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.tiers.ssd import scan
+
+    monkeypatch.setattr(scan, "SCAN_CHUNK", 1)
+    s = open_store(ssd_dir)
+    s.put_many([(NS, h(1), payload(1))])             # a file of 64 records
+    s.close()
+    calls: list[tuple[int, int]] = []
+    s = SsdStore(ssd_dir, 64 * RECORD).open(lambda done, total: calls.append((done, total)))
+    s.close()
+    assert len(calls) >= 4 and calls[-1] == (64, 64)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+# ----- the directory: kvstore.private_dir, as the store uses it -----
+def test_an_open_directory_of_ours_is_tightened(ssd_dir: str) -> None:
+    os.makedirs(ssd_dir, mode=0o755)
+    os.chmod(ssd_dir, 0o755)
+    open_store(ssd_dir).close()
+    assert stat.S_IMODE(os.stat(ssd_dir).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o777, 0o1700])
+def test_a_shared_directory_is_refused_never_tightened(ssd_dir: str, mode: int) -> None:
+    """Like /tmp (ours by uid when running as root): refused, left as it is, nothing created in it."""
+    from kvstore.private_dir import NotPrivateDir
+
+    os.makedirs(ssd_dir)
+    os.chmod(ssd_dir, mode)
+    with pytest.raises(NotPrivateDir, match=f"ssd directory {ssd_dir} is shared .*private directory inside it"):
+        open_store(ssd_dir)
+    assert stat.S_IMODE(os.stat(ssd_dir).st_mode) == mode and os.listdir(ssd_dir) == []
+
+
+def test_a_symlink_or_a_file_is_refused(ssd_dir: str, tmp_path: Path) -> None:
+    from kvstore.private_dir import NotPrivateDir
+
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    os.symlink(real, ssd_dir)
+    with pytest.raises(NotPrivateDir, match="is a symlink or not a directory"):
+        open_store(ssd_dir)
+    assert os.listdir(real) == []                    # no LOCK made through the link
+    os.unlink(ssd_dir)
+    with open(ssd_dir, "w") as f:
+        f.write("a file")
+    with pytest.raises(NotPrivateDir, match="is a symlink or not a directory"):
+        open_store(ssd_dir)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory to another user")
+def test_a_directory_of_another_user_is_refused(ssd_dir: str) -> None:
+    from kvstore.private_dir import NotPrivateDir
+
+    os.makedirs(ssd_dir, mode=0o700)
+    os.chown(ssd_dir, 65534, 65534)
+    with pytest.raises(NotPrivateDir, match=f"ssd directory {ssd_dir} belongs to uid 65534"):
+        open_store(ssd_dir)
+    assert os.listdir(ssd_dir) == []
+
+
+def test_private_dir_messages_and_error_type(tmp_path: Path) -> None:
+    """One exception type, an OSError (callers that report OSErrors report it), whose message names the directory
+    as the caller calls it; the socket's directory gets the same check."""
+    from kvstore.private_dir import NotPrivateDir, ensure_private_dir
+
+    d = str(tmp_path / "run")
+    ensure_private_dir(d, "socket directory")        # created 0700, parents as makedirs makes them
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    ensure_private_dir(d, "socket directory")        # and again: nothing to do
+    os.chmod(d, 0o1777)
+    with pytest.raises(OSError) as e:
+        ensure_private_dir(d, "socket directory")
+    assert isinstance(e.value, NotPrivateDir) and e.value.strerror is None
+    assert str(e.value).startswith(f"socket directory {d} is shared")
+
+
+def test_cli_verify_refuses_a_shared_directory(ssd_dir: str) -> None:
+    import subprocess
+    import sys
+
+    os.makedirs(ssd_dir)
+    os.chmod(ssd_dir, 0o1777)
+    r = subprocess.run([sys.executable, "-m", "kvstore", "verify", "--dir", ssd_dir], capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"kvstore: cannot verify {ssd_dir}: ssd directory {ssd_dir} is shared")

@@ -6,7 +6,8 @@ Header fields (little endian): magic "KVSREC01", format version, header length, 
 (16), payload length, payload CRC-32, sequence number, then a CRC-32 of all the fields before it. A record is
 published by writing its payload, then its header (each synced according to the sync policy), so a torn write
 leaves either the previous record (still whole and checked) or a header or payload whose checksum fails. Readers
-check every field against the request and the checksum of the bytes they got; any mismatch is a miss.
+check every field against the request and the checksum of the bytes they got (`check_record`, the one check that
+reads and `verify` share); any mismatch is a miss.
 """
 from __future__ import annotations
 
@@ -73,3 +74,14 @@ def check_payload(header: Header, payload: memoryview | bytes) -> None:
         raise BadRecord("truncated", f"payload is {len(payload)} of {header.length} bytes")
     if zlib.crc32(payload[:header.length]) != header.crc:
         raise BadRecord("payload_checksum", "payload bytes do not match their checksum")
+
+
+def check_record(raw_header: bytes, payload: memoryview | bytes, key: bytes, length: int) -> Header:
+    """The one check of a record read back: its header is whole and ours, names `key` (namespace digest + block
+    hash) and `length` payload bytes, and `payload` (the bytes read after the header, at least `length` of them)
+    matches its checksum. Returns the header; raises BadRecord with the reason (an empty record is key_mismatch)."""
+    header = parse_header(raw_header)
+    if header is None or header.ns + header.hash != key or header.length != length:
+        raise BadRecord("key_mismatch", "the record holds another block")
+    check_payload(header, payload)
+    return header

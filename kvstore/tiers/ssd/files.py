@@ -1,0 +1,168 @@
+"""The SSD tier's files: the directory and its lock, and one record file per block size.
+
+- `lock_directory` makes the directory private (kvstore.private_dir: 0700, ours, not shared, not a symlink) and
+  takes its LOCK file (0600, flock): one daemon is its only owner. `StoreLocked` when another holds it; a refused
+  directory raises NotPrivateDir (an OSError). Nothing else in the directory is touched.
+- A `ClassFile` is `blocks-<payload bytes>.kvs`: fixed-size records (record.py), 0600, opened with O_NOFOLLOW and
+  with O_DIRECT where the file system takes it (tmpfs does not: then buffered). `open_record_file` opens one found
+  at start: a name that is not ours, or a symlink, is skipped (None); a torn tail (not a whole record) is cut off.
+- `grow` allocates records at the end of a file for real (posix_fallocate), so a full disk shows there as a
+  refusal, never as a failed write later; a refusal leaves the file exactly as it was. The new records are free:
+  `free` lists the records of a file that hold nothing (the writer takes from its end).
+- `choose_io` picks how record bytes move: os.preadv/pwritev from the path's workers, or an io_uring per worker
+  (uring.py) when asked for and its probe finds it sound. Buffers for O_DIRECT come from `aligned` (page-aligned
+  anonymous mappings) unless `aligned_for_io` says the caller's buffer can be used as it is.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import queue
+import re
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvstore.private_dir import ensure_private_dir
+from kvstore.tiers.ssd.record import ALIGN, HEADER_BYTES, record_bytes
+
+log = logging.getLogger("kvstore")
+FILE_RE = re.compile(r"^blocks-(\d+)\.kvs$")
+LOCK_NAME = "LOCK"
+IO_MODES = ("auto", "io_uring", "threads")      # the values of ssd.io
+
+
+class StoreLocked(RuntimeError):
+    """Another daemon owns the directory (holds its LOCK file)."""
+
+
+def aligned(n: int) -> mmap.mmap:
+    """A zeroed, page-aligned buffer of at least one page, as O_DIRECT wants."""
+    return mmap.mmap(-1, max(n, mmap.PAGESIZE))
+
+
+ZERO_BUF = aligned(HEADER_BYTES)          # all zeros, aligned: the header of a deleted or bad record
+
+
+def aligned_for_io(buf: Any) -> bool:
+    """Whether O_DIRECT can move `buf` as it is: its address and length on 4 KiB boundaries."""
+    if len(buf) % ALIGN:
+        return False
+    try:
+        return int(np.frombuffer(buf, np.uint8).ctypes.data) % ALIGN == 0
+    except (TypeError, ValueError):
+        return False
+
+
+def choose_io(io: str) -> tuple[str, Callable[..., int], Callable[..., int]]:
+    """(name, preadv, pwritev) for `io` (auto | io_uring | threads): io_uring only where its probe passes."""
+    if io in ("auto", "io_uring"):
+        from kvstore.tiers.ssd import uring
+
+        ok = uring.available()
+        (log.info if ok or io == "auto" else log.warning)("ssd: %s", uring.REASON)
+        if ok:
+            return "io_uring", uring.preadv, uring.pwritev
+    return "threads", os.preadv, os.pwritev
+
+
+# ----- the directory -----
+def lock_directory(directory: str) -> int:
+    """Make `directory` private and take its LOCK; returns the lock's descriptor (close it to let go)."""
+    ensure_private_dir(directory, "ssd directory")
+    fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreLocked(f"another kvstore daemon owns {directory} (its LOCK file is held); give each daemon "
+                          f"its own ssd directory") from None
+    return fd
+
+
+# ----- record files -----
+@dataclass(eq=False)
+class ClassFile:
+    """The record file of one payload size. `nrecords` and `free` are the store's books (under its lock)."""
+    payload: int
+    path: str
+    fd: int
+    direct: bool
+    nrecords: int = 0
+    free: list[int] = field(default_factory=list)
+    spare: queue.SimpleQueue[mmap.mmap] = field(default_factory=queue.SimpleQueue)   # record buffers for I/O
+
+    def take(self) -> mmap.mmap:
+        """An aligned buffer of one record; give it back with `spare.put`."""
+        try:
+            return self.spare.get_nowait()
+        except queue.Empty:
+            return aligned(self.record)
+
+    @property
+    def record(self) -> int:
+        return record_bytes(self.payload)
+
+    def size(self) -> int:
+        return self.nrecords * self.record
+
+
+def open_class_file(directory: str, payload: int, path: str | None = None) -> ClassFile:
+    """Open (creating it empty) the record file for `payload`-byte blocks: O_DIRECT where it is taken."""
+    path = path or os.path.join(directory, f"blocks-{payload}.kvs")
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd, direct = os.open(path, flags | os.O_DIRECT, 0o600), True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        fd, direct = os.open(path, flags, 0o600), False   # tmpfs and friends: no O_DIRECT
+    return ClassFile(payload, path, fd, direct)
+
+
+def record_file_payload(directory: str, name: str) -> int | None:
+    """The payload size of a record file of ours named `name`; None for other names and anything not a plain file
+    (a symlink, a directory)."""
+    m = FILE_RE.match(name)
+    if not m or not stat.S_ISREG(os.lstat(os.path.join(directory, name)).st_mode):
+        return None
+    return int(m.group(1))
+
+
+def cut_torn_tail(cf: ClassFile) -> int:
+    """Count the file's whole records into `nrecords`; a torn tail or appended garbage is cut off. Returns the
+    bytes cut."""
+    size = os.fstat(cf.fd).st_size
+    cf.nrecords = size // cf.record
+    if size % cf.record:
+        os.ftruncate(cf.fd, cf.size())
+    return size % cf.record
+
+
+def grow(cf: ClassFile, records: int) -> OSError | None:
+    """Allocate `records` more records at the end of the file, really (posix_fallocate, not a sparse ftruncate),
+    and add them to `free`, lowest last. Where the file system has no fallocate a sparse file will do. Returns the
+    refusal (ENOSPC, EDQUOT, EFBIG), with nothing allocated, or None; other errors raise."""
+    start, n = cf.size(), records * cf.record
+    try:
+        os.posix_fallocate(cf.fd, start, n)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):     # no fallocate here: a sparse file will do
+            os.ftruncate(cf.fd, start + n)
+        elif e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        else:
+            try:
+                os.ftruncate(cf.fd, start)                    # nothing half-allocated stays past our records
+            except OSError:
+                pass
+            return e
+    cf.free.extend(range(cf.nrecords + records - 1, cf.nrecords - 1, -1))
+    cf.nrecords += records
+    return None

@@ -1,0 +1,177 @@
+"""The SSD store's reads: every byte served has been checked against the key asked and its checksum.
+
+- `read_into` (a path worker) reads one record and checks it with record.check_record: the header whole and
+  ours, naming the key and the length asked, the payload matching its CRC-32. A payload that O_DIRECT can move as
+  it is (a host slot of whole pages) is read straight into `out`, in pieces of PIECE_BYTES with a checkpoint
+  between pieces (a lower-lane read yields to critical ones); any other goes through an aligned buffer and is
+  copied into `out` only once checked. A record that fails is a miss: quarantined (its header zeroed, its space
+  reused), counted as bad.<reason>, and `out` may then hold garbage that the caller must not publish.
+- `read_async` submits that read as a transfer in the caller's lane; `get_many` reads a batch, all in flight at
+  once, and returns the longest verified prefix: the first miss or bad record ends it, never a partial hit past
+  it, and every read has finished (or was cancelled) before it returns, so the caller may reuse its buffers.
+- A verified read makes its block the most recently used (the disk cap evicts the least recently used first).
+- `verify` (offline: `kvstore verify`) reads every indexed record whole in the calling thread and applies the
+  same check; it changes nothing on disk unless asked to quarantine the bad records.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future
+from typing import TYPE_CHECKING, Any
+
+from kvstore.tiers.ssd.files import ClassFile, aligned, aligned_for_io
+from kvstore.tiers.ssd.record import HEADER_BYTES, BadRecord, Header, check_record
+from kvstore.traffic import Lane
+from kvstore.traffic.path import PIECE_BYTES
+
+if TYPE_CHECKING:
+    from kvstore.tiers.ssd.store import SsdStore
+
+log = logging.getLogger("kvstore")
+Out = memoryview | bytearray
+
+
+class Reader:
+    def __init__(self, store: SsdStore, preadv: Callable[..., int]) -> None:
+        self.store = store
+        self._preadv = preadv
+
+    def get_many(self, ns: bytes, hashes: Sequence[bytes], outs: Sequence[Out], lane: Lane,
+                 on_ready: Callable[[int], None] | None, crcs: list[int | None] | None) -> int:
+        """Read blocks into `outs`, all in flight at once; the length of the prefix read and verified."""
+        jobs = []
+        for h, out in zip(hashes, outs):
+            job = self.read_async(ns + h, out, lane)
+            if job is None:
+                break
+            jobs.append(job)
+        n = 0
+        try:
+            while n < len(jobs):
+                if not outcome(jobs[n], crcs):
+                    break
+                n += 1
+                while n < len(jobs) and jobs[n].done() and outcome(jobs[n], crcs):
+                    n += 1                                      # hand out what has landed, in one go
+                if on_ready is not None:
+                    on_ready(n)
+        finally:
+            for job in jobs[n:]:
+                if not job.cancel():
+                    outcome(job, None)      # let every read finish before the caller reuses its buffers
+        with self.store.lock:           # the head of the prefix the most recent: the disk cap takes tails first
+            for h in reversed(hashes[:n]):
+                self.store.touch_locked(ns + h)
+        return n
+
+    def read_async(self, key: bytes, out: Out, lane: Lane,
+                   on_done: Callable[[Future[Any]], None] | None = None) -> Future[Any] | None:
+        """Submit a verified read of one block into `out`; None (counted) when the store does not hold it with
+        that size. The future's result is the block's CRC-32, or False for a bad record; Busy if the lane is full."""
+        s = self.store
+        with s.lock:
+            where = s.index.get(key)
+            if where is None or where[0] != len(out):
+                s.counters["misses" if where is None else "wrong_geometry"] += 1
+                return None
+            cf = s.files[where[0]]
+        return s.path.submit(lane, cf.record, lambda: self.read_into(key, cf, where[1], out), tag=key,
+                             on_done=on_done)
+
+    def read_into(self, key: bytes, cf: ClassFile, rec: int, out: Out) -> int | bool:
+        """(A path worker.) Read record `rec` of `cf` into `out` and check it: its CRC-32, or False when it fails
+        (quarantined, unless evicted or rewritten while it was read)."""
+        s = self.store
+        buf = cf.take()
+        try:
+            header = self._read_checked(key, cf, rec, buf, out)
+        except BadRecord as e:
+            with s.lock:
+                if s.index.get(key, (0, -1))[1] == rec:    # not evicted or rewritten while we read
+                    s.drop_locked(key)
+                    s.quarantine_locked(cf, rec, e.reason)
+            return False
+        finally:
+            cf.spare.put(buf)
+        with s.lock:
+            s.touch_locked(key)
+            s.counters["hits"] += 1
+        return header.crc                 # verified: the host slot may carry it on
+
+    def _read_checked(self, key: bytes, cf: ClassFile, rec: int, buf: Any, out: Any) -> Header:
+        """The record's header once the record is checked; `out` holds the payload (or garbage on BadRecord)."""
+        with memoryview(buf) as mv:
+            if aligned_for_io(out):       # straight into `out`; the header into `buf`
+                with mv[:HEADER_BYTES] as head:
+                    n = self._read_in_pieces(cf, rec, head, out)
+                with memoryview(out) as o, o[:max(n - HEADER_BYTES, 0)] as payload:
+                    return check_record(bytes(mv[:min(n, HEADER_BYTES)]), payload, key, len(out))
+            n = self._preadv(cf.fd, [mv], rec * cf.record)
+            with mv[HEADER_BYTES:n] as payload:
+                header = check_record(bytes(mv[:min(n, HEADER_BYTES)]), payload, key, len(out))
+                out[:] = payload[:header.length]
+            return header
+
+    def _read_in_pieces(self, cf: ClassFile, rec: int, head: memoryview, out: Any) -> int:
+        """(A path worker.) Header and payload straight into `out`, piece by piece, yielding to critical reads
+        between pieces when this is a lower-lane read; returns the bytes read (short at the end of the file)."""
+        at = rec * cf.record
+        n = 0
+        with memoryview(out) as o:
+            for i in range(0, len(o), PIECE_BYTES):
+                if i:
+                    self.store.path.checkpoint()
+                with o[i:i + PIECE_BYTES] as part:
+                    bufs = [head, part] if i == 0 else [part]
+                    want = sum(len(b) for b in bufs)
+                    got = self._preadv(cf.fd, bufs, at + (0 if i == 0 else HEADER_BYTES + i))
+                n += got
+                if got < want:
+                    break
+        return n
+
+    def verify(self, fix: bool) -> list[tuple[str, int, str]]:
+        """(file, record, reason) of each bad indexed record; with `fix`, each is quarantined."""
+        s = self.store
+        bad = []
+        for key, (payload, rec, _) in list(s.index.items()):
+            cf = s.files[payload]
+            reason = _check_on_disk(key, cf, rec)
+            if reason is None:
+                continue
+            bad.append((cf.path, rec, reason))
+            if fix:
+                with s.lock:
+                    s.drop_locked(key)
+                    s.quarantine_locked(cf, rec, reason)
+        return bad
+
+
+def _check_on_disk(key: bytes, cf: ClassFile, rec: int) -> str | None:
+    """Read a record whole, in this thread, and check it: the reason it is bad, None if it is good."""
+    with aligned(cf.record) as buf, memoryview(buf) as mv:
+        n = os.preadv(cf.fd, [mv], rec * cf.record)
+        try:
+            with mv[HEADER_BYTES:n] as payload:
+                check_record(bytes(mv[:min(n, HEADER_BYTES)]), payload, key, cf.payload)
+        except BadRecord as e:
+            return e.reason
+    return None
+
+
+def outcome(job: Future[Any], crcs: list[int | None] | None) -> bool:
+    """A read's outcome: True for a verified block, whose CRC-32 (None if unknown) goes to `crcs`; a bad, failed or
+    cancelled read is a miss."""
+    try:
+        r = job.result()
+        if r is False:
+            return False
+        if crcs is not None:
+            crcs.append(None if r is None or r is True else int(r))
+        return True
+    except (CancelledError, OSError) as e:
+        if isinstance(e, OSError):
+            log.error("ssd: read failed: %s", e)
+        return False

@@ -1,0 +1,215 @@
+"""The SSD store's writes: placing records at the cap, writing them, making them durable, publishing them.
+
+`Writer.put_many` runs one batch at a time (`batch`; resize waits for it) and guarantees:
+- Placement never takes the files past the store's capacity: a record comes from the file's free records, else the
+  file grows by up to GROW_RECORDS (really allocated, files.grow), else the least recently used record of that
+  block size is evicted; with none of these the block is not stored (counted as full). A file system that refuses
+  to grow is counted as disk_full and the tier stays at its size, evicting within it.
+- Each payload is written as a transfer in the caller's lane, after zeroing the record's old header in the same
+  write (a crash leaves an empty record, never an old header over new bytes). A payload that can be moved as it is
+  (aligned_for_io) is written in pieces of PIECE_BYTES with a checkpoint between pieces, so that a lower-lane write
+  yields the device to critical reads; any other payload goes through an aligned buffer in one write.
+- Then, each a transfer in the caller's lane: a sync of the files (policy always or batch), the headers (crash
+  point after_payload before them, mid_header halfway through), a sync again. Under policy never nothing is synced.
+- A record is published (in the store's books) only once its header is written and synced: durable when
+  put_many returns, unless the policy is never. A key deleted while its write was in flight, or found in
+  `cancelled` at publication, is not published: its record is zeroed and freed.
+- A failed payload write leaves that record free again (write_errors); a failed sync or header write publishes
+  nothing from the batch. Either way the old copy of a key, if any, stays as it was.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import zlib
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from kvstore.daemon.crash import crash_point
+from kvstore.tiers.ssd.files import ZERO_BUF, ClassFile, aligned, aligned_for_io, grow
+from kvstore.tiers.ssd.record import HEADER_BYTES, Header, padded
+from kvstore.traffic import Busy, Lane
+from kvstore.traffic.path import PIECE_BYTES
+
+if TYPE_CHECKING:
+    from kvstore.tiers.ssd.store import SsdStore
+
+log = logging.getLogger("kvstore")
+SYNC_POLICIES = ("always", "batch", "never")     # the values of ssd.sync
+GROW_RECORDS = 64
+ZERO = bytes(HEADER_BYTES)
+Placed = tuple[ClassFile, int, bytes, int, Any]          # file, record, key, seq, payload
+Written = tuple[ClassFile, int, Header]                  # file, record, the header to write
+Writing = tuple[ClassFile, int, bytes, int, Future[Any]]  # file, record, key, seq, the payload's write
+
+
+class Writer:
+    def __init__(self, store: SsdStore, sync: str, pwritev: Callable[..., int]) -> None:
+        self.store = store
+        self.sync = sync
+        self._pwritev = pwritev
+        self.batch = threading.Lock()               # one put_many at a time; resize waits for it
+        self.writing: dict[bytes, int] = {}         # key → seq of its write in flight (under store.lock)
+
+    def cancel_locked(self, key: bytes) -> bool:
+        """(Under store.lock.) The key was deleted: its write in flight, if any, is not published."""
+        return self.writing.pop(key, None) is not None
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes, Any]], lane: Lane, cancelled: Collection[bytes]) -> int:
+        """Store (namespace digest, block hash, payload) records; returns how many were published."""
+        with self.batch:
+            placed = self._place(items)
+            headers: list[Written] = []
+            try:
+                for cf, rec, key, seq, job in self._submit_payloads(placed, lane):
+                    try:
+                        headers.append((cf, rec, Header(key[:16], key[16:], cf.payload, job.result(), seq)))
+                    except OSError as e:
+                        self._unplace(cf, rec, key, f"write_error: {e}")
+                if not headers:
+                    return 0
+                self._make_durable(headers, lane)
+            except (OSError, Busy, RuntimeError) as e:      # a failed sync or header write: nothing is published
+                for cf, rec, header in headers:
+                    self._unplace(cf, rec, header.ns + header.hash, f"batch failed: {e}")
+                return 0
+            return self._publish(headers, cancelled)
+
+    # ----- placement -----
+    def _place(self, items: Sequence[tuple[bytes, bytes, Any]]) -> list[Placed]:
+        """Book a record for each block (free, grown, or evicted at the cap); a block without one is skipped."""
+        s = self.store
+        placed = []
+        with s.lock:
+            for ns, h, payload in items:
+                cf = s.class_file(len(payload))
+                rec = self._free_record_locked(cf)
+                if rec is None:
+                    rec = s.evict_lru_locked(cf)
+                if rec is None:
+                    s.counters["full"] += 1
+                    continue
+                seq = self.writing[ns + h] = s.next_seq_locked()
+                placed.append((cf, rec, ns + h, seq, payload))
+        return placed
+
+    def _free_record_locked(self, cf: ClassFile) -> int | None:
+        """(Under store.lock.) A free record of the file, growing it within the capacity if it has none."""
+        s = self.store
+        if not cf.free:
+            records = min(GROW_RECORDS, (s.capacity - s.file_bytes()) // cf.record)
+            if records <= 0 or not self._grow_locked(cf, records):
+                return None
+        return cf.free.pop()
+
+    def _grow_locked(self, cf: ClassFile, records: int) -> bool:
+        """(Under store.lock.) Grow the file; False (counted, logged now and then) when the file system refuses."""
+        s = self.store
+        refused = grow(cf, records)
+        if refused is None:
+            return True
+        s.counters["disk_full"] += 1
+        if s.counters["disk_full"] == 1 or s.counters["disk_full"] % 1000 == 0:
+            log.error("ssd: the file system refused %d more bytes for %s (%s): the tier stays at %d bytes, "
+                      "evicting within them; free space there or lower ssd.capacity", records * cf.record, cf.path,
+                      os.strerror(refused.errno or 0), s.file_bytes())
+        return False
+
+    def _unplace(self, cf: ClassFile, rec: int, key: bytes, why: str) -> None:
+        log.error("ssd: writing a record to %s failed (%s); the block is not stored", cf.path, why)
+        with self.store.lock:
+            self.store.counters["write_errors"] += 1
+            self.writing.pop(key, None)
+            cf.free.append(rec)
+
+    def _publish(self, headers: list[Written], cancelled: Collection[bytes]) -> int:
+        """Book the written records, unless deleted meanwhile; a key's previous record is freed."""
+        s = self.store
+        stored = 0
+        with s.lock:
+            for cf, rec, header in headers:
+                key = header.ns + header.hash
+                if self.writing.get(key) != header.seq or key in cancelled:   # deleted while being written
+                    self.writing.pop(key, None)
+                    s.zero_later_locked(cf, rec)
+                    continue
+                del self.writing[key]
+                old = s.index.get(key)
+                if old is not None:
+                    s.drop_locked(key)
+                    s.files[old[0]].free.append(old[1])
+                s.add_locked(key, cf, rec, header.seq)
+                stored += 1
+            s.counters["writes"] += stored
+        return stored
+
+    # ----- the disk -----
+    def _submit_payloads(self, placed: list[Placed], lane: Lane) -> list[Writing]:
+        """Queue every payload write in `lane`; a block whose lane is full is unplaced (Busy)."""
+        writes = []
+        for cf, rec, key, seq, payload in placed:
+            try:
+                writes.append((cf, rec, key, seq, self.store.path.submit(
+                    lane, cf.record, partial(self._write_payload, cf, rec, payload))))
+            except Busy as e:
+                self._unplace(cf, rec, key, str(e))
+        return writes
+
+    def _make_durable(self, headers: list[Written], lane: Lane) -> None:
+        """Sync the payloads, write the headers, sync again: each a transfer in `lane`, waited for."""
+        cfs = {cf for cf, _, _ in headers}
+        path = self.store.path
+        path.submit(lane, 0, lambda: self._sync(cfs, "always", "batch")).result()
+        crash_point("after_payload")
+        path.submit(lane, len(headers) * HEADER_BYTES, lambda: self._write_headers(headers)).result()
+        path.submit(lane, 0, lambda: self._sync(cfs, "always", "batch")).result()
+
+    def _write_payload(self, cf: ClassFile, rec: int, payload: Any) -> int:
+        """(A path worker.) Write one payload, with the record's header zeroed; returns its CRC-32."""
+        if aligned_for_io(payload):       # a host slot or an aligned staged copy: written from where it is
+            self._write_in_pieces(cf, rec, payload)
+            return zlib.crc32(payload)
+        buf = cf.take()
+        try:
+            end = HEADER_BYTES + padded(len(payload))
+            buf[:HEADER_BYTES] = ZERO
+            buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
+            with memoryview(buf) as mv, mv[:end] as part, mv[HEADER_BYTES:HEADER_BYTES + len(payload)] as body:
+                crc = zlib.crc32(body)
+                self._pwritev(cf.fd, [part], rec * cf.record)       # zero header + payload: one write
+            return crc
+        finally:
+            cf.spare.put(buf)
+
+    def _write_in_pieces(self, cf: ClassFile, rec: int, payload: Any) -> None:
+        """(A path worker.) The zeroed header and the payload, piece by piece (PIECE_BYTES): between pieces a
+        lower-lane write yields the device to critical reads (Path.checkpoint)."""
+        at = rec * cf.record
+        with memoryview(payload) as mv:
+            for i in range(0, len(mv), PIECE_BYTES):
+                if i:
+                    self.store.path.checkpoint()
+                with mv[i:i + PIECE_BYTES] as part:
+                    if i == 0:
+                        self._pwritev(cf.fd, [ZERO_BUF, part], at)
+                    else:
+                        self._pwritev(cf.fd, [part], at + HEADER_BYTES + i)
+
+    def _write_headers(self, headers: list[Written]) -> None:
+        """(A path worker.) Each header through one aligned buffer (O_DIRECT needs aligned memory and offsets)."""
+        with aligned(HEADER_BYTES) as buf:
+            for i, (cf, rec, header) in enumerate(headers):
+                buf[:] = header.pack()
+                os.pwritev(cf.fd, [buf], rec * cf.record)
+                if i == len(headers) // 2:
+                    crash_point("mid_header")
+
+    def _sync(self, cfs: set[ClassFile], *policies: str) -> None:
+        """(A path worker.) fdatasync the files when the sync policy is one of `policies`."""
+        if self.sync in policies:
+            self.store.path.checkpoint()          # a flush of the device's cache would stall a critical read
+            for cf in cfs:
+                os.fdatasync(cf.fd)
