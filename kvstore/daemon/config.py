@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from kvstore.policy import POLICIES
 from kvstore.protocol.paths import default_socket_path
 from kvstore.tiers.ssd.files import IO_MODES
 from kvstore.tiers.ssd.writes import SYNC_POLICIES
@@ -49,6 +50,7 @@ class SsdConfig:
     write_through: bool = False         # also write every committed block to SSD at once (store lane)
     io: str = "auto"                    # auto | io_uring | threads: how record payloads reach the disk
     persist_on_stop: bool = True        # a graceful stop writes the host pool's blocks to SSD first
+    eviction: str = "lru"               # which record makes room at the cap (kvstore.policy)
 
 
 @dataclass(slots=True)
@@ -93,7 +95,6 @@ SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "traff
             "metrics": MetricsConfig, "log": LogConfig}
 SIZE_FIELDS = {("server", "max_frame_bytes"), ("pool", "capacity"), ("pool", "segment_bytes"), ("ssd", "capacity"),
                ("ssd", "staging_bytes")}
-EVICTION_POLICIES = ("lru",)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -221,8 +222,8 @@ def _check(cfg: Config) -> list[str]:
         p.capacity = auto_capacity()
     if p.segment_bytes < 1 << 20:
         errors.append(f"pool.segment_bytes: must be at least 1MiB, got {p.segment_bytes}")
-    if p.eviction not in EVICTION_POLICIES:
-        errors.append(f"pool.eviction: must be one of {', '.join(EVICTION_POLICIES)}, got {p.eviction!r}")
+    if p.eviction not in POLICIES:
+        errors.append(f"pool.eviction: must be one of {', '.join(POLICIES)}, got {p.eviction!r}")
     try:
         if not ipaddress.ip_address(m.host).is_loopback:
             errors.append(f"metrics.host: must be a loopback address (the endpoint has no auth), got {m.host}")
@@ -235,6 +236,8 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"ssd.dir: must be an absolute path (or empty for no SSD tier), got {d.dir!r}")
     if d.io not in IO_MODES:
         errors.append(f"ssd.io: must be one of {', '.join(IO_MODES)}, got {d.io!r}")
+    if d.eviction not in POLICIES:
+        errors.append(f"ssd.eviction: must be one of {', '.join(POLICIES)}, got {d.eviction!r}")
     if d.sync not in SYNC_POLICIES:
         errors.append(f"ssd.sync: must be one of {', '.join(SYNC_POLICIES)}, got {d.sync!r}")
     if d.dir and d.capacity < 1 << 20:

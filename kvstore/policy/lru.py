@@ -1,10 +1,15 @@
-"""Least-recently-used eviction on the key table's per-class intrusive lists: every hook is O(1)."""
+"""Least recently used, in both shapes (see kvstore.policy): every hook is O(1)."""
 from __future__ import annotations
 
-from kvstore.index.keytable import KeyTable
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstore.index.keytable import KeyTable
 
 
 class LruPolicy:
+    """The host pool's LRU, on the key table's per-class intrusive lists."""
     name = "lru"
 
     def __init__(self, table: KeyTable) -> None:
@@ -22,3 +27,33 @@ class LruPolicy:
     def victim(self, cls: int) -> bytes | None:
         oldest = self.table.oldest(cls)
         return None if oldest is None else oldest[0]
+
+
+class LruOrder:
+    """A lower tier's LRU: one recency list per class, least recently used first."""
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._lists: dict[int, OrderedDict[bytes, None]] = {}
+        self._cls: dict[bytes, int] = {}
+
+    def added(self, key: bytes, cls: int) -> None:
+        old = self._cls.get(key)
+        if old is not None:
+            del self._lists[old][key]
+        self._cls[key] = cls
+        self._lists.setdefault(cls, OrderedDict())[key] = None
+
+    def removed(self, key: bytes) -> None:
+        cls = self._cls.pop(key, None)
+        if cls is not None:
+            del self._lists[cls][key]
+
+    def accessed(self, key: bytes) -> None:
+        cls = self._cls.get(key)
+        if cls is not None:
+            self._lists[cls].move_to_end(key)
+
+    def victim(self, cls: int) -> bytes | None:
+        lru = self._lists.get(cls)
+        return next(iter(lru)) if lru else None

@@ -17,9 +17,9 @@
   serves (a block not scanned yet is a miss); files that are not ours (foreign names, temporaries, symlinks) are
   skipped. `wait=True` (tools, tests) returns only when the scan is done (scan.py).
 
-This module keeps the books, under `lock`: `index` (namespace digest + block hash → (payload bytes, record, seq)),
-in use order (the least recently used first: the cap evicts from its head); `files` (payload bytes → ClassFile,
-whose free records are booked there too); bytes used and blocks per namespace, kept as the index changes;
+This module keeps the books, under `lock`: `index` (namespace digest + block hash → (payload bytes, record, seq));
+`policy` (a kvstore.policy TierPolicy: the order in which the cap evicts, per block size); `files` (payload bytes →
+ClassFile, whose free records are booked there too); bytes used and blocks per namespace, kept as the index changes;
 `counters`. Deleting and quarantining a record take it out of the books at once and zero its header in the
 background before its space is reused, so it never comes back after a restart. The `*_locked` methods are the
 books' primitives for the other parts; they expect `lock` held.
@@ -36,6 +36,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvstore.daemon.crash import crash_point
+from kvstore.policy import make_tier_policy
 from kvstore.tiers.ssd.files import ZERO_BUF, ClassFile, StoreLocked, choose_io, lock_directory, open_class_file
 from kvstore.tiers.ssd.reads import Reader
 from kvstore.tiers.ssd.record import HEADER_BYTES
@@ -53,7 +54,7 @@ class SsdStore:
     `scanner` (scan.py), over the record files (files.py)."""
 
     def __init__(self, directory: str, capacity: int, sync: str = "batch", path: Path | None = None,
-                 io: str = "threads") -> None:
+                 io: str = "threads", eviction: str = "lru") -> None:
         if sync not in SYNC_POLICIES:
             raise ValueError(f"ssd sync policy must be one of {', '.join(SYNC_POLICIES)}, got {sync!r}")
         # Record payloads move by os.preadv/pwritev from the path's worker threads, or through an io_uring per
@@ -65,7 +66,8 @@ class SsdStore:
         self._own_path = path is None
         self.lock = threading.Lock()         # the books below; never held across a record's I/O
         self.files: dict[int, ClassFile] = {}
-        self.index: dict[bytes, tuple[int, int, int]] = {}    # ns + hash → (payload bytes, record, seq); LRU order
+        self.index: dict[bytes, tuple[int, int, int]] = {}    # ns + hash → (payload bytes, record, seq)
+        self.policy = make_tier_policy(eviction)            # which record the cap takes next, per block size
         self.counters: Counter[str] = Counter()
         self.used = 0                        # bytes of the records in the index
         self.per_ns: Counter[bytes] = Counter()    # blocks per namespace digest, kept as the index changes
@@ -221,12 +223,14 @@ class SsdStore:
     def add_locked(self, key: bytes, cf: ClassFile, rec: int, seq: int) -> None:
         """Book `key` in record `rec` of `cf`, as the most recently used."""
         self.index[key] = (cf.payload, rec, seq)
+        self.policy.added(key, cf.payload)
         self.used += cf.record
         self.per_ns[key[:16]] += 1
 
     def drop_locked(self, key: bytes) -> tuple[int, int, int]:
         """Take `key` out of the books; its record is the caller's to free or zero."""
         where = self.index.pop(key)
+        self.policy.removed(key)
         self.used -= self.files[where[0]].record
         self.per_ns[key[:16]] -= 1
         return where
@@ -234,7 +238,7 @@ class SsdStore:
     def touch_locked(self, key: bytes) -> None:
         """Make `key` the most recently used, if it is still booked."""
         if key in self.index:
-            self.index[key] = self.index.pop(key)
+            self.policy.accessed(key)
 
     def next_seq_locked(self) -> int:
         """A sequence number for a new write. Sequence numbers only order copies of one key; writes made during
@@ -246,16 +250,16 @@ class SsdStore:
         """A copy with sequence number `seq` was found on disk: new writes outrank it."""
         self._seq = max(self._seq, seq)
 
-    def evict_lru_locked(self, cf: ClassFile) -> int | None:
-        """Make room at the cap: the least recently used record of this block size (the index is kept in use
-        order: reads move a key to its end) is handed to the writer, which zeroes its header. None if none."""
-        for key, (payload, rec, _) in self.index.items():
-            if payload == cf.payload:
-                self.drop_locked(key)
-                crash_point("mid_eviction")
-                self.counters["evictions"] += 1
-                return rec
-        return None
+    def evict_locked(self, cf: ClassFile) -> int | None:
+        """Make room at the cap: the policy's victim among the records of this block size is handed to the
+        writer, which zeroes its header. None if there is none."""
+        key = self.policy.victim(cf.payload)
+        if key is None:
+            return None
+        _, rec, _ = self.drop_locked(key)
+        crash_point("mid_eviction")
+        self.counters["evictions"] += 1
+        return rec
 
     def quarantine_locked(self, cf: ClassFile, rec: int, reason: str) -> None:
         """A bad record (already out of the index) is never read again: its header is zeroed and its space

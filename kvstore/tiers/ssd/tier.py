@@ -59,7 +59,7 @@ class SsdTier:
 
     def __init__(self, cfg: SsdConfig, path: Path | None = None) -> None:
         self.cfg = cfg
-        self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path, cfg.io)
+        self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path, cfg.io, cfg.eviction)
         self.path = self.store.path
         self.staging: dict[bytes, bytes | bytearray | mmap.mmap | Pending] = {}
         self.staged_bytes = 0

@@ -88,7 +88,7 @@ class Writer:
                 cf = s.class_file(len(payload))
                 rec = self._free_record_locked(cf)
                 if rec is None:
-                    rec = s.evict_lru_locked(cf)
+                    rec = s.evict_locked(cf)
                 if rec is None:
                     s.counters["full"] += 1
                     continue
