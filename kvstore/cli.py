@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.daemon.metrics import BUCKETS
+from kvstore.histogram import BUCKETS, bucket_quantile
 from kvstore.units import format_size, parse_size
 
 
@@ -179,15 +179,8 @@ def traffic_rates(before: dict[str, Any], after: dict[str, Any], seconds: float)
 
 
 def _bucket_quantile(buckets: list[int], q: float) -> float | None:
-    total = sum(buckets)
-    if not total:
-        return 0.0
-    seen = 0
-    for i, c in enumerate(buckets):
-        seen += c
-        if seen >= q * total:
-            return BUCKETS[i] if i < len(BUCKETS) else None
-    return None
+    seconds = bucket_quantile(buckets, q)
+    return None if seconds == float("inf") else seconds
 
 
 def cmd_top(args: argparse.Namespace) -> int:

@@ -23,17 +23,23 @@ class Histogram:
         self.count += 1
 
     def quantile(self, q: float) -> float:
-        """Upper bound of the bucket holding the q-quantile (what a histogram can honestly say)."""
-        if not self.count:
-            return 0.0
-        rank, seen = q * self.count, 0
-        for i, c in enumerate(self.counts):
-            seen += c
-            if seen >= rank:
-                return BUCKETS[i] if i < len(BUCKETS) else float("inf")
-        return float("inf")
+        return bucket_quantile(self.counts, q)
 
     def to_dict(self) -> dict[str, Any]:
         # a quantile beyond the last bound is null: strict JSON has no Infinity
         p50, p99 = (q if q != float("inf") else None for q in (self.quantile(0.5), self.quantile(0.99)))
         return {"count": self.count, "sum": self.total, "buckets": list(self.counts), "p50": p50, "p99": p99}
+
+
+def bucket_quantile(counts: list[int], q: float) -> float:
+    """Upper bound of the bucket holding the q-quantile of these bucket counts (what a histogram can honestly say):
+    inf beyond the last bound, 0.0 with no observation."""
+    total = sum(counts)
+    if not total:
+        return 0.0
+    rank, seen = q * total, 0
+    for i, c in enumerate(counts):
+        seen += c
+        if seen >= rank:
+            return BUCKETS[i] if i < len(BUCKETS) else float("inf")
+    return float("inf")
