@@ -5,5 +5,6 @@
 - `store`: the record store's books (key → record, LRU order, per-namespace counts, delete, resize), composing
   `files` (the record files of one block size, the directory lock, growth), `scan` (the restart scan, while the
   daemon serves), `writes` (placement at the cap, payload then header, sync policy) and `reads` (verified reads);
-- `record`: the record format and its one check; `uring`: io_uring where it works, else threads.
+- `record`: the record format and its one check; `uring` (with `uring_probe`): io_uring where it works, else
+  threads.
 """

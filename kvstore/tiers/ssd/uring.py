@@ -45,16 +45,16 @@ the wait is a poll() on the ring's file descriptor, which releases the GIL.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
 import select
-import sys
-import tempfile
 import threading
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Union
+
+from kvstore.tiers.ssd.uring_probe import give_back_export, io_probe, iovec_semantics
 
 Buffer = Union[memoryview, mmap.mmap, bytearray, bytes]
 Op = tuple[str, int, Sequence[Buffer], int]
@@ -140,7 +140,7 @@ def _release_after_iovec(views: list[memoryview]) -> None:
     """After the op's completion: give back what the Iovec took, then release our views."""
     for v in views:
         if _leaks_exports:
-            _give_back_export(v)
+            give_back_export(v)
         try:
             v.release()
         except BufferError:       # still exported: leave it pinned (a leak, never a dangling pointer)
@@ -313,28 +313,6 @@ def _run_uring(ops: list[tuple[str, int, list[memoryview], int]], depth: int) ->
     return results
 
 
-# ---------------------------------------------------------------------------------------------------- exports
-
-class _PyBuffer(ctypes.Structure):
-    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
-                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
-                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
-
-
-_PyBuffer_Release = ctypes.pythonapi.PyBuffer_Release
-_PyBuffer_Release.argtypes = [ctypes.POINTER(_PyBuffer)]
-_PyBuffer_Release.restype = None
-
-
-def _give_back_export(mv: memoryview) -> None:
-    """Undo one PyObject_GetBuffer(mv) that was never released: a memoryview's releasebuffer only counts its
-    exports down, and PyBuffer_Release then drops the reference the buffer held."""
-    pb = _PyBuffer()
-    pb.obj = mv
-    _PyBuffer_Release(ctypes.byref(pb))
-
-
 # ---------------------------------------------------------------------------------------------------- probe
 
 def _probe() -> None:
@@ -354,7 +332,7 @@ def _probe() -> None:
         _probe_reason = f"io_uring unavailable: liburing {version} lacks {', '.join(missing)}"
         return
     try:
-        leaks = _iovec_semantics(L)
+        leaks = iovec_semantics(L)
     except Exception as e:
         _probe_reason = f"io_uring unavailable: liburing {version}: {e}"
         return
@@ -366,7 +344,7 @@ def _probe() -> None:
         _probe_reason = f"io_uring unavailable: ring setup failed ({type(e).__name__}: {e})"
         return
     try:
-        how = _io_probe(ring)
+        how = io_probe(partial(_run_one_on, ring))
     except Exception as e:
         _L = None
         _probe_reason = f"io_uring unavailable: test readv/writev failed ({type(e).__name__}: {e})"
@@ -378,64 +356,10 @@ def _probe() -> None:
     _state = True
 
 
-def _iovec_semantics(L: Any) -> bool:
-    """True if Iovec leaks exactly one export per memoryview, False if it keeps none after it is gone; else
-    raise (a binding this module does not understand is not used)."""
-    mv = memoryview(bytearray(64))
-    base = sys.getrefcount(mv)
-    iov = L.Iovec([mv, mv])
-    del iov
-    left = sys.getrefcount(mv) - base
-    if left == 0:
-        mv.release()
-        return False
-    if left == 2:
-        _give_back_export(mv)
-        _give_back_export(mv)
-        if sys.getrefcount(mv) - base == 0:
-            mv.release()             # BufferError here would mean the count is not what we think
-            return True
-    raise RuntimeError(f"Iovec keeps {left} references to 2 buffers; not a behaviour this module knows")
-
-
-def _io_probe(ring: _Ring) -> str:
-    d = os.environ.get("KVSTORE_URING_PROBE_DIR") or tempfile.gettempdir()
-    fd0, path = tempfile.mkstemp(prefix=".kvstore-uring-probe-", dir=d)
+def _run_one_on(ring: _Ring, kind: str, fd: int, buf: memoryview, offset: int) -> int:
+    """One op through `ring` (not this thread's own): what the probe tests."""
+    saved, _tls.ring = getattr(_tls, "ring", None), ring
     try:
-        os.close(fd0)
-        pattern = bytes(range(256)) * 32                     # 8 KiB
-        with open(path, "wb") as f:
-            f.write(pattern)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-            how = f"O_DIRECT probe in {d}"
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            fd = os.open(path, os.O_RDWR)
-            how = f"buffered probe: {d} refuses O_DIRECT"
-        buf = mmap.mmap(-1, 8192)
-        mv = memoryview(buf)
-        saved, _tls.ring = getattr(_tls, "ring", None), ring
-        try:
-            first, second = mv[:4096], mv[4096:]
-            n = _run_uring([("r", fd, _check("r", fd, [first], 4096), 4096)], 1)[0]
-            if n != 4096 or buf[:4096] != pattern[4096:]:
-                raise OSError(errno.EIO, f"readv returned {n} and {'wrong' if n == 4096 else 'no'} bytes")
-            buf[:4096] = pattern[::-1][:4096]
-            n = _run_uring([("w", fd, _check("w", fd, [first], 0), 0)], 1)[0]
-            m = _run_uring([("r", fd, _check("r", fd, [second], 0), 0)], 1)[0]
-            if n != 4096 or m != 4096 or buf[4096:] != pattern[::-1][:4096]:
-                raise OSError(errno.EIO, f"writev returned {n}, read back {m}, or the bytes differ")
-            first.release()
-            second.release()
-        finally:
-            _tls.ring = saved
-            os.close(fd)
-        mv.release()
-        buf.close()           # BufferError if an export were left behind: the probe fails then
-        return how
+        return _run_uring([(kind, fd, _check(kind, fd, [buf], offset), offset)], 1)[0]
     finally:
-        os.unlink(path)
+        _tls.ring = saved
