@@ -139,7 +139,7 @@ def _merge(base: dict[str, Any], user: Any, where: str) -> list[str]:
         elif not isinstance(values, dict):
             errors.append(f"{section}: must be a mapping")
         else:
-            base[section].update(values)
+            base.setdefault(section, {}).update(values)     # a section the embedded default leaves out
     return errors
 
 
@@ -154,10 +154,10 @@ def _apply_env(raw: dict[str, Any], env: Any) -> list[str]:
             continue
         types = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])}
         if types.get(key) in ("str", str) or not value:   # as written: YAML would make "::" a map, "off" false
-            raw[section][key] = value
+            raw.setdefault(section, {})[key] = value
             continue
         try:
-            raw[section][key] = yaml.safe_load(value)
+            raw.setdefault(section, {})[key] = yaml.safe_load(value)
         except yaml.YAMLError:
             errors.append(f"{section}.{key}: {name}={value!r} is not a valid YAML value")
     return errors
