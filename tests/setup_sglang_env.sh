@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Builds .venv-sglang (beside this checkout's .venv) from nothing: SGLang 0.5.23 over a CPU torch, for
-# tests/connectors/test_sglang_connector.py. Idempotent: a stamp holding this script's digest skips a finished build; an edit of
-# this script rebuilds. Usage: tests/setup_sglang_env.sh [VENV_DIR]   (default: <repo>/.venv-sglang)
+# tests/connectors/test_sglang_connector.py and the Triton interpreter tests (tests/connectors/test_kv_pages.py -m triton).
+# Idempotent: a stamp holding this script's digest skips a finished build; an edit of this script rebuilds. kvstore
+# itself is an editable install of this checkout, redone (in seconds) when pyproject.toml or setup.py change, so its
+# package-dir mapping (connectors/ as kvstore.connectors, configs/ as kvstore.configs) and entry points follow them.
+# Usage: tests/setup_sglang_env.sh [VENV_DIR]   (default: <repo>/.venv-sglang)
 #
 # The recipe (../shared/ENGINES.md, "SGLang 0.5.23 on CPU"): pip must not resolve SGLang's own requirements (they pin
 # torch 2.14.1, a CUDA build, and several GB of CUDA kernels), so CPU torch goes first, SGLang goes in with --no-deps,
@@ -14,13 +17,21 @@ VENV="${1:-$ROOT/.venv-sglang}"
 PY="${PY:-python3}"
 STAMP="$VENV/.installed"
 DIGEST="$(sha256sum "$0" | cut -d' ' -f1)"
+KVSTORE_STAMP="$VENV/.kvstore"
+KVSTORE_DIGEST="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
+
+install_kvstore() {   # kvstore (editable, from this checkout) and the test tools
+    "$VENV/bin/pip" install -q -e "$ROOT" pytest pytest-timeout pytest-asyncio
+    echo "$KVSTORE_DIGEST" > "$KVSTORE_STAMP"
+}
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$DIGEST" ]; then
+    [ "$(cat "$KVSTORE_STAMP" 2>/dev/null)" = "$KVSTORE_DIGEST" ] || install_kvstore
     exit 0
 fi
 
 test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/pip" install -q)
+PIP=("$VENV/bin/pip" install -q --no-compile)   # byte-compiled at the end, on every core
 "${PIP[@]}" --upgrade pip
 
 # 1. CPU torch first (on this machine's disk), so nothing later pulls a CUDA one
@@ -45,14 +56,18 @@ EOF
 sed -i -E 's/^@torch\.library\.register_fake\(("torchvision::[a-z_]+")\)$/@(torch.library.register_fake(\1) if torchvision.extension._has_ops() else (lambda f: f))  # kvstore: no CUDA ops/' "$META"
 
 # 5. kvstore (editable, from this checkout) and the test tools
-"${PIP[@]}" -e "$ROOT" pytest pytest-timeout pytest-asyncio
+install_kvstore
 
-# 6. the classes the tests drive must import
+# 6. the classes the tests drive must import, and Triton (its interpreter runs the GPU copy kernel's tests here)
 (cd "$ROOT" && "$VENV/bin/python" -W ignore -c "
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 import kvstore.connectors.sglang_backend
+import triton
 ")
+
+# 7. byte-compile on every core (pip would on one; the tests start many SGLang processes)
+"$VENV/bin/python" -m compileall -qq -j 0 "$VENV/lib" || true   # 1: a few templates are not Python
 echo "$DIGEST" > "$STAMP"

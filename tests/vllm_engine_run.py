@@ -1,13 +1,22 @@
-"""Run by tests/test_vllm_connector.py in fresh processes (vLLM wants a process of its own).
+"""Run by tests/connectors/test_vllm_connector.py and tests/install/ in fresh processes (vLLM wants a process of its
+own).
 
     python tests/vllm_engine_run.py build DIR SEED [DIR SEED ...]   # tiny random Llamas + WordLevel tokenizers
     python tests/vllm_engine_run.py run --model DIR --socket PATH --steps '[{...}, ...]'
+    python tests/vllm_engine_run.py run --model DIR --short-config --steps '[{...}, ...]'
 
 `run` starts one vLLM engine (in-process engine core, CPU, block size 32, no local prefix caching, sha256_cbor
 hashes) with kvstore's connector and generates greedily once per step. Each step is {"tokens": [...],
 "max_tokens": N, "wait": PATH or null}: with "wait", the script prints `WAIT PATH` and waits for PATH to exist before
 generating (the test changes the daemon meanwhile). After each step it prints one line
-`RESULT {"output": [...], "num_cached_tokens": n, "seconds": s}`.
+`RESULT {"output": [...], "num_cached_tokens": n, "seconds": s, "origin": {...}}` ("origin": where kvstore's
+modules were imported from, whether vLLM loaded kvstore's plugin, the connector's module path as configured).
+
+By default the connector is named by its module path, importable from this checkout (put on sys.path). With
+`--short-config` the engine gets only `--kv-transfer-config '{"kv_connector": "KVStoreConnector", "kv_role":
+"kv_both"}'` (parsed by vLLM's own argument parser) and nothing is added to sys.path: the installed kvstore's vLLM
+plugin must register the name, and the socket comes from $KVSTORE_SERVER_SOCKET (tests/install runs a copy of this
+script in a venv where kvstore is installed from its wheel).
 """
 from __future__ import annotations
 
@@ -44,20 +53,45 @@ def build(path: str, seed: int) -> None:
     fast.save_pretrained(path)
 
 
-def run(model: str, socket: str, steps: list[dict], extra: dict) -> None:
+SHORT_CONFIG = '{"kv_connector": "KVStoreConnector", "kv_role": "kv_both"}'
+ORIGIN_MODULES = ("kvstore", "kvstore.connectors", "kvstore.connectors.vllm_connector",
+                  "kvstore.connectors.vllm_plugin")
+
+
+def run(model: str, socket: str | None, steps: list[dict], extra: dict, short: bool = False) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    sys.path.insert(0, ROOT)               # connectors/ must be importable in the engine-core process
+    if not short:
+        sys.path.insert(0, ROOT)           # connectors/ must be importable in the engine-core process
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    ktc = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connectors.vllm_connector",
-                           kv_role="kv_both", kv_load_failure_policy="recompute",
-                           kv_connector_extra_config={"socket": socket, "retry_s": 0.5, "timeout_s": 5, **extra})
+    if short:                              # what a user types: `--kv-transfer-config '{...}'`, parsed by vLLM
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        ktc = parser.parse_args(["--model", model, "--kv-transfer-config", SHORT_CONFIG]).kv_transfer_config
+    else:
+        if socket is None:
+            raise SystemExit("--socket is required without --short-config")
+        ktc = KVTransferConfig(kv_connector="KVStoreConnector",
+                               kv_connector_module_path="kvstore.connectors.vllm_connector",
+                               kv_role="kv_both", kv_load_failure_policy="recompute",
+                               kv_connector_extra_config={"socket": socket, "retry_s": 0.5, "timeout_s": 5, **extra})
     llm = LLM(model=model, dtype="float32", block_size=BLOCK_SIZE, enable_prefix_caching=False,
               prefix_caching_hash_algo="sha256_cbor", max_model_len=1024, seed=0, enforce_eager=True,
               kv_transfer_config=ktc)
+    # before this script imports anything of kvstore's: what vLLM itself loaded
+    origin = {"plugin_loaded_by_vllm": "kvstore.connectors.vllm_plugin" in sys.modules,
+              "kv_connector": ktc.kv_connector, "kv_connector_module_path": ktc.kv_connector_module_path,
+              "modules": {name: getattr(sys.modules.get(name), "__file__", None) for name in ORIGIN_MODULES}}
+    if origin["plugin_loaded_by_vllm"]:
+        from kvstore.connectors.vllm_plugin import register
+
+        register()                         # again, as a second load_general_plugins would: changes nothing
+        origin["register_again"] = "ok"
     for step in steps:
         if step.get("wait"):
             print(f"WAIT {step['wait']}", flush=True)
@@ -70,7 +104,7 @@ def run(model: str, socket: str, steps: list[dict], extra: dict) -> None:
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=step["tokens"])], params, use_tqdm=False)[0]
         result = {"output": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
-                  "seconds": round(time.perf_counter() - t0, 3)}
+                  "seconds": round(time.perf_counter() - t0, 3), "origin": origin}
         print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -84,11 +118,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd")
     ap.add_argument("--model", required=True)
-    ap.add_argument("--socket", required=True)
+    ap.add_argument("--socket")
+    ap.add_argument("--short-config", action="store_true")
     ap.add_argument("--steps", required=True)
     ap.add_argument("--extra", default="{}")
     a = ap.parse_args()
-    run(a.model, a.socket, json.loads(a.steps), json.loads(a.extra))
+    run(a.model, a.socket, json.loads(a.steps), json.loads(a.extra), a.short_config)
 
 
 if __name__ == "__main__":

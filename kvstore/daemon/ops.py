@@ -13,7 +13,7 @@ from kvstore import __version__
 from kvstore.daemon import admin
 from kvstore.daemon.state import State
 from kvstore.daemon.stream import Stream
-from kvstore.index import Holdings, NamespaceEntry
+from kvstore.index import Holdings
 from kvstore.movers.prefetch import LaneFull
 from kvstore.protocol import Code, ProtocolError, split_keys
 from kvstore.protocol.geometry import GeometryError
@@ -153,18 +153,19 @@ def op_release(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_delete(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    """Delete from every tier: a pinned host block goes at its last release, a queued prefetch is dropped unread,
+    a promotion in flight is never published, a write in flight is not published."""
     ns = st.index.namespace(m["ns"], h)
     hashes = split_keys(m["keys"])
     if st.prefetcher is not None:
-        st.prefetcher.cancel(ns, hashes)            # a queued prefetch of a deleted block is dropped unread
-    n = sum(_delete_below(st, ns, hash_) or in_host
-            for hash_, in_host in zip(hashes, st.index.delete(ns, hashes)))
+        st.prefetcher.cancel(ns, hashes)
+    in_host = st.index.delete(ns, hashes)
+    n = 0
+    for block_hash, found in zip(hashes, in_host):
+        below = st.lower.delete(ns.block_id(block_hash))
+        n += found or below
     st.counters["deletes"] += n
     return {"n": n}
-
-
-def _delete_below(st: State, ns: NamespaceEntry, block_hash: bytes) -> bool:
-    return st.lower.delete(ns.block_id(block_hash))
 
 
 HANDLERS: dict[str, Handler] = {

@@ -67,6 +67,10 @@ class Index(CapacityBooks):
     def holds(self, ns: NamespaceEntry, block_hash: bytes) -> bool:
         return ns.key(block_hash) in self.table
 
+    def slot(self, ns: NamespaceEntry, block_hash: bytes) -> int | None:
+        """The gid of a stored block, or None (no recency effect)."""
+        return self.table.get(ns.key(block_hash))
+
     def acquire(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings) -> list[int]:
         """Pin the longest prefix in the host pool; returns its slots."""
         gids = []

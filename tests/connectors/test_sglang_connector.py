@@ -26,6 +26,7 @@ import pytest
 
 from kvstore.protocol.geometry import Geometry
 from tests.conftest import DaemonProc
+from tests.engine_guard import engine_missing
 
 pytestmark = pytest.mark.sglang
 
@@ -37,8 +38,7 @@ try:
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 except Exception as e:  # noqa: BLE001 - any import failure means: no SGLang here
-    pytest.skip(f"SGLang is not importable ({type(e).__name__}: {e}); build .venv-sglang with "
-                "tests/setup_sglang_env.sh", allow_module_level=True)
+    engine_missing("sglang", e)   # a skip, or a failure where KVSTORE_REQUIRE_ENGINES names sglang (make test)
 
 from kvstore.connectors.sglang_backend import KVStoreHiCache, page_key  # noqa: E402 - needs SGLang
 
