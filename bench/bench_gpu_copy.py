@@ -1,5 +1,6 @@
 """The vLLM connector's GPU path on a real GPU: scattered KV pages gathered into the daemon's slots (save) and
-scattered back (load), layer by layer, through `kvstore.connectors.kv_pages.CudaMover`, against a plain pinned `copy_` of
+scattered back (load), layer by layer, through `kvstore.connectors.kv_pages.CudaMover`, against a plain pinned
+`copy_` of
 the same bytes (one contiguous pinned buffer <-> one contiguous GPU buffer: the link's limit) in the same run.
 
 Every figure is checked byte-exact: the slots must hold each page in the engine's memory order (compared with the

@@ -67,7 +67,8 @@ def engine(model: str, mode: str, arg: str, tokens: int, reps: int) -> None:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     os.close(fd)
     if mode.startswith("kvstore"):
-        ktc = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connectors.vllm_connector",
+        ktc = KVTransferConfig(kv_connector="KVStoreConnector",
+                               kv_connector_module_path="kvstore.connectors.vllm_connector",
                                kv_role="kv_both", kv_load_failure_policy="recompute",
                                kv_connector_extra_config={"socket": arg, "verify": mode != "kvstore-noverify"})
     elif mode.startswith("example"):

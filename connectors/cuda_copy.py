@@ -3,8 +3,8 @@ layer's blocks on the GPU and their places in the pool's pinned slots, in one la
 
 The slots are registered host memory, which the kernel reads and writes through unified addressing (a registered
 page has the same address on the GPU). Triton ships with every CUDA build of torch that vLLM and SGLang run on, so
-this needs nothing more; `kvstore.connectors.kv_pages.CudaMover` proves it byte-exact once and falls back to `copy_` if it
-cannot run. Imported only where CUDA is.
+this needs nothing more; `kvstore.connectors.kv_pages.CudaMover` proves it byte-exact once and falls back to `copy_`
+if it cannot run. Imported only where CUDA is.
 """
 from __future__ import annotations
 

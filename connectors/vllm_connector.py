@@ -3,9 +3,11 @@ from the daemon's shared-memory slots, one Layer Block at a time. Thin: no cache
 never a reason for the engine to stop (no hits while it is away, one log line, reconnect later).
 
     vllm serve MODEL --block-size 32 --prefix-caching-hash-algo sha256_cbor --kv-transfer-config \\
-      '{"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.connectors.vllm_connector",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+      '{"kv_connector": "KVStoreConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"socket": "/run/user/1000/kvstore/kvstore.sock"}}'
+
+(the name is registered by kvstore's vLLM plugin, `vllm_plugin.py`; `kv_connector_module_path`:
+"kvstore.connectors.vllm_connector" works too.)
 
 Scheduler side: `get_num_new_matched_tokens` asks the daemon for the longest stored prefix of the request's block
 hashes (never the block holding the last prompt token, which vLLM always computes); `build_connector_meta` tells
@@ -24,7 +26,7 @@ kernel per layer where it proves byte-exact, else one copy_ per page run; kernel
 The GPU path: the pool's segments are registered as pinned memory once, loads of every layer are queued on the
 connector's stream at `start_load_kv` (each attention layer waits only for its own layer's event), saves are queued
 after the layer's compute, and the blocks are committed in `wait_for_save` after one stream sync, so the last layer
-never stalls the forward pass. On CPU the same movers copy at once (`connectors/kv_pages.py`).
+never stalls the forward pass. On CPU the same movers copy at once (`kv_pages.py`).
 """
 from __future__ import annotations
 

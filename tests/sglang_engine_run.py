@@ -37,7 +37,8 @@ def build(out: str) -> None:
 def run(model: str, socket: str, prompt_len: int, expect_blocks: int, wait: str | None) -> None:
     import sglang as sgl
 
-    extra = {"backend_name": "kvstore", "module_path": "kvstore.connectors.sglang_backend", "class_name": "KVStoreHiCache",
+    extra = {"backend_name": "kvstore", "module_path": "kvstore.connectors.sglang_backend",
+             "class_name": "KVStoreHiCache",
              "interface_v1": 1, "prefetch_threshold": 4, "socket": socket}
     engine = sgl.Engine(model_path=model, device="cpu", dtype="float32", page_size=4, mem_fraction_static=0.05,
                         max_total_tokens=2048, disable_cuda_graph=True, skip_server_warmup=True, log_level="info",

@@ -13,6 +13,8 @@ import pytest
 from kvstore.client import KVStoreError
 from tests.conftest import GEOM, block, hashes, spec
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 # 1 MiB segments of 8 KiB blocks = 128 slots each; a 2 MiB pool = 256 slots.
 SLOTS = 256
 
@@ -94,7 +96,7 @@ time.sleep(60)
 
 def test_killed_client_releases_pins_and_reservations(daemon):
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD), daemon.socket],
-                             stdout=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                             stdout=subprocess.PIPE, cwd=ROOT)
     assert child.stdout.readline().strip() == b"holding"
     with daemon.client() as c:
         s = c.stats()

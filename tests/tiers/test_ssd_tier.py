@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from kvstore.tiers.ssd.store import SsdStore
 from kvstore.tiers.ssd.record import HEADER_BYTES
+from kvstore.tiers.ssd.store import SsdStore
 from tests.conftest import GEOM, DaemonProc, spec, ssd_settled
 from tests.workers import content, key
 
