@@ -15,7 +15,7 @@ from kvstore.daemon.state import State
 from kvstore.daemon.stream import Stream
 from kvstore.index import Holdings
 from kvstore.movers.prefetch import LaneFull
-from kvstore.protocol import Code, ProtocolError, split_keys
+from kvstore.protocol import HASH_BYTES, Code, ProtocolError, split_keys
 from kvstore.protocol.geometry import GeometryError
 from kvstore.protocol.keys import NamespaceSpec
 from kvstore.traffic import parse_lane
@@ -67,15 +67,18 @@ def op_segments(st: State, h: Holdings, m: dict[str, Any]) -> Reply:
 def op_lookup(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     """The longest prefix held by any tier, and how much of it is in the host pool."""
     ns = st.index.namespace(m["ns"], h)
-    host = st.index.host_prefix(ns, m["keys"])
-    hashes = split_keys(m["keys"])
-    n = host
-    while n < len(hashes) and (st.index.holds(ns, hashes[n]) or st.lower.holder(ns.block_id(hashes[n]))):
-        n += 1
+    blob = m["keys"]
+    asked = len(blob) // HASH_BYTES
+    n = host = st.index.host_prefix(ns, blob)
+    if st.lower and host < asked:                   # the rest of the prefix may be below: block by block
+        for block_hash in split_keys(blob[host * HASH_BYTES:]):
+            if not (st.index.holds(ns, block_hash) or st.lower.holder(ns.block_id(block_hash))):
+                break
+            n += 1
     st.counters["lookups"] += 1
     st.counters["hits"] += n
-    st.counters["misses"] += len(hashes) - n
-    return {"n": n, "host": host}          # flat: the rest of the prefix is in lower tiers
+    st.counters["misses"] += asked - n
+    return {"n": n, "host": host}
 
 
 def op_reserve(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
