@@ -91,7 +91,7 @@ class Session:
             self._fail(rid, e.code, e.message)
             return e.code != Code.BAD_FRAME
         except Refused as e:
-            self._fail(rid, REFUSALS[type(e)], str(e))
+            self._fail(rid, REFUSALS.get(type(e), Code.BAD_REQUEST), str(e))
             return True
         except Exception as e:  # a bug must cost one request, not the daemon
             log.exception("op %s from %s failed", op, self.peer)

@@ -84,8 +84,9 @@ class Promotion:
         try:
             self.copy_evicted()                  # slots taken by eviction: their old bytes copied down first
             n = tier.read([ns.block_id(h) for h, _ in plan], views, lane, on_ready if early else None, crcs)
-        except OSError as e:
-            log.error("%s: promotion read failed (%s); serving the host prefix only", tier.name, e)
+        except Exception as e:                   # the tier's own failure: a miss, and no slot left reserved
+            log.error("%s: promotion read failed (%s: %s); serving the host prefix only", tier.name,
+                      type(e).__name__, e)
             n = 0
         finally:
             for v in views:
