@@ -56,6 +56,8 @@ class State:
 
 
 def copy_deferred(demotion: Demotion | None, index: Index, lock: Lock, done: bool = True) -> None:
+    """(Without the lock.) The demotion copies this thread owes, then the slots they held are let go (under it);
+    also handed to the promotion mover, which must copy before it reads into slots taken by eviction."""
     if demotion is None:
         return
     held = demotion.copy_deferred(done)
