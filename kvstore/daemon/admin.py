@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvstore import __version__
+from kvstore.daemon import process
 from kvstore.index import Holdings
 from kvstore.protocol import Code, ProtocolError
 
@@ -97,7 +98,9 @@ def snapshot(st: State) -> dict[str, Any]:
             "segments": len(pool.segments), "segment_bytes": pool.segment_bytes, "classes": classes}
     counters = {k: st.counters[k] for k in COUNTERS}
     counters["refused_connections"] = st.metrics.refused_connections
+    counters["accept_errors"] = st.metrics.accept_errors
     return {"version": __version__, "pid": os.getpid(), "uptime_s": time.time() - st.started,
             "socket": st.config.server.socket, "counters": counters, "tiers": [host, *st.lower.stats()],
             "traffic": st.traffic.stats(), "errors": dict(st.metrics.errors), "connections": st.connections,
-            "latency": {op: hist.to_dict() for op, hist in st.metrics.latency.items()}, **idx.stats()}
+            "latency": {op: hist.to_dict() for op, hist in st.metrics.latency.items()}, "process": process.state(),
+            **idx.stats()}

@@ -14,6 +14,7 @@ class OpMetrics:
         self.latency: dict[str, Histogram] = {}
         self.errors: Counter[str] = Counter()
         self.refused_connections = 0
+        self.accept_errors = 0          # accepts that failed for want of fds or memory
 
     def observe(self, op: str, seconds: float) -> None:
         h = self.latency.get(op)

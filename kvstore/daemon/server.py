@@ -6,6 +6,7 @@ the exit. A client over the cap gets a `too_many_connections` error frame; its c
 (write side shut) so that a request it already sent cannot make its send fail before it reads the refusal."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import time
 from collections import deque
 from types import FrameType
 
+from kvstore.daemon import process
 from kvstore.daemon.admin import snapshot
 from kvstore.daemon.config import Config
 from kvstore.daemon.metrics import start_prometheus
@@ -31,6 +33,7 @@ from kvstore.units import format_size
 log = logging.getLogger("kvstore")
 REFUSED_LINGER_S = 1.0   # how long a refused connection stays open for its client to read the refusal
 MAX_LINGERING = 64       # refused connections kept open at once; beyond that the oldest is closed at once
+ACCEPT_BACKOFF_S = 0.05  # out of fds: the pause before the next accept
 
 
 class StartupError(RuntimeError):
@@ -98,12 +101,14 @@ class Daemon:
         self.metrics_server: object | None = None
         self._refused: deque[tuple[float, socket.socket]] = deque()
         self._signals = 0
+        self._last_accept_error = 0.0
 
     def serve(self) -> None:
         cfg = self.config
         # Threads waiting on I/O (an engine's SSD read) must get the GIL back quickly from threads copying or
         # checksumming: Python's default switch interval (5 ms) would be the latency of a critical read.
         sys.setswitchinterval(float(os.environ.get("KVSTORE_SWITCH_INTERVAL", "0.0005")))
+        process.harden()
         self.listener = bind_unix(cfg.server.socket)
         self.listener.settimeout(0.2)
         try:
@@ -119,9 +124,26 @@ class Daemon:
                     conn, _ = self.listener.accept()
                 except TimeoutError:
                     continue
+                except OSError as e:
+                    self._accept_failed(e)
+                    continue
                 self._admit(conn)
         finally:
             self._shutdown()
+
+    def _accept_failed(self, e: OSError) -> None:
+        """Out of fds (or kernel memory): the connection waits in the backlog; the daemon serves the others, backs
+        off a moment and tries again. Logged once per run of failures, counted always."""
+        if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            raise e
+        with self.state.lock:
+            self.state.metrics.accept_errors += 1
+            first = self.state.metrics.accept_errors == 1 or time.monotonic() - self._last_accept_error > 10
+        self._last_accept_error = time.monotonic()
+        if first:
+            log.error("accept failed: %s; new clients wait until fds are free (open-file limit %d: raise it, or "
+                      "lower server.max_connections)", e.strerror, process.state()["fd_limit"])
+        time.sleep(ACCEPT_BACKOFF_S)
 
     def _start_metrics(self) -> None:
         m = self.config.metrics

@@ -54,7 +54,7 @@ class Geometry:
                 raise GeometryError(f"geometry.{name} must be an integer in {lo}..{hi}, got {v!r}")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise GeometryError(f"geometry.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv not in (1, 2):
+        if isinstance(self.kv, bool) or not isinstance(self.kv, int) or self.kv not in (1, 2):
             raise GeometryError(f"geometry.kv must be 2 (K and V) or 1 (one latent), got {self.kv!r}")
         if not isinstance(self.layout, str) or not 1 <= len(self.layout) <= 64 or set(self.layout) - LAYOUT_CHARS:
             raise GeometryError(f"geometry.layout must be 1..64 characters of [A-Za-z0-9_-.,:*], got {self.layout!r}")

@@ -8,6 +8,7 @@ share a segment).
 - allocate / free are O(1): a free-slot stack per segment and an ordered set of segments with free slots per size.
 - capacity is exact: the bytes of all live segments never exceed it; a segment is only created if it fits.
 - growing moves nothing: it raises the cap, and segments are created when a size needs room.
+- a segment's memfd is sealed against shrink and grow: a client holding its fd cannot truncate it.
 - releasing a segment hands it to a reaper thread that punches its pages out of the memfd (so the memory returns
   to the system even while a client still maps it: that client then reads zeros, never a fault) and closes it;
   until then its bytes still count against the cap.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import mmap
 import os
 import queue
@@ -142,11 +144,14 @@ class HostPool:
         n = self.slots_per_segment(slot_bytes)
         seg_id = self._next_id
         self._next_id += 1
-        fd = os.memfd_create(f"kvstore-seg-{seg_id}", os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"kvstore-seg-{seg_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, n * slot_bytes)
-        except OSError:
-            os.close(fd)
+            # Clients map these fds read-write: sealed against shrink and grow (and the seals themselves), a client
+            # cannot truncate a segment under the daemon (a SIGBUS for the daemon and every engine mapping it).
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        except BaseException:
+            os.close(fd)                  # whatever failed, the memfd does not leak
             raise
         seg = Segment(seg_id, slot_bytes, n, fd, list(range(n - 1, -1, -1)), [None] * n, [0] * n, [None] * n)
         cls = self.classes.setdefault(slot_bytes, SlotClass(slot_bytes))

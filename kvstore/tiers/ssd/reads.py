@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.tiers.ssd.files import ClassFile, aligned, aligned_for_io
 from kvstore.tiers.ssd.record import HEADER_BYTES, BadRecord, Header, check_record
-from kvstore.traffic import Lane
+from kvstore.traffic import Busy, Lane
 from kvstore.traffic.path import PIECE_BYTES
 
 if TYPE_CHECKING:
@@ -40,10 +40,16 @@ class Reader:
 
     def get_many(self, ns: bytes, hashes: Sequence[bytes], outs: Sequence[Out], lane: Lane,
                  on_ready: Callable[[int], None] | None, crcs: list[int | None] | None) -> int:
-        """Read blocks into `outs`, all in flight at once; the length of the prefix read and verified."""
+        """Read blocks into `outs`, all in flight at once; the length of the prefix read and verified. A full lane
+        ends the prefix where it refused a read (a miss this time, never an error), once the reads before it
+        finish."""
         jobs = []
         for h, out in zip(hashes, outs):
-            job = self.read_async(ns + h, out, lane)
+            try:
+                job = self.read_async(ns + h, out, lane)
+            except Busy:            # the lane's queue is full: the prefix ends here, the reads submitted finish
+                self.store.counters["busy"] += 1
+                break
             if job is None:
                 break
             jobs.append(job)
