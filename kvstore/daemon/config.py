@@ -32,6 +32,7 @@ class ServerConfig:
     max_frame_bytes: int = 1 << 20
     max_keys_per_request: int = 1024
     shutdown_timeout_s: float = 10.0
+    send_timeout_s: float = 10.0        # a client that stops reading its replies this long is disconnected
 
 
 @dataclass(slots=True)
@@ -216,6 +217,8 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"server.max_frame_bytes: must be 4KiB..64MiB, got {s.max_frame_bytes}")
     if not 1 <= s.max_keys_per_request <= 65536:
         errors.append(f"server.max_keys_per_request: must be 1..65536, got {s.max_keys_per_request}")
+    if not 0.1 <= s.send_timeout_s <= 3600:
+        errors.append(f"server.send_timeout_s: must be 0.1..3600 seconds, got {s.send_timeout_s}")
     if s.shutdown_timeout_s < 0:
         errors.append(f"server.shutdown_timeout_s: must not be negative, got {s.shutdown_timeout_s}")
     if p.capacity == 0:

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
@@ -160,6 +161,10 @@ class Daemon:
 
     def _admit(self, conn: socket.socket) -> None:
         conn.settimeout(None)
+        # A reply the client does not read blocks its sender only this long: then the connection is dropped (with
+        # its pins and reservations), so a stalled client costs its own session, never the daemon's threads.
+        secs = self.config.server.send_timeout_s
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(secs), int(secs % 1 * 1e6)))
         st = self.state
         with st.lock:
             full = st.connections >= self.config.server.max_connections

@@ -33,6 +33,9 @@ class Session:
         try:
             while self._serve_one():
                 pass
+        except (BlockingIOError, TimeoutError):
+            log.warning("client %s stopped reading its replies for %.1f s (server.send_timeout_s): disconnected",
+                        self.peer, self.state.config.server.send_timeout_s)
         except OSError as e:
             log.debug("connection %s ended: %s", self.peer, e)
         finally:

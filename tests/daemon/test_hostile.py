@@ -132,3 +132,29 @@ def test_a_full_critical_lane_shortens_a_get_and_leaves_nothing_stuck(tmp_path, 
         assert s["errors"].get("internal", 0) == 0 and s["reserved"] == 0
         outs = [bytearray(GEOM.full_bytes) for _ in hs]   # nothing left "promoting": all 16 again, from the host
         assert ns.get(hs, outs, batch=16) == 16 and [bytes(o) for o in outs] == want
+
+
+def test_a_client_that_stops_reading_loses_its_connection_not_a_daemon_thread(start_daemon):
+    """Before, a client that pipelined requests and never read the replies blocked its session thread in send for
+    good (with whatever it held); now the send times out and the connection is dropped, its pins released."""
+    from kvstore.protocol import VERSION, encode
+
+    d = start_daemon(env={"KVSTORE_SERVER_SEND_TIMEOUT_S": "0.5"})
+    with d.client() as other:
+        ns = other.namespace(spec())
+        assert ns.put(hashes(4), [block(i) for i in range(4)]).stored == 4
+        base = other.stats()["connections"]
+        stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(d.socket)
+        stalled.sendall(b"".join(encode({"v": VERSION, "op": "stats", "id": i}) for i in range(3000)))
+        deadline = time.monotonic() + 20
+        while "stopped reading its replies" not in d.read_log():
+            assert time.monotonic() < deadline, d.read_log()[-2000:]
+            outs = [bytearray(GEOM.full_bytes) for _ in range(4)]   # everyone else is served meanwhile
+            assert ns.get(hashes(4), outs) == 4 and [bytes(o) for o in outs] == [block(i) for i in range(4)]
+            time.sleep(0.05)
+        while other.stats()["connections"] != base:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        stalled.close()
