@@ -110,15 +110,6 @@ class LowerTiers:
     def holder(self, bid: bytes) -> LowerTier | None:
         return next((t for t in self.tiers if t.has(bid)), None)
 
-    def prefix(self, digest: bytes, hashes: Sequence[bytes]) -> int:
-        """How many leading `hashes` of namespace `digest` some lower tier holds."""
-        n = 0
-        for h in hashes:
-            if self.holder(digest + h) is None:
-                break
-            n += 1
-        return n
-
     def delete(self, bid: bytes) -> bool:
         found = False
         for t in self.tiers:
