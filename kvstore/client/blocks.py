@@ -3,16 +3,20 @@
 `StreamLease` for a streaming acquire. Each copy is one numpy copy between the caller's buffer and a shared slot.
 
 Blocks are named by their block hashes (`hashes`): 16 bytes each on the wire, where longer engine hashes are folded
-by `kvstore.protocol.keys.block_key`; a batched request carries them packed in its `keys` field."""
+by `kvstore.protocol.keys.block_key`; a batched request carries them packed in its `keys` field.
+
+Checksums are on by default, end to end: a writer commits each block with the CRC-32C of its bytes
+(kvstore.checksum), every tier keeps that CRC with the block, and `get` checks its own copy against it — a block
+that fails, or was committed without one, ends the prefix there (a miss, never a wrong byte)."""
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvstore.checksum import crc32c
 from kvstore.client.copier import as_bytes
 from kvstore.protocol import HASH_BYTES, VERSION, ReserveStatus, encode
 from kvstore.protocol.geometry import Geometry
@@ -78,8 +82,9 @@ class Namespace:
         return keys
 
     def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32,
-            checksum: bool = False) -> PutResult:
-        """Store whole blocks: reserve → copy → commit, `batch` blocks per reserve.
+            checksum: bool = True) -> PutResult:
+        """Store whole blocks: reserve → copy → commit, `batch` blocks per reserve; with `checksum`, each block's
+        CRC-32C goes with its commit (a block committed without one is never served as verified).
 
         Commits are pipelined: a batch is copied in parts and each part's commit is sent without waiting, so the
         daemon books part i while this process copies part i+1; the replies are read before the next reserve.
@@ -94,8 +99,11 @@ class Namespace:
         self.client.flush()
         return result
 
-    def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32, lane: str = "critical") -> int:
-        """Load the longest stored prefix into `outs`; returns how many blocks were loaded."""
+    def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32, lane: str = "critical",
+            verify: bool = True) -> int:
+        """Load the longest stored prefix into `outs`; returns how many blocks were loaded. With `verify`, each
+        copy in `outs` is checked against its writer's CRC-32C: the prefix ends at a block that fails the check or
+        has no CRC (its bytes and those after it in `outs` are not to be used)."""
         if len(hashes) != len(outs):
             raise ValueError(f"{len(hashes)} hashes but {len(outs)} output buffers")
         done = 0
@@ -104,9 +112,13 @@ class Namespace:
             for i in range(0, len(hashes), batch):
                 lease = self.acquire(hashes[i:i + batch], lane)
                 leases.append(lease)
-                lease.read_blocks(outs[i:i + len(lease)])
-                done += len(lease)
-                if len(lease) < len(hashes[i:i + batch]):
+                if verify:
+                    n = lease.read_verified(outs[i:i + len(lease)])
+                else:
+                    lease.read_blocks(outs[i:i + len(lease)])
+                    n = len(lease)
+                done += n
+                if n < len(hashes[i:i + batch]):
                     break
         finally:
             for lease in reversed(leases):       # released tail first: the head stays the most recent
@@ -184,18 +196,22 @@ class Reservation:
         srcs = self.ns._check([blocks[i] for i in self.reserved], self.ns.block_bytes, "block", False)
         self.ns.client.copier.copy(list(zip(self.views, srcs)))
 
-    def write_and_commit(self, blocks: Sequence[Any], part: int = 8, checksum: bool = False) -> None:
+    def write_and_commit(self, blocks: Sequence[Any], part: int = 8, checksum: bool = True) -> None:
         """Copy whole blocks and commit them `part` at a time without waiting for the replies (read by the
         client's next call or `flush`). A block is visible once its part's commit is booked. With `checksum`,
-        each block's CRC-32 goes with its commit, so readers can verify what they copy."""
+        each block's CRC-32C (of the slot as copied, computed beside the copy) goes with its commit, so that
+        readers and lower tiers can verify it."""
         pos = self.reserved
         srcs = self.ns._check([blocks[i] for i in pos], self.ns.block_bytes, "block", False)
         # The last part first: the daemon links each commit's blocks as the most recent, so the head of a prefix
         # ends up most recent and eviction takes its tail first (a block is useless without those before it).
         for start in reversed(range(0, len(pos), part)):
-            views = self.views[start:start + part]
-            self.ns.client.copier.copy(list(zip(views, srcs[start:start + part])))
-            extra = {"crcs": [_crc(v) for v in views]} if checksum else {}
+            pairs = list(zip(self.views[start:start + part], srcs[start:start + part]))
+            extra: dict[str, Any] = {}
+            if checksum:
+                extra["crcs"] = self.ns.client.copier.copy_checked(pairs)
+            else:
+                self.ns.client.copier.copy(pairs)
             self.ns.client.send("commit", ns=self.ns.id, keys=self._keys_at(pos[start:start + part]), **extra)
             self._uncommitted = start
         self.done = True
@@ -207,15 +223,18 @@ class Reservation:
         self.ns.client.copier.copy([(v[a:b], s) for v, s in zip(self.views, arrs)])
 
     def checksums(self) -> list[int]:
-        """CRC-32 of each reserved slot as it is now (all layers written): what `commit(crcs=...)` takes."""
-        return [_crc(v) for v in self.views]
+        """CRC-32C of each reserved slot as it is now (all layers written): what `commit(crcs=...)` takes."""
+        return [crc32c(v) for v in self.views]
 
-    def commit(self, crcs: Sequence[int] | None = None) -> int:
-        """Publish the reserved blocks; `crcs` (one per reserved block, e.g. `checksums()`) lets readers verify."""
+    def commit(self, crcs: Sequence[int] | None = None, checksum: bool = True) -> int:
+        """Publish the reserved blocks with their CRC-32C (one per reserved block): `crcs` as given, else, with
+        `checksum`, computed from the slots now. Without either, readers can never verify them."""
         self.done = True
         pos = self.reserved
         if not pos:
             return 0
+        if crcs is None and checksum:
+            crcs = self.checksums()
         extra = {"crcs": list(crcs)} if crcs is not None else {}
         return int(self.ns.client.call("commit", ns=self.ns.id, keys=self._keys_at(pos), **extra)["n"])
 
@@ -247,16 +266,28 @@ class Lease:
         return len(self.gids)
 
     def verified_prefix(self) -> int:
-        """How many leading blocks are provably the bytes committed: each block committed with a CRC-32 is checked
-        against its slot now; one committed without is taken as it is. A mismatch (the slot was altered) ends it."""
+        """How many leading blocks are provably the bytes committed, checked in their slots now: a block whose
+        slot does not match its writer's CRC-32C (altered), or that was committed without one, ends it. A reader
+        that copies the slots afterwards should check its copies instead (`read_verified`)."""
         for i, (view, crc) in enumerate(zip(self.views, self.crcs)):
-            if crc is not None and _crc(view) != crc:
+            if crc is None or crc32c(view) != crc:
                 return i
         return len(self.gids)
 
     def read_blocks(self, outs: Sequence[Any]) -> None:
         dsts = self.ns._check(list(outs)[: len(self)], self.ns.block_bytes, "output block", True)
         self.ns.client.copier.copy(list(zip(dsts, self.views)))
+
+    def read_verified(self, outs: Sequence[Any]) -> int:
+        """Copy the blocks into `outs` and check each copy against its writer's CRC-32C; returns how many leading
+        copies are the bytes committed (a copy that fails, or a block without a CRC, ends the prefix). Checking
+        the private copy, not the slot, leaves no window for the slot to change between check and use."""
+        dsts = self.ns._check(list(outs)[: len(self)], self.ns.block_bytes, "output block", True)
+        got = self.ns.client.copier.copy_checked(list(zip(dsts, self.views)))
+        for i, (crc, want) in enumerate(zip(got, self.crcs)):
+            if want is None or crc != want:
+                return i
+        return len(got)
 
     def read_layer(self, layer: int, outs: Sequence[Any]) -> None:
         a, b = self.ns.geometry.layer_range(layer)
@@ -313,7 +344,3 @@ class StreamLease(Lease):
         self.wait()                      # the replies must be read before this client's next request
         super().release()
 
-
-def _crc(arr: np.ndarray) -> int:
-    """CRC-32 of a slot's bytes (zlib releases the GIL on large buffers)."""
-    return zlib.crc32(arr.data)

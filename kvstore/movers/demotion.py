@@ -6,7 +6,8 @@ block) is made after the state lock is left, by the thread that evicted it: a re
 replies (`deferring` ... `copy_deferred`), so no client writes the slot first. Until then the slot is held (pinned
 by the index for us) — or, when the slot was handed to the evicting caller, written by nobody before the copy.
 A slot whose segment is being released, or an eviction outside a request, is copied at once, under the lock.
-The tier writes staged blocks to its medium on its own schedule, in the background lane.
+The tier writes staged blocks to its medium on its own schedule, in the background lane, after checking them against
+the writer's CRC-32C that the slot carried (booked with the block when it is staged).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from collections import Counter
 
 from kvstore.index import Eviction
 from kvstore.tiers import LowerTier, StagingBuffer
-from kvstore.tiers.host import HostPool
+from kvstore.tiers.host import HostPool, split_gid
 
 _Copy = tuple[memoryview, StagingBuffer, bytes, int]    # slot view, staging buffer, block id, gid held (or 0)
 
@@ -31,7 +32,8 @@ class Demotion:
         """(The index's eviction sink, under the state lock.) Book the block in the tier; True when its slot must
         be held until `copy_deferred` has copied it."""
         pending: list[_Copy] | None = getattr(self._local, "pending", None)
-        buf = self.tier.stage(e.block_id, e.nbytes)
+        seg, slot = self.pool.segment_of(e.gid), split_gid(e.gid)[1]
+        buf = self.tier.stage(e.block_id, e.nbytes, seg.crc[slot])     # the writer's CRC goes down with it
         self.counters["dropped" if buf is False else "demotions"] += 1
         if isinstance(buf, bool):
             return False

@@ -22,9 +22,10 @@ def persist_host_pool(index: Index, pool: HostPool, tier: LowerTier, seconds: fl
             break
         batch = todo[start:start + BATCH]
         views = [pool.view(gid) for _, gid in batch]
+        crcs = index.crcs_of([gid for _, gid in batch])
         try:
             tier.announce([bid for bid, _ in batch])
-            written += tier.write([(bid, v) for (bid, _), v in zip(batch, views)], Lane.BACKGROUND)
+            written += tier.write([(bid, v, crc) for (bid, _), v, crc in zip(batch, views, crcs)], Lane.BACKGROUND)
         finally:
             for v in views:
                 v.release()

@@ -63,9 +63,10 @@ class WriteThrough:
                 batch = [self.queue.popleft() for _ in range(min(BATCH, len(self.queue)))]
                 live = [b for b in batch if self.index.slot(b[3], b[4]) == b[1]]   # not deleted meanwhile
                 views = [self.pool.view(gid) for _, gid, _, _, _ in live]
+                crcs = self.index.crcs_of([gid for _, gid, _, _, _ in live])   # the writers': checked by the tier
                 self.tier.announce([bid for bid, _, _, _, _ in live])    # a delete from now on cancels the write
             try:
-                stored = self.tier.write([(b[0], v) for b, v in zip(live, views)], Lane.STORE)
+                stored = self.tier.write([(b[0], v, crc) for b, v, crc in zip(live, views, crcs)], Lane.STORE)
             except Exception:
                 log.exception("%s: a write-through batch of %d blocks failed; they stay in the host pool",
                               self.tier.name, len(batch))

@@ -13,6 +13,10 @@ and the block hash (16 bytes), stable across restarts and nodes — and is reach
   transfer in a lane); a block that fails its check is a miss, never served;
 - `has`, `delete`, `resize`, `stats` for the books and the operator.
 
+Every block travels with its writer's CRC-32C (kvstore.checksum; None where its writer gave none): a tier checks
+the bytes against it before it stores them and keeps it with them, and reads hand it back, so the host slot a block
+is promoted into carries the writer's CRC on; a tier never replaces it with one computed from bytes it was handed.
+
 A tier's disk or network access is a transfer on one of the traffic manager's paths. `LowerTiers` keeps the tiers
 below the host pool in order (fastest first): evictions go to the first, reads find a block in whichever holds it.
 A new tier is a module implementing `LowerTier` plus one line in `registry.TIER_TYPES`.
@@ -29,6 +33,7 @@ from kvstore.traffic import Lane, Path
 BLOCK_ID_BYTES = 32                 # namespace digest + block hash
 Buffer = bytes | bytearray | memoryview | mmap.mmap
 StagingBuffer = bytearray | mmap.mmap
+TierWrite = tuple[bytes, Buffer, "int | None"]     # block id, its bytes, its writer's CRC-32C (None: none)
 
 
 class TierUnavailable(RuntimeError):
@@ -42,9 +47,9 @@ class LowerTier(Protocol):
 
     def has(self, bid: bytes) -> bool: ...
 
-    def stage(self, bid: bytes, nbytes: int) -> StagingBuffer | bool:
-        """Book an evicted block: a buffer for `fill`, True if the tier holds it already, False if it cannot take
-        it now (dropped, counted). Present for `has` and reads from here on."""
+    def stage(self, bid: bytes, nbytes: int, crc: int | None = None) -> StagingBuffer | bool:
+        """Book an evicted block (`crc`: its writer's CRC-32C): a buffer for `fill`, True if the tier holds it
+        already, False if it cannot take it now (dropped, counted). Present for `has` and reads from here on."""
         ...
 
     def fill(self, bid: bytes, buf: StagingBuffer, data: memoryview) -> None:
@@ -55,20 +60,21 @@ class LowerTier(Protocol):
         """(Under the state lock.) The ids of a coming `write`: a delete from now on cancels them."""
         ...
 
-    def write(self, items: Sequence[tuple[bytes, Buffer]], lane: Lane) -> int:
-        """Store announced blocks from where they are (host slots); returns how many were stored."""
+    def write(self, items: Sequence[TierWrite], lane: Lane) -> int:
+        """Store announced blocks from where they are (host slots); returns how many were stored (a block whose
+        bytes fail its writer's CRC is not)."""
         ...
 
     def read(self, bids: Sequence[bytes], outs: Sequence[memoryview], lane: Lane,
              on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None) -> int:
         """Read the longest prefix of `bids` this tier holds and verifies into `outs`; its length. `on_ready(n)`
-        reports the prefix as it grows; `crcs` receives each block's CRC-32 (None where unknown)."""
+        reports the prefix as it grows; `crcs` receives each block's writer's CRC-32C (None where it has none)."""
         ...
 
     def read_async(self, bid: bytes, out: memoryview, lane: Lane,
                    on_done: Callable[[Future[Any]], None]) -> Future[Any] | None:
-        """One block's verified read as a transfer; None if not held. The result is its CRC-32 (None if unknown)
-        or False for a block that failed its check. Raises traffic.Busy when the lane's queue is full."""
+        """One block's verified read as a transfer; None if not held. The result is its writer's CRC-32C (None
+        if none) or False for a block that failed its check. Raises traffic.Busy when the lane's queue is full."""
         ...
 
     def delete(self, bid: bytes) -> bool: ...

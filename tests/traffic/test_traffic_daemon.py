@@ -175,9 +175,9 @@ def test_the_restart_scan_runs_while_the_daemon_serves(tmp_path, daemons):
 
 
 def test_promoted_blocks_carry_their_checksum_to_the_reader(tmp_path, daemons):
-    """A block stored without a checksum gets one from its SSD record when promoted; one stored with a checksum
-    gets the same value back: a reader can verify promoted slots as it verifies stored ones."""
-    import zlib
+    """A block's writer CRC-32C comes back with it when it is promoted from its SSD record: a reader verifies
+    promoted slots as it verifies stored ones."""
+    from kvstore.checksum import crc32c
 
     d = start(tmp_path, daemons)
     on_ssd(d, range(6))
@@ -185,11 +185,11 @@ def test_promoted_blocks_carry_their_checksum_to_the_reader(tmp_path, daemons):
         ns = c.namespace(spec())
         hs = [key(i) for i in range(6)]
         with ns.acquire(hs[:3]) as lease:                      # promoted by a plain acquire
-            assert lease.crcs == [zlib.crc32(content(h)) for h in hs[:3]]
+            assert lease.crcs == [crc32c(content(h)) for h in hs[:3]]
             assert lease.verified_prefix() == 3
         lease = ns.acquire_stream(hs)                           # the rest by a streaming one
         lease.wait()
-        assert lease.crcs == [zlib.crc32(content(h)) for h in hs]
+        assert lease.crcs == [crc32c(content(h)) for h in hs]
         lease.release()
 
 

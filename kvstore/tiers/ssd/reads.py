@@ -87,8 +87,8 @@ class Reader:
                              on_done=on_done)
 
     def read_into(self, key: bytes, cf: ClassFile, rec: int, out: Out) -> int | bool:
-        """(A path worker.) Read record `rec` of `cf` into `out` and check it: its CRC-32, or False when it fails
-        (quarantined, unless evicted or rewritten while it was read)."""
+        """(A path worker.) Read record `rec` of `cf` into `out` and check it: its writer's CRC-32C (None if the
+        block has none), or False when it fails (quarantined, unless evicted or rewritten while it was read)."""
         s = self.store
         buf = cf.take()
         try:
@@ -104,7 +104,7 @@ class Reader:
         with s.lock:
             s.touch_locked(key)
             s.counters["hits"] += 1
-        return header.crc                 # verified: the host slot may carry it on
+        return header.writer_crc          # verified; the writer's CRC-32C (None if none), which the slot carries on
 
     def _read_checked(self, key: bytes, cf: ClassFile, rec: int, buf: Any, out: Any) -> Header:
         """The record's header once the record is checked; `out` holds the payload (or garbage on BadRecord)."""

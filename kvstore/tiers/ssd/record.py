@@ -3,7 +3,11 @@
     record = header (4 KiB, of which the first 96 bytes are fields) + payload (the block, padded to 4 KiB)
 
 Header fields (little endian): magic "KVSREC01", format version, header length, namespace digest (16), block hash
-(16), payload length, payload CRC-32, sequence number, then a CRC-32 of all the fields before it. A record is
+(16), payload length, payload CRC-32C, sequence number, flags, then a CRC-32C of all the fields before it. The
+payload CRC is the one the block's writer committed it with (flag WRITER_CRC) — checked against the bytes before
+they are written, and carried on when the block is promoted — or, for a block committed without one, the tier's own
+(good against a torn write, never reported as the writer's). Version 1 records (zlib CRC-32, no flags) are still
+read, as blocks without a writer's CRC. A record is
 published by writing its payload, then its header (each synced according to the sync policy), so a torn write
 leaves either the previous record (still whole and checked) or a header or payload whose checksum fails. Readers
 check every field against the request and the checksum of the bytes they got (`check_record`, the one check that
@@ -13,15 +17,23 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from kvstore.checksum import crc32c
 
 MAGIC = b"KVSREC01"
-VERSION = 1
+VERSION = 2
 ALIGN = 4096
 HEADER_BYTES = ALIGN
-_FIELDS = struct.Struct("<8sII16s16sQIQ")          # magic, version, header len, ns, hash, length, crc, seq
-_HEADER = struct.Struct("<8sII16s16sQIQI")         # ... + crc of the fields
+WRITER_CRC = 1                                      # flags: the payload CRC is the block writer's
+_FIELDS = struct.Struct("<8sII16s16sQIQI")         # magic, version, header len, ns, hash, length, crc, seq, flags
+_HEADER = struct.Struct("<8sII16s16sQIQII")        # ... + crc of the fields
+_FIELDS_V1 = struct.Struct("<8sII16s16sQIQ")       # version 1: no flags, zlib CRC-32
+_HEADER_V1 = struct.Struct("<8sII16s16sQIQI")
 EMPTY = bytes(HEADER_BYTES)
+_CRC: dict[int, Callable[[Any], int]] = {1: zlib.crc32, 2: crc32c}   # payload and header checksum per version
 
 
 class BadRecord(Exception):
@@ -39,10 +51,19 @@ class Header:
     length: int
     crc: int
     seq: int
+    writer: bool = False        # `crc` is the CRC-32C the block's writer committed it with
+    version: int = VERSION
 
     def pack(self) -> bytes:
-        fields = _FIELDS.pack(MAGIC, VERSION, HEADER_BYTES, self.ns, self.hash, self.length, self.crc, self.seq)
-        return (fields + struct.pack("<I", zlib.crc32(fields))).ljust(HEADER_BYTES, b"\0")
+        """The header as this daemon writes it (always the current version)."""
+        fields = _FIELDS.pack(MAGIC, VERSION, HEADER_BYTES, self.ns, self.hash, self.length, self.crc, self.seq,
+                              WRITER_CRC if self.writer else 0)
+        return (fields + struct.pack("<I", crc32c(fields))).ljust(HEADER_BYTES, b"\0")
+
+    @property
+    def writer_crc(self) -> int | None:
+        """The writer's CRC-32C, which the block carries on when it is promoted; None if the writer gave none."""
+        return self.crc if self.writer else None
 
 
 def record_bytes(payload: int) -> int:
@@ -59,20 +80,26 @@ def parse_header(raw: bytes) -> Header | None:
         return None
     if len(raw) < _HEADER.size:
         raise BadRecord("truncated", f"header is {len(raw)} bytes")
-    magic, version, hlen, ns, h, length, crc, seq, hcrc = _HEADER.unpack_from(raw)
-    if magic != MAGIC:
+    if raw[:len(MAGIC)] != MAGIC:
         raise BadRecord("foreign", "not a kvstore record")
-    if version != VERSION:
-        raise BadRecord("version", f"format version {version}, this daemon reads {VERSION}")
-    if hlen != HEADER_BYTES or zlib.crc32(raw[:_FIELDS.size]) != hcrc:
+    version = struct.unpack_from("<I", raw, len(MAGIC))[0]
+    if version == 1:
+        magic, version, hlen, ns, h, length, crc, seq, hcrc = _HEADER_V1.unpack_from(raw)
+        flags, fields = 0, _FIELDS_V1.size
+    elif version == VERSION:
+        magic, version, hlen, ns, h, length, crc, seq, flags, hcrc = _HEADER.unpack_from(raw)
+        fields = _FIELDS.size
+    else:
+        raise BadRecord("version", f"format version {version}, this daemon reads 1 and {VERSION}")
+    if hlen != HEADER_BYTES or _CRC[version](raw[:fields]) != hcrc:
         raise BadRecord("header_checksum", "header fields do not match their checksum")
-    return Header(ns, h, length, crc, seq)
+    return Header(ns, h, length, crc, seq, bool(flags & WRITER_CRC), version)
 
 
 def check_payload(header: Header, payload: memoryview | bytes) -> None:
     if len(payload) < header.length:
         raise BadRecord("truncated", f"payload is {len(payload)} of {header.length} bytes")
-    if zlib.crc32(payload[:header.length]) != header.crc:
+    if _CRC[header.version](payload[:header.length]) != header.crc:
         raise BadRecord("payload_checksum", "payload bytes do not match their checksum")
 
 

@@ -41,7 +41,7 @@ from kvstore.tiers.ssd.files import ZERO_BUF, ClassFile, StoreLocked, choose_io,
 from kvstore.tiers.ssd.reads import Reader
 from kvstore.tiers.ssd.record import HEADER_BYTES
 from kvstore.tiers.ssd.scan import RestartScan, Scan
-from kvstore.tiers.ssd.writes import SYNC_POLICIES, Writer
+from kvstore.tiers.ssd.writes import SYNC_POLICIES, Item, Writer
 from kvstore.traffic import Busy, Lane, Path
 
 __all__ = ["SYNC_POLICIES", "ClassFile", "SsdStore", "StoreLocked"]
@@ -110,7 +110,7 @@ class SsdStore:
             self._lock_fd = -1
 
     # ----- writes and reads (writes.py, reads.py) -----
-    def put_many(self, items: Sequence[tuple[bytes, bytes, Any]],
+    def put_many(self, items: Sequence[Item],
                  lane: Lane = Lane.BACKGROUND, cancelled: Collection[bytes] = ()) -> int:
         """Store (namespace digest, block hash, payload) records; returns how many were stored (the rest found
         no room, or were deleted while being written). Durable on return unless the sync policy is never. A key

@@ -5,7 +5,9 @@ Demotion never makes eviction wait for the disk: the evicted block's bytes are c
 (memory outside the host pool, `ssd.staging_bytes`) and the slot is free at once; a background thread writes staged
 blocks to the record store in batches, in the background lane. A block staged or stored is present for lookups.
 When staging is full an evicted block is dropped, and counted. Reads take staged bytes first, then the store; the
-store's reads verify every record, so a bad one ends the prefix there.
+store's reads verify every record, so a bad one ends the prefix there. A block keeps its writer's CRC-32C all the
+way down: staged with it, checked against it before its record is written (and the record keeps it), and checked
+again when a staged copy is promoted; a block whose bytes no longer match is a miss, never served.
 
 The copy into staging need not happen under the daemon's state lock: `stage` books the block (present for
 lookups from then on) and hands out its buffer, and the evicting thread, once it has left the state lock, has
@@ -31,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.checksum import crc32c
 from kvstore.daemon.config import Config, SsdConfig
-from kvstore.tiers import Buffer, StagingBuffer, TierUnavailable
+from kvstore.tiers import StagingBuffer, TierUnavailable, TierWrite
 from kvstore.tiers.ssd.store import SsdStore, StoreLocked
 from kvstore.traffic import Lane, Path
 from kvstore.traffic.manager import TrafficManager
@@ -62,9 +65,11 @@ class SsdTier:
         self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path, cfg.io, cfg.eviction)
         self.path = self.store.path
         self.staging: dict[bytes, bytes | bytearray | mmap.mmap | Pending] = {}
+        self.staged_crcs: dict[bytes, int | None] = {}  # the writer's CRC-32C of each staged block (None: none)
         self.staged_bytes = 0
         self.dropped = 0
         self.rewrites_saved = 0
+        self.crc_mismatch = 0                            # staged copies that failed their writer's CRC when read
         self.lock = threading.Condition()
         self._stop = False
         self._inflight: Counter[bytes] = Counter()    # keys in a write batch now (demotion or write-through)
@@ -95,7 +100,7 @@ class SsdTier:
         return spare.pop() if spare else mmap.mmap(-1, nbytes)
 
     # ----- demotion -----
-    def stage(self, key: bytes, nbytes: int) -> StagingBuffer | bool:
+    def stage(self, key: bytes, nbytes: int, crc: int | None = None) -> StagingBuffer | bool:
         """Book an evicted block for its SSD write: the buffer that the caller has `fill` fill; True if
         the tier holds the block already (a key names its bytes: a chained hash of the tokens in one namespace,
         and a delete removes the SSD copy too), so it is not written again; False (dropped, counted) when staging
@@ -110,6 +115,7 @@ class SsdTier:
             self.staged_bytes += nbytes
             buf = self._buffer(nbytes)
             self.staging[key] = Pending(buf)
+            self.staged_crcs[key] = crc
             return buf
 
     def fill(self, key: bytes, buf: StagingBuffer, data: memoryview) -> None:
@@ -148,14 +154,16 @@ class SsdTier:
                 if not batch:
                     return
                 self._begin([k for k, _ in batch])
+                items = [(k, v, self.staged_crcs.get(k)) for k, v in batch]
             try:
-                self.write(batch, Lane.BACKGROUND)
+                self.write(items, Lane.BACKGROUND)
             except Exception:
                 log.exception("ssd: a demotion batch of %d blocks failed; they are dropped", len(batch))
             with self.lock:
                 for k, v in batch:
                     if self.staging.get(k) is v:           # not deleted or staged again meanwhile
                         del self.staging[k]
+                        self.staged_crcs.pop(k, None)
                         self.staged_bytes -= len(v)
                         if isinstance(v, mmap.mmap):       # no one else holds it: reuse it, faulted in already
                             self._spare.setdefault(len(v), []).append(v)
@@ -168,13 +176,15 @@ class SsdTier:
     def _begin(self, keys: list[bytes]) -> None:
         self._inflight.update(keys)
 
-    def write(self, items: Sequence[tuple[bytes, Buffer]], lane: Lane) -> int:
-        """Write announced blocks to the store in `lane`; a key deleted since `announce` is not published."""
+    def write(self, items: Sequence[TierWrite], lane: Lane) -> int:
+        """Write announced blocks (block id, bytes, writer's CRC-32C or None) to the store in `lane`; a key
+        deleted since `announce`, or whose bytes fail its CRC, is not published."""
         try:
-            return self.store.put_many([(k[:16], k[16:], v) for k, v in items], lane, cancelled=self._killed)
+            return self.store.put_many([(k[:16], k[16:], v, crc) for k, v, crc in items], lane,
+                                       cancelled=self._killed)
         finally:
             with self.lock:
-                for k, _ in items:
+                for k, _, _ in items:
                     self._inflight[k] -= 1
                     if self._inflight[k] <= 0:
                         del self._inflight[k]
@@ -187,23 +197,26 @@ class SsdTier:
     def read(self, keys: Sequence[bytes], outs: Sequence[memoryview], lane: Lane = Lane.CRITICAL,
              on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None) -> int:
         """Copy the longest prefix of `keys` that this tier holds and verifies into `outs`; returns its length.
-        `on_ready(n)` reports the prefix as it grows (streaming gets); `crcs` receives each block's CRC-32 from
-        its record (None for a block still staged)."""
+        `on_ready(n)` reports the prefix as it grows (streaming gets); `crcs` receives each block's writer's
+        CRC-32C (None where the writer gave none)."""
         n = 0
         while n < len(keys):
             with self.lock:
                 staged = self._staged(keys[n])
                 if staged is not None:
                     outs[n][:] = staged
+                    crc = self.staged_crcs.get(keys[n])
                     end = -1
                 else:
                     end = n                                     # a run on disk, of one namespace
                     while end < len(keys) and keys[end] not in self.staging and keys[end][:16] == keys[n][:16]:
                         end += 1
             if end < 0:                                     # reported outside the lock: on_ready takes others
+                if not self._intact(keys[n], outs[n], crc):
+                    return n
                 n += 1
                 if crcs is not None:
-                    crcs.append(None)
+                    crcs.append(crc)
                 if on_ready is not None:
                     on_ready(n)
                 continue
@@ -224,20 +237,38 @@ class SsdTier:
         return self.path.submit(lane, len(out), lambda: self._read_now(key, out), tag=key, on_done=on_done)
 
     def _read_now(self, key: bytes, out: memoryview) -> int | bool | None:
-        """(A path worker.) The block from staging (None: no CRC known), or from the store if it was written
-        meanwhile (its CRC-32); False if it is gone."""
+        """(A path worker.) The block from staging or, if it was written meanwhile, from the store: its writer's
+        CRC-32C (None if none); False if it is gone or fails its CRC."""
         with self.lock:
             staged = self._staged(key)
             if staged is not None:
                 out[:] = staged
-                return None
+                crc = self.staged_crcs.get(key)
+        if staged is not None:
+            return crc if self._intact(key, out, crc) else False
         where = self.store.index.get(key)
         if where is None or where[0] != len(out):
             return False
         return self.store.read_into(key, self.store.files[where[0]], where[1], out)
 
+    def _intact(self, key: bytes, out: memoryview, crc: int | None) -> bool:
+        """A staged block's copy matches its writer's CRC-32C (True without one: the reader cannot verify it, and
+        the slot will not claim it can). A copy that fails was altered before it was demoted: dropped, a miss."""
+        if crc is None or crc32c(out) == crc:
+            return True
+        with self.lock:
+            self.crc_mismatch += 1
+            if self.staged_crcs.get(key) == crc and not isinstance(self.staging.get(key), Pending):
+                staged = self.staging.pop(key)
+                self.staged_crcs.pop(key)
+                self.staged_bytes -= len(staged)
+        log.warning("ssd: a staged block does not match its writer's CRC-32C (its slot was written after commit): "
+                    "served as a miss and dropped")
+        return False
+
     def delete(self, key: bytes) -> bool:
         with self.lock:
+            self.staged_crcs.pop(key, None)
             staged = self.staging.pop(key, None)
             if staged is not None:
                 self.staged_bytes -= len(staged)
@@ -266,6 +297,7 @@ class SsdTier:
         return {"tier": "ssd", "capacity_bytes": self.cfg.capacity, "mapped_bytes": files, "used_bytes": used,
                 "resident_bytes": files, "blocks": blocks, "segments": len(s.files), "staged_blocks": staged_blocks,
                 "staged_bytes": staged_bytes, "dropped": self.dropped, "rewrites_saved": self.rewrites_saved,
+                "staged_crc_mismatch": self.crc_mismatch,
                 "counters": counters, "scan": s.scan_status(), "io": s.io,
                 "namespaces": {d.hex(): n for d, n in s.by_namespace().items()}}
 

@@ -16,18 +16,21 @@
   `cancelled` at publication, is not published: its record is zeroed and freed.
 - A failed payload write leaves that record free again (write_errors); a failed sync or header write publishes
   nothing from the batch. Either way the old copy of a key, if any, stays as it was.
+- A block that comes with its writer's CRC-32C is checked against it before it is written: one that no longer
+  matches (its slot was altered after commit) is not stored (crc_mismatch), and the record keeps the writer's CRC,
+  so a reader checks the bytes against what the writer committed, not against what the disk was handed.
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
-import zlib
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from kvstore.checksum import crc32c
 from kvstore.daemon.crash import crash_point
 from kvstore.tiers.ssd.files import ZERO_BUF, ClassFile, aligned, aligned_for_io, grow
 from kvstore.tiers.ssd.record import HEADER_BYTES, Header, padded
@@ -41,9 +44,14 @@ log = logging.getLogger("kvstore")
 SYNC_POLICIES = ("always", "batch", "never")     # the values of ssd.sync
 GROW_RECORDS = 64
 ZERO = bytes(HEADER_BYTES)
-Placed = tuple[ClassFile, int, bytes, int, Any]          # file, record, key, seq, payload
+Item = tuple[bytes, bytes, Any] | tuple[bytes, bytes, Any, int | None]   # ns, hash, payload[, the writer's CRC]
+Placed = tuple[ClassFile, int, bytes, int, Any, int | None]   # file, record, key, seq, payload, the writer's CRC
 Written = tuple[ClassFile, int, Header]                  # file, record, the header to write
-Writing = tuple[ClassFile, int, bytes, int, Future[Any]]  # file, record, key, seq, the payload's write
+Writing = tuple[ClassFile, int, bytes, int, Future[Any], bool]  # file, record, key, seq, its write, writer's CRC
+
+
+class CrcMismatch(Exception):
+    """A block's bytes no longer match the CRC its writer committed it with."""
 
 
 class Writer:
@@ -58,15 +66,18 @@ class Writer:
         """(Under store.lock.) The key was deleted: its write in flight, if any, is not published."""
         return self.writing.pop(key, None) is not None
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes, Any]], lane: Lane, cancelled: Collection[bytes]) -> int:
-        """Store (namespace digest, block hash, payload) records; returns how many were published."""
+    def put_many(self, items: Sequence[Item], lane: Lane, cancelled: Collection[bytes]) -> int:
+        """Store (namespace digest, block hash, payload[, writer's CRC-32C]) records; returns how many were
+        published."""
         with self.batch:
             placed = self._place(items)
             headers: list[Written] = []
             try:
-                for cf, rec, key, seq, job in self._submit_payloads(placed, lane):
+                for cf, rec, key, seq, job, writer in self._submit_payloads(placed, lane):
                     try:
-                        headers.append((cf, rec, Header(key[:16], key[16:], cf.payload, job.result(), seq)))
+                        headers.append((cf, rec, Header(key[:16], key[16:], cf.payload, job.result(), seq, writer)))
+                    except CrcMismatch:
+                        self._unplace(cf, rec, key, "crc_mismatch")
                     except OSError as e:
                         self._unplace(cf, rec, key, f"write_error: {e}")
                 if not headers:
@@ -79,12 +90,12 @@ class Writer:
             return self._publish(headers, cancelled)
 
     # ----- placement -----
-    def _place(self, items: Sequence[tuple[bytes, bytes, Any]]) -> list[Placed]:
+    def _place(self, items: Sequence[Item]) -> list[Placed]:
         """Book a record for each block (free, grown, or evicted at the cap); a block without one is skipped."""
         s = self.store
         placed = []
         with s.lock:
-            for ns, h, payload in items:
+            for ns, h, payload, *writer_crc in items:
                 cf = s.class_file(len(payload))
                 rec = self._free_record_locked(cf)
                 if rec is None:
@@ -93,7 +104,7 @@ class Writer:
                     s.counters["full"] += 1
                     continue
                 seq = self.writing[ns + h] = s.next_seq_locked()
-                placed.append((cf, rec, ns + h, seq, payload))
+                placed.append((cf, rec, ns + h, seq, payload, writer_crc[0] if writer_crc else None))
         return placed
 
     def _free_record_locked(self, cf: ClassFile) -> int | None:
@@ -119,9 +130,13 @@ class Writer:
         return False
 
     def _unplace(self, cf: ClassFile, rec: int, key: bytes, why: str) -> None:
-        log.error("ssd: writing a record to %s failed (%s); the block is not stored", cf.path, why)
+        if why == "crc_mismatch":
+            log.warning("ssd: a block's bytes no longer match the CRC-32C its writer committed (its shared slot was "
+                        "written after commit): not stored; a reader gets a miss")
+        else:
+            log.error("ssd: writing a record to %s failed (%s); the block is not stored", cf.path, why)
         with self.store.lock:
-            self.store.counters["write_errors"] += 1
+            self.store.counters["crc_mismatch" if why == "crc_mismatch" else "write_errors"] += 1
             self.writing.pop(key, None)
             cf.free.append(rec)
 
@@ -150,10 +165,10 @@ class Writer:
     def _submit_payloads(self, placed: list[Placed], lane: Lane) -> list[Writing]:
         """Queue every payload write in `lane`; a block whose lane is full is unplaced (Busy)."""
         writes = []
-        for cf, rec, key, seq, payload in placed:
+        for cf, rec, key, seq, payload, crc in placed:
             try:
                 writes.append((cf, rec, key, seq, self.store.path.submit(
-                    lane, cf.record, partial(self._write_payload, cf, rec, payload))))
+                    lane, cf.record, partial(self._write_payload, cf, rec, payload, crc)), crc is not None))
             except Busy as e:
                 self._unplace(cf, rec, key, str(e))
         return writes
@@ -167,18 +182,22 @@ class Writer:
         path.submit(lane, len(headers) * HEADER_BYTES, lambda: self._write_headers(headers)).result()
         path.submit(lane, 0, lambda: self._sync(cfs, "always", "batch")).result()
 
-    def _write_payload(self, cf: ClassFile, rec: int, payload: Any) -> int:
-        """(A path worker.) Write one payload, with the record's header zeroed; returns its CRC-32."""
+    def _write_payload(self, cf: ClassFile, rec: int, payload: Any, writer_crc: int | None) -> int:
+        """(A path worker.) Write one payload, with the record's header zeroed; returns the CRC-32C its header
+        carries: the writer's, checked against the bytes first (CrcMismatch: nothing written), or, without one,
+        the bytes' own. Bytes written from a shared slot are checked before the write; should they change during
+        it, the record fails its check when read (a miss), since it keeps the writer's CRC."""
         if aligned_for_io(payload):       # a host slot or an aligned staged copy: written from where it is
+            crc = _checked(payload, writer_crc)
             self._write_in_pieces(cf, rec, payload)
-            return zlib.crc32(payload)
+            return crc
         buf = cf.take()
         try:
             end = HEADER_BYTES + padded(len(payload))
             buf[:HEADER_BYTES] = ZERO
             buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
             with memoryview(buf) as mv, mv[:end] as part, mv[HEADER_BYTES:HEADER_BYTES + len(payload)] as body:
-                crc = zlib.crc32(body)
+                crc = _checked(body, writer_crc)                    # our private copy: what is written
                 self._pwritev(cf.fd, [part], rec * cf.record)       # zero header + payload: one write
             return crc
         finally:
@@ -213,3 +232,11 @@ class Writer:
             self.store.path.checkpoint()          # a flush of the device's cache would stall a critical read
             for cf in cfs:
                 os.fdatasync(cf.fd)
+
+
+def _checked(payload: Any, writer_crc: int | None) -> int:
+    """The payload's CRC-32C, which must be the writer's when there is one."""
+    crc = crc32c(payload)
+    if writer_crc is not None and crc != writer_crc:
+        raise CrcMismatch()
+    return crc
