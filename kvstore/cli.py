@@ -25,6 +25,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvstore.client import KVStoreError
         from kvstore.daemon.config import ConfigError
 
+        if isinstance(e, KVStoreError) and e.code == "forbidden":
+            print(f"kvstore: refused by the daemon: {e.message}", file=sys.stderr)
+            return 1
         if isinstance(e, (KVStoreError, ConfigError, ValueError)):
             print(f"kvstore: {e}", file=sys.stderr)
             return 1
@@ -34,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstore", description="Per-node KV-cache daemon for LLM inference engines.")
     p.add_argument("--socket", help="daemon socket (default: the configured one)")
+    p.add_argument("--tenant", help="speak for this tenant (default: KVSTORE_TENANT, else your user's); its secret, "
+                                    "if it has one, from KVSTORE_TENANT_SECRET")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the daemon in the foreground")
     s.add_argument("--config", help="YAML file over the embedded default (configs/default.yaml)")
@@ -78,10 +83,10 @@ def _client(args: argparse.Namespace) -> Any:
     from kvstore.client import Client
 
     if args.socket:
-        return Client(args.socket)
+        return Client(args.socket, tenant=args.tenant)
     from kvstore.daemon.config import load_config
 
-    return Client(load_config().server.socket)
+    return Client(load_config().server.socket, tenant=args.tenant)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

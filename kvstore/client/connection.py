@@ -13,6 +13,10 @@ block (engines save as each layer finishes) and `commit()` publishes the Full Bl
 Lease whose `read_layer(i, dsts)` loads layer i of the prefix, and `release()` unpins it.
 
 A Client is not thread-safe: use one per thread (they are cheap), or the asyncio flavour.
+
+Tenants: `Client(tenant=..., secret=...)` (else KVSTORE_TENANT / KVSTORE_TENANT_SECRET, else none) names the
+tenant the connection speaks for; the daemon checks it at the first hello (sent at connect when a tenant is named)
+and refuses with `forbidden` a tenant that is not configured, not allowed to this user, or a wrong secret.
 """
 from __future__ import annotations
 
@@ -63,8 +67,11 @@ class _Mapped:
 
 
 class Client:
-    def __init__(self, path: str | None = None, copy_threads: int = 1, timeout: float | None = 30.0) -> None:
+    def __init__(self, path: str | None = None, copy_threads: int = 1, timeout: float | None = 30.0,
+                 tenant: str | None = None, secret: str | None = None) -> None:
         self.path = path or os.environ.get("KVSTORE_SERVER_SOCKET") or default_socket_path()
+        self.tenant = tenant if tenant is not None else os.environ.get("KVSTORE_TENANT") or None
+        self.secret = secret if secret is not None else os.environ.get("KVSTORE_TENANT_SECRET") or None
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         try:
@@ -83,6 +90,18 @@ class Client:
         # called with (segment id, its mapped bytes) just before a segment is unmapped: whoever registered the
         # memory elsewhere (a GPU connector pins it) lets go of it first
         self.before_unmap: list[Callable[[int, np.ndarray], None]] = []
+        if self.tenant:
+            try:
+                self.call("hello", **self._credentials())    # refused here, not at the first namespace
+            except BaseException:
+                self.close()
+                raise
+
+    def _credentials(self) -> dict[str, str]:
+        out = {"tenant": self.tenant} if self.tenant else {}
+        if self.tenant and self.secret:
+            out["secret"] = self.secret
+        return out
 
     # ----- plumbing -----
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
@@ -180,7 +199,7 @@ class Client:
 
     # ----- namespaces and admin -----
     def namespace(self, spec: NamespaceSpec) -> Namespace:
-        reply = self.call("hello", namespace=spec.to_dict(), client=f"pid {os.getpid()}")
+        reply = self.call("hello", namespace=spec.to_dict(), client=f"pid {os.getpid()}", **self._credentials())
         self.max_keys = reply["max_keys"]
         return Namespace(self, reply["ns"], spec)
 

@@ -1,5 +1,9 @@
 """The operator's ops: stats (and the snapshot Prometheus serves), list, resize and evict. Like every op they run
-under the state lock; a lower tier's resize, which may wait for a write in flight, runs without it."""
+under the state lock; a lower tier's resize, which may wait for a write in flight, runs without it.
+
+Resize, evict and `list` of a namespace the connection did not say hello to need the admin role
+(server.admin_uids, kvstore.daemon.tenants): others get `forbidden`. `list` without it shows only the connection's
+own tenant's namespaces; `stats` is open to all (it shows no key)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import __version__
 from kvstore.daemon import process
+from kvstore.daemon.tenants import Conn, forbidden, tenant_of
 from kvstore.index import Holdings
 from kvstore.protocol import Code, ProtocolError
 
@@ -16,26 +21,32 @@ if TYPE_CHECKING:
 
 COUNTERS = ("lookups", "hits", "misses", "puts", "gets", "evictions", "deletes", "aborts", "demotions", "dropped",
             "promotions", "prefetched", "prefetch_skipped", "prefetch_busy", "prefetch_cancelled", "written_through",
-            "write_through_skipped")
+            "write_through_skipped", "held_cap", "reservations_expired", "idle_closed")
 
 
 def op_stats(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     return snapshot(st)
 
 
-def op_list(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+def op_list(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    """Namespaces (all of them for an admin, else the connection's tenant's), their blocks per lower tier, and with
+    `ns` up to `limit` of its keys and slots."""
+    if "ns" in m and not h.admin and m["ns"] not in h.namespaces:
+        raise forbidden(f"list of namespace {m['ns']}, which this connection did not say hello to,")
+    tenant = None if h.admin else tenant_of(st.config, h)
+    shown = [n for n in st.index.namespaces.values() if tenant is None or n.tenant == tenant]
     rows = []
-    for n in st.index.namespaces.values():
+    for n in shown:
         s = n.spec
         rows.append({"id": n.id, "model": s.model, "group": s.share_group, "adapter": s.adapter,
-                     "tp": f"{s.tp_rank}/{s.tp_size}", "role": s.role, "digest": n.digest.hex(),
+                     "tp": f"{s.tp_rank}/{s.tp_size}", "role": s.role, "digest": n.digest.hex(), "tenant": n.tenant,
                      "geometry": s.geometry.to_dict(), "slot_bytes": n.slot_bytes, "blocks": n.blocks,
                      "bytes": n.blocks * n.slot_bytes})
     reply: dict[str, Any] = {"namespaces": rows}
-    known = {n.digest: n.id for n in st.index.namespaces.values()}
-    for tier in st.lower:
+    known = {n.digest: n.id for n in shown}
+    for tier in st.lower:                        # an admin sees every digest; others their tenant's registered ones
         reply[tier.name] = [{"digest": d.hex(), "ns": known.get(d), "blocks": n}
-                            for d, n in tier.namespaces().items()]
+                            for d, n in tier.namespaces().items() if tenant is None or d in known]
     if "ns" in m:
         ns = st.index.namespaces.get(m["ns"])
         if ns is None:
@@ -45,7 +56,9 @@ def op_list(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
-def op_resize(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+def op_resize(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    if not h.admin:
+        raise forbidden("resize")
     name = m.get("tier", "host")
     if name != "host":
         return _resize_lower(st, name, m["bytes"])
@@ -77,7 +90,9 @@ def _resize_lower(st: State, name: str, nbytes: int) -> dict[str, Any]:
     return {"tier": name, "released_segments": 0, "draining_bytes": 0, "seconds": time.perf_counter() - t0, **r}
 
 
-def op_evict(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+def op_evict(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    if not h.admin:
+        raise forbidden("evict")
     if not m.get("all") and not m.get("bytes"):
         raise ProtocolError(Code.BAD_REQUEST, "evict: give 'bytes' (how much to free) or 'all': true")
     if "ns" in m and st.index.namespaces.get(m["ns"]) is None:
@@ -89,7 +104,7 @@ def op_evict(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 def snapshot(st: State) -> dict[str, Any]:
     """(Under the state lock.) Everything `kvstore stats` shows, and Prometheus serves."""
     pool, idx = st.pool, st.index
-    classes = [{"slot_bytes": c.slot_bytes, "segments": len(c.segments),
+    classes = [{"slot_bytes": c.slot_bytes, "tenant": c.tenant, "segments": len(c.segments),
                 "slots": sum(s.nslots for s in c.segments.values()),
                 "free": sum(len(s.free) for s in c.segments.values())} for c in pool.classes.values()]
     host = {"tier": "host", "capacity_bytes": pool.capacity, "mapped_bytes": pool.mapped_bytes,

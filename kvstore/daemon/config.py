@@ -33,6 +33,21 @@ class ServerConfig:
     max_keys_per_request: int = 1024
     shutdown_timeout_s: float = 10.0
     send_timeout_s: float = 10.0        # a client that stops reading its replies this long is disconnected
+    admin_uids: list[int] = field(default_factory=list)   # who may resize, evict, list others ("auto": our uid)
+    max_held_fraction: float = 1.0      # one connection's reserved + pinned bytes, as a share of the pool
+    max_namespaces_per_connection: int = 64
+    reservation_lease_s: float = 60.0   # an uncommitted reservation older than this is aborted
+    min_block_bytes: int = 512          # a namespace whose full block is smaller is refused
+    idle_timeout_s: float = 600.0       # a connection holding no namespace that sends nothing this long is closed
+
+
+@dataclass(slots=True)
+class TenantConfig:
+    """A tenant: who may speak as it (`uids`, any if empty) and its `secret` (none if empty); a connection that
+    names no tenant gets the first one listing its uid."""
+    name: str
+    uids: list[int] = field(default_factory=list)
+    secret: str = ""
 
 
 @dataclass(slots=True)
@@ -87,15 +102,20 @@ class Config:
     traffic: TrafficConfig = field(default_factory=TrafficConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    tenants: list[TenantConfig] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for t in d["tenants"]:
+            t["secret"] = "***" if t["secret"] else ""     # never printed
+        return d
 
 
 SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "traffic": TrafficConfig,
             "metrics": MetricsConfig, "log": LogConfig}
-SIZE_FIELDS = {("server", "max_frame_bytes"), ("pool", "capacity"), ("pool", "segment_bytes"), ("ssd", "capacity"),
-               ("ssd", "staging_bytes")}
+SIZE_FIELDS = {("server", "max_frame_bytes"), ("server", "min_block_bytes"), ("pool", "capacity"),
+               ("pool", "segment_bytes"), ("ssd", "capacity"), ("ssd", "staging_bytes")}
+LISTS = ("tenants",)    # top-level lists, not sections: set by file only (a secret does not belong in the env)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -135,8 +155,13 @@ def _merge(base: dict[str, Any], user: Any, where: str) -> list[str]:
         raise ConfigError(f"{where}: the top level must be a mapping of sections {sorted(SECTIONS)}")
     errors = []
     for section, values in user.items():
-        if section not in SECTIONS:
-            errors.append(f"{section}: unknown section (known: {', '.join(SECTIONS)})")
+        if section in LISTS:
+            if isinstance(values, list):
+                base[section] = values
+            else:
+                errors.append(f"{section}: must be a list" + (" (or empty)" if values is None else ""))
+        elif section not in SECTIONS:
+            errors.append(f"{section}: unknown section (known: {', '.join([*SECTIONS, *LISTS])})")
         elif not isinstance(values, dict):
             errors.append(f"{section}: must be a mapping")
         else:
@@ -179,16 +204,53 @@ def _build(raw: dict[str, Any], errors: list[str]) -> Config:
             except ValueError as e:
                 errors.append(f"{where}: {e}")
         built[section] = cls(**values)
-    cfg = Config(**built)
+    cfg = Config(**built, tenants=_tenants(raw.get("tenants") or [], errors))
     errors += _check(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return cfg
 
 
+def _tenants(raw: list[Any], errors: list[str]) -> list[TenantConfig]:
+    """The `tenants:` list: each a mapping {name, uids, secret}; names unique, neither "" nor "uid:<n>" (those are
+    the implicit tenants), and each needs uids or a secret (else any local user could claim it)."""
+    out: list[TenantConfig] = []
+    for i, t in enumerate(raw):
+        where = f"tenants[{i}]"
+        if not isinstance(t, dict) or set(t) - {"name", "uids", "secret"}:
+            errors.append(f"{where}: must be a mapping of name, uids (optional), secret (optional)")
+            continue
+        name, uids, secret = t.get("name"), t.get("uids") or [], t.get("secret") or ""
+        if not isinstance(name, str) or not 1 <= len(name) <= 64 or name.startswith("uid:"):
+            errors.append(f"{where}.name: must be a string of 1..64 characters, not starting with 'uid:', "
+                          f"got {name!r}")
+        elif any(o.name == name for o in out):
+            errors.append(f"{where}.name: {name!r} is listed twice")
+        elif not _uid_list(uids):
+            errors.append(f"{where}.uids: expected a list of user ids, got {uids!r}")
+        elif not isinstance(secret, str) or len(secret) > 256:
+            errors.append(f"{where}.secret: expected a string of at most 256 characters")
+        elif not uids and not secret:
+            errors.append(f"{where}: give uids, a secret or both (otherwise any local user could claim {name!r})")
+        else:
+            out.append(TenantConfig(name, list(uids), secret))
+    return out
+
+
+def _uid_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(u, int) and not isinstance(u, bool) and 0 <= u < 1 << 32
+                                       for u in v)
+
+
 def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
     if (section, key) in SIZE_FIELDS:
         return 0 if value == "auto" else parse_size(value)
+    if (section, key) == ("server", "admin_uids"):
+        if value == "auto":
+            return [os.getuid()]
+        if not _uid_list(value):
+            raise ValueError(f"expected auto or a list of user ids, got {value!r}")
+        return list(value)
     if typ in ("int", int) and not (isinstance(value, int) and not isinstance(value, bool)):
         raise ValueError(f"expected an integer, got {value!r}")
     if typ in ("float", float):
@@ -221,6 +283,7 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"server.send_timeout_s: must be 0.1..3600 seconds, got {s.send_timeout_s}")
     if s.shutdown_timeout_s < 0:
         errors.append(f"server.shutdown_timeout_s: must not be negative, got {s.shutdown_timeout_s}")
+    errors += _check_limits(s)
     if p.capacity == 0:
         p.capacity = auto_capacity()
     if p.segment_bytes < 1 << 20:
@@ -248,6 +311,22 @@ def _check(cfg: Config) -> list[str]:
     errors += _check_traffic(cfg.traffic)
     if cfg.log.level not in LOG_LEVELS:
         errors.append(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}")
+    return errors
+
+
+def _check_limits(s: ServerConfig) -> list[str]:
+    errors = []
+    if not 0 < s.max_held_fraction <= 1:
+        errors.append(f"server.max_held_fraction: must be above 0 and at most 1, got {s.max_held_fraction}")
+    if not 1 <= s.max_namespaces_per_connection <= 65536:
+        errors.append(f"server.max_namespaces_per_connection: must be 1..65536, got "
+                      f"{s.max_namespaces_per_connection}")
+    if not 0.1 <= s.reservation_lease_s <= 86400:
+        errors.append(f"server.reservation_lease_s: must be 0.1..86400 seconds, got {s.reservation_lease_s}")
+    if not 1 <= s.min_block_bytes <= 1 << 30:
+        errors.append(f"server.min_block_bytes: must be 1B..1GiB, got {s.min_block_bytes}")
+    if not 0.1 <= s.idle_timeout_s <= 7 * 86400:
+        errors.append(f"server.idle_timeout_s: must be 0.1..604800 seconds, got {s.idle_timeout_s}")
     return errors
 
 

@@ -1,6 +1,10 @@
 """One function per op: a checked request in, reply fields out. They run under the state lock, keep books through
 the index and hand byte moves to the movers; no op copies block bytes (clients do that in the shared slots).
-The operator's ops (stats, list, resize, evict) are in `admin`."""
+The operator's ops (stats, list, resize, evict) are in `admin`.
+
+Each op gets the connection (`Conn`: its holdings, peer and role). `hello` fixes the connection's tenant
+(kvstore.daemon.tenants) and refuses geometries below server.min_block_bytes; `segments` hands out only the
+connection's own tenant's segments; `reserve` gives each reservation a lease (server.reservation_lease_s)."""
 from __future__ import annotations
 
 import os
@@ -13,6 +17,7 @@ from kvstore import __version__
 from kvstore.daemon import admin
 from kvstore.daemon.state import State
 from kvstore.daemon.stream import Stream
+from kvstore.daemon.tenants import Conn, resolve, tenant_of
 from kvstore.index import Holdings
 from kvstore.movers.prefetch import LaneFull
 from kvstore.protocol import HASH_BYTES, Code, ProtocolError, split_keys
@@ -31,16 +36,17 @@ class Reply:
     close: bool = False
 
 
-Handler = Callable[[State, Holdings, dict[str, Any]], dict[str, Any] | Reply]
+Handler = Callable[[State, Conn, dict[str, Any]], dict[str, Any] | Reply]
 
 
 def op_ping(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     return {"pong": True, "time": time.time()}
 
 
-def op_hello(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+def op_hello(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    _fix_tenant(st, h, m.get("tenant"), m.get("secret"))
     reply: dict[str, Any] = {"version": __version__, "pid": os.getpid(), "generation": st.pool.generation,
-                             "max_keys": st.config.server.max_keys_per_request}
+                             "max_keys": st.config.server.max_keys_per_request, "tenant": h.tenant}
     if "namespace" in m:
         try:
             spec = NamespaceSpec.from_dict(m["namespace"])
@@ -48,20 +54,36 @@ def op_hello(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
             raise ProtocolError(Code.WRONG_GEOMETRY, f"hello: {e}") from None
         except (TypeError, ValueError) as e:
             raise ProtocolError(Code.BAD_REQUEST, f"hello: {e}") from None
-        ns = st.index.register(spec, h)
         g = spec.geometry
+        least = st.config.server.min_block_bytes
+        if g.full_bytes < least:      # tiny blocks: free lists of millions of slots built under the state lock
+            raise ProtocolError(Code.WRONG_GEOMETRY, f"hello: geometry's full block is {g.full_bytes} bytes, below "
+                                                     f"server.min_block_bytes ({least} bytes)")
+        ns = st.index.register(spec, h)
         reply.update(ns=ns.id, digest=ns.digest.hex(), slot_bytes=g.full_bytes, layer_bytes=g.layer_bytes)
     return reply
 
 
-def op_segments(st: State, h: Holdings, m: dict[str, Any]) -> Reply:
-    """Handles (memfds, sent with SCM_RIGHTS) of the segments asked for that still exist, and the live ids."""
+def _fix_tenant(st: State, h: Conn, name: str | None, secret: str | None) -> None:
+    """The connection's tenant, fixed at its first hello; a later hello may repeat its name, not change it."""
+    if h.tenant is None:
+        h.tenant = resolve(st.config, h.peer, name, secret)
+    elif name and name != h.tenant:
+        raise ProtocolError(Code.FORBIDDEN, f"hello: this connection speaks for tenant {h.tenant!r} since its first "
+                                            f"hello; open another connection for tenant {name[:64]!r}")
+
+
+def op_segments(st: State, h: Conn, m: dict[str, Any]) -> Reply:
+    """Handles (memfds, sent with SCM_RIGHTS) of the segments asked for that still exist and hold the connection's
+    own tenant's blocks (others are left out, as if gone), and the live ids of its tenant's segments."""
+    tenant = tenant_of(st.config, h)
     ids = m["ids"][:MAX_FDS_PER_REPLY]
-    found = [st.pool.segments[i] for i in ids if i in st.pool.segments]
+    found = [seg for i in ids if (seg := st.pool.segments.get(i)) is not None and seg.tenant == tenant]
     fds = [os.dup(s.fd) for s in found]
     info = [[s.id, s.slot_bytes, s.nslots] for s in found]
     h.segments.update(s.id for s in found)
-    return Reply({"segments": info, "live": list(st.pool.segments), "generation": st.pool.generation}, fds)
+    live = [sid for sid, seg in st.pool.segments.items() if seg.tenant == tenant]
+    return Reply({"segments": info, "live": live, "generation": st.pool.generation}, fds)
 
 
 def op_lookup(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +105,8 @@ def op_lookup(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 def op_reserve(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     ns = st.index.namespace(m["ns"], h)
-    gids, status = st.index.reserve(ns, split_keys(m["keys"]), h)
+    lease_until = time.monotonic() + st.config.server.reservation_lease_s
+    gids, status = st.index.reserve(ns, split_keys(m["keys"]), h, lease_until)
     return {"slots": gids, "status": [int(s) for s in status], "generation": st.pool.generation}
 
 
@@ -116,6 +139,9 @@ def op_acquire(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     while len(gids) < len(hashes):
         rest = hashes[len(gids):]
         more = st.index.acquire(ns, rest, h)
+        if st.index.at_cap(h, ns.slot_bytes):
+            gids += more
+            break                                       # the prefix within server.max_held_fraction
         if more:
             gids += more
             continue
@@ -157,16 +183,25 @@ def op_release(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 def op_delete(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     """Delete from every tier: a pinned host block goes at its last release, a queued prefetch is dropped unread,
-    a promotion in flight is never published, a write in flight is not published."""
+    a promotion in flight is never published, a write in flight is not published. The lower tiers' deletes (which
+    may wait for a durable disk write) run without the state lock; meanwhile no promotion of these keys starts."""
     ns = st.index.namespace(m["ns"], h)
     hashes = split_keys(m["keys"])
     if st.prefetcher is not None:
         st.prefetcher.cancel(ns, hashes)
     in_host = st.index.delete(ns, hashes)
-    n = 0
-    for block_hash, found in zip(hashes, in_host):
-        below = st.lower.delete(ns.block_id(block_hash))
-        n += found or below
+    below = [False] * len(hashes)
+    if st.lower:
+        keys = [ns.key(b) for b in hashes]
+        ids = [ns.block_id(b) for b in hashes]
+        st.index.begin_delete(keys)
+        st.lock.release()
+        try:
+            below = [st.lower.delete(bid) for bid in ids]
+        finally:
+            st.lock.acquire()
+            st.index.end_delete(keys)
+    n = sum(a or b for a, b in zip(in_host, below))
     st.counters["deletes"] += n
     return {"n": n}
 

@@ -3,7 +3,11 @@ a live daemon's socket), accepts connections up to the cap (one thread each: ops
 lock, and blocking sockets keep a round trip near the raw socket's), and shuts down gracefully on SIGTERM or
 Ctrl-C: stop accepting, let requests in flight finish, close connections, release the pool. A second signal forces
 the exit. A client over the cap gets a `too_many_connections` error frame; its connection stays open a moment
-(write side shut) so that a request it already sent cannot make its send fail before it reads the refusal."""
+(write side shut) so that a request it already sent cannot make its send fail before it reads the refusal.
+
+Each accepted connection is identified by the kernel (SO_PEERCRED: pid, uid, gid; kvstore.daemon.tenants). The
+accept loop's tick (every LEASE_SWEEP_S at least) also aborts reservations older than server.reservation_lease_s,
+so a client that reserves and walks away cannot keep slots from the others."""
 from __future__ import annotations
 
 import errno
@@ -25,6 +29,7 @@ from kvstore.daemon.config import Config
 from kvstore.daemon.metrics import start_prometheus
 from kvstore.daemon.session import Session
 from kvstore.daemon.state import State, build_state
+from kvstore.daemon.tenants import Peer
 from kvstore.movers.persist import persist_host_pool
 from kvstore.private_dir import NotPrivateDir, ensure_private_dir
 from kvstore.protocol import Code, encode, error
@@ -35,6 +40,7 @@ log = logging.getLogger("kvstore")
 REFUSED_LINGER_S = 1.0   # how long a refused connection stays open for its client to read the refusal
 MAX_LINGERING = 64       # refused connections kept open at once; beyond that the oldest is closed at once
 ACCEPT_BACKOFF_S = 0.05  # out of fds: the pause before the next accept
+LEASE_SWEEP_S = 0.2      # how often expired reservations are looked for
 
 
 class StartupError(RuntimeError):
@@ -103,6 +109,7 @@ class Daemon:
         self._refused: deque[tuple[float, socket.socket]] = deque()
         self._signals = 0
         self._last_accept_error = 0.0
+        self._next_sweep = 0.0
 
     def serve(self) -> None:
         cfg = self.config
@@ -120,7 +127,10 @@ class Daemon:
                      cfg.server.socket, format_size(cfg.pool.capacity), format_size(cfg.pool.segment_bytes),
                      os.getpid())
             while not self.stopping.is_set():
-                self._close_refused(time.monotonic())
+                now = time.monotonic()
+                self._close_refused(now)
+                if now >= self._next_sweep:
+                    self._expire_reservations(now)
                 try:
                     conn, _ = self.listener.accept()
                 except TimeoutError:
@@ -131,6 +141,21 @@ class Daemon:
                 self._admit(conn)
         finally:
             self._shutdown()
+
+    def _expire_reservations(self, now: float) -> None:
+        """Abort reservations past their lease (server.reservation_lease_s): O(connections + expired)."""
+        self._next_sweep = now + LEASE_SWEEP_S
+        expired: list[tuple[Session, int]] = []
+        with self.state.lock:
+            for session, _ in list(self.sessions.values()):
+                if session.holdings.leases:
+                    n = self.state.index.expire(session.holdings, now)
+                    if n:
+                        expired.append((session, n))
+        for session, n in expired:
+            log.warning("client %s left %d reservation(s) uncommitted for %g s (server.reservation_lease_s): "
+                        "aborted; its later commit of them gets not_found. Commit or abort each reservation "
+                        "within the lease", session.peer, n, self.config.server.reservation_lease_s)
 
     def _accept_failed(self, e: OSError) -> None:
         """Out of fds (or kernel memory): the connection waits in the backlog; the daemon serves the others, backs
@@ -176,10 +201,9 @@ class Daemon:
             log.warning("refused a client: %d connections is the cap (server.max_connections)", st.connections)
             self._refuse(conn)
             return
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-        pid = int.from_bytes(creds[:4], "little")
-        session = Session(st, conn, f"pid {pid}")
-        t = threading.Thread(target=self._run_session, args=(session,), name=f"conn-{pid}", daemon=True)
+        peer = Peer.of(conn)
+        session = Session(st, conn, peer)
+        t = threading.Thread(target=self._run_session, args=(session,), name=f"conn-{peer.pid}", daemon=True)
         self.sessions[id(session)] = (session, t)
         t.start()
 

@@ -1,33 +1,46 @@
 """One client connection: read a frame, check it, run its op under the state lock, reply. Bad input gets a
 structured error (a refusal of the books becomes its protocol code here); a frame that cannot be parsed also
 closes the connection; nothing a client sends can stop the daemon serving the others. When the connection ends, for
-any reason, its reservations and pins are dropped."""
+any reason, its reservations and pins are dropped.
+
+The connection's limits are set here, from the configuration: the share of the pool it may hold
+(server.max_held_fraction), its namespaces (server.max_namespaces_per_connection), its peer's role and tenant
+(kvstore.daemon.tenants). One that said hello to no namespace and sends nothing for server.idle_timeout_s is closed;
+one with namespaces is kept however long it idles (engines keep theirs for hours)."""
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import struct
 import time
 from typing import Any
 
 from kvstore.daemon.ops import HANDLERS, Reply
 from kvstore.daemon.state import State
-from kvstore.index import Holdings, InvalidRequest, NotHeld, Refused, TooLarge, UnknownNamespace
-from kvstore.protocol import Code, FrameReader, ProtocolError, check_request, decode, encode, error, ok
+from kvstore.daemon.tenants import Conn, Peer, is_admin
+from kvstore.index import InvalidRequest, NotHeld, OverLimit, Refused, TooLarge, UnknownNamespace
+from kvstore.protocol import Code, FrameReader, Limits, ProtocolError, check_request, decode, encode, error, ok
 
 log = logging.getLogger("kvstore")
 REFUSALS: dict[type[Refused], str] = {UnknownNamespace: Code.UNKNOWN_NAMESPACE, NotHeld: Code.NOT_FOUND,
-                                      InvalidRequest: Code.BAD_REQUEST, TooLarge: Code.WRONG_GEOMETRY}
+                                      InvalidRequest: Code.BAD_REQUEST, TooLarge: Code.WRONG_GEOMETRY,
+                                      OverLimit: Code.OVER_LIMIT}
 
 
 class Session:
-    def __init__(self, state: State, sock: socket.socket, peer: str) -> None:
+    def __init__(self, state: State, sock: socket.socket, peer: Peer) -> None:
+        cfg = state.config.server
         self.state = state
         self.sock = sock
         self.peer = peer
-        self.holdings = Holdings()
+        self.holdings = Conn(peer=peer, admin=is_admin(state.config, peer), held_share=cfg.max_held_fraction,
+                             max_namespaces=cfg.max_namespaces_per_connection)
         self.in_request = False
-        self._frames = FrameReader(state.config.server.max_frame_bytes)
+        self._frames = FrameReader(cfg.max_frame_bytes)
+        self._limits = Limits.for_requests(cfg.max_frame_bytes, cfg.max_keys_per_request)
+        secs = cfg.idle_timeout_s    # recv wakes up this often: a connection with no namespace is then closed
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(secs), int(secs % 1 * 1e6)))
 
     def run(self) -> None:
         try:
@@ -69,16 +82,28 @@ class Session:
                 return None
             if body is not None:
                 return body
-            chunk = self.sock.recv(1 << 16)
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except (BlockingIOError, TimeoutError):
+                if self.holdings.namespaces:
+                    continue                  # an engine idles between requests: kept
+                self._idle_closed()
+                return None
             if not chunk:
                 return None
             self._frames.feed(chunk)
+
+    def _idle_closed(self) -> None:
+        with self.state.lock:
+            self.state.counters["idle_closed"] += 1
+        log.info("client %s sent nothing for %.0f s and holds no namespace (server.idle_timeout_s): closed",
+                 self.peer, self.state.config.server.idle_timeout_s)
 
     def _handle(self, body: bytes) -> bool:
         t0 = time.perf_counter()
         st, op, rid = self.state, "?", 0
         try:
-            msg = decode(body)
+            msg = decode(body, self._limits)
             rid = msg["id"] if type(msg.get("id")) is int else 0   # echoed even when invalid; never a bool
             op, rid = check_request(msg, st.config.server.max_keys_per_request)
             if msg.get("stream"):             # partial replies, sent while the op waits without the lock

@@ -8,8 +8,8 @@ exist, and — as decisions handed to movers — which blocks leave the host poo
 """
 from kvstore.index.books import Index
 from kvstore.index.capacity import Eviction, EvictionSink, ResizeResult
-from kvstore.index.errors import InvalidRequest, NotHeld, Refused, TooLarge, UnknownNamespace
+from kvstore.index.errors import InvalidRequest, NotHeld, OverLimit, Refused, TooLarge, UnknownNamespace
 from kvstore.index.namespaces import Holdings, NamespaceEntry
 
-__all__ = ["Eviction", "EvictionSink", "Holdings", "Index", "InvalidRequest", "NamespaceEntry", "NotHeld", "Refused",
-           "ResizeResult", "TooLarge", "UnknownNamespace"]
+__all__ = ["Eviction", "EvictionSink", "Holdings", "Index", "InvalidRequest", "NamespaceEntry", "NotHeld",
+           "OverLimit", "Refused", "ResizeResult", "TooLarge", "UnknownNamespace"]

@@ -9,6 +9,9 @@ Guarantees
   block hides it at once and frees its slot at the last release. Pins and reservations belong to a connection (its
   `Holdings`) and are dropped with it.
 - Keys carry their namespace id, so namespaces never see each other's blocks.
+- Per connection, the slots it reserves or pins count against `Holdings.held_share` of the pool: beyond it a
+  reserve gets NO_SPACE and an acquire the prefix within it (counter `held_cap`), so one client cannot hold the
+  whole pool. A store's reservation can carry a lease end; `expire` aborts those past it (`reservations_expired`).
 - Capacity (kvstore.index.capacity): allocation never exceeds the pool's cap; evictions are decisions handed to the
   eviction sink.
 - Promotion from a lower tier is two-phase too: `plan_promotion` reserves host slots for keys the caller found in a
@@ -47,6 +50,7 @@ class Index(CapacityBooks):
         self.promoting: set[bytes] = set()          # keys being read from a lower tier into a reserved slot
         self.cancelled: set[bytes] = set()          # ... and deleted meanwhile: never published
         self.pending: dict[bytes, int] = {}         # reserved keys (any connection) → gid
+        self.deleting: Counter[bytes] = Counter()   # keys a delete is taking out of the lower tiers: not promoted
         self.pins: Counter[int] = Counter()         # gid → pins across connections (and the sink's holds)
         self.zombies: dict[int, bytes] = {}         # deleted or evicted while pinned: gid → key, freed at last unpin
         self.counters: Counter[str] = Counter() if counters is None else counters
@@ -79,6 +83,10 @@ class Index(CapacityBooks):
             gid = self.table.get(key)
             if gid is None:
                 break
+            if holder.pins[gid] == 0:
+                if not self._may_hold(holder, ns.slot_bytes):
+                    break
+                holder.held_bytes += ns.slot_bytes
             self._pin(key, gid)
             holder.pins[gid] += 1
             gids.append(gid)
@@ -95,6 +103,7 @@ class Index(CapacityBooks):
             holder.pins[gid] -= n
             if holder.pins[gid] == 0:
                 del holder.pins[gid]
+                holder.held_bytes -= self.pool.segment_of(gid).slot_bytes   # still pinned: its segment is alive
             for _ in range(n):
                 self._unpin(gid)
 
@@ -114,9 +123,9 @@ class Index(CapacityBooks):
         plan: list[tuple[bytes, int]] = []
         for h in hashes:
             key = ns.key(h)
-            if key in self.table or key in self.pending:
+            if key in self.table or key in self.pending or key in self.deleting:
                 break
-            gid, status = self._reserve_one(key, ns.slot_bytes, ns.cls, holder, evict)
+            gid, status = self._reserve_one(key, ns, holder, evict)
             if status != RESERVED:
                 break
             self.promoting.add(key)
@@ -137,11 +146,14 @@ class Index(CapacityBooks):
             if i < n and not cancelled and len(gids) == i:
                 del self.pending[key]
                 self._publish(ns, key, gid, crcs[i] if i < len(crcs) else None)
-                if pin:
+                if pin:                              # the reservation's bytes stay held, as a pin
                     self._pin(key, gid)
                     holder.pins[gid] += 1
+                else:
+                    holder.held_bytes -= ns.slot_bytes
                 gids.append(gid)
             else:
+                holder.held_bytes -= ns.slot_bytes
                 self._drop_reservation(key, gid)
         self.counters["promotions"] += len(gids)
         if pin:
@@ -149,17 +161,22 @@ class Index(CapacityBooks):
         return gids
 
     # ----- two-phase store -----
-    def reserve(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings
+    def reserve(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings, lease_until: float = 0.0
                 ) -> tuple[list[int], list[ReserveStatus]]:
-        """Slots for the blocks not stored yet. Returns (gids, status) per block; gid 0 unless RESERVED."""
+        """Slots for the blocks not stored yet. Returns (gids, status) per block; gid 0 unless RESERVED. With
+        `lease_until` (a time.monotonic() value), `expire` aborts the reservations still open at that time."""
         gids, status = [], []
         for h in hashes:
-            gid, st = self._reserve_one(ns.key(h), ns.slot_bytes, ns.cls, holder)
+            key = ns.key(h)
+            gid, st = self._reserve_one(key, ns, holder)
+            if gid and lease_until:
+                holder.leases.pop(key, None)
+                holder.leases[key] = lease_until     # in time order: the oldest lease first
             gids.append(gid)
             status.append(st)
         return gids, status
 
-    def _reserve_one(self, key: bytes, slot_bytes: int, cls: int, holder: Holdings,
+    def _reserve_one(self, key: bytes, ns: NamespaceEntry, holder: Holdings,
                      evict: bool = True) -> tuple[int, ReserveStatus]:
         """A slot for one key not stored yet; without `evict`, from free space only (a prefetch)."""
         if key in self.table:
@@ -167,13 +184,47 @@ class Index(CapacityBooks):
             return 0, EXISTS
         if key in self.pending:
             return 0, IN_PROGRESS
-        gid = self._allocate(slot_bytes, cls) if evict else self.pool.allocate(slot_bytes)
+        if not self._may_hold(holder, ns.slot_bytes):
+            return 0, NO_SPACE
+        gid = self._allocate(ns.slot_key, ns.cls) if evict else self.pool.allocate(ns.slot_bytes, ns.tenant)
         if gid is None:
             return 0, NO_SPACE
         self.pending[key] = gid
         holder.reserved[key] = gid
+        holder.held_bytes += ns.slot_bytes
+        ns.pending += 1
         self.pool.segment_of(gid).busy += 1
         return gid, RESERVED
+
+    def at_cap(self, holder: Holdings, nbytes: int) -> bool:
+        """Whether `nbytes` more would take the holder over its share of the pool."""
+        return bool(holder.held_share) and holder.held_bytes + nbytes > holder.held_share * self.pool.capacity
+
+    def _may_hold(self, holder: Holdings, nbytes: int) -> bool:
+        """Whether the holder may reserve or pin `nbytes` more within its share of the pool; counts a refusal."""
+        if self.at_cap(holder, nbytes):
+            self.counters["held_cap"] += 1
+            return False
+        return True
+
+    def expire(self, holder: Holdings, now: float) -> int:
+        """Abort the holder's store reservations whose lease ended by `now` (a later commit of them gets NotHeld).
+        O(expired): leases are kept oldest first."""
+        n = 0
+        leases = holder.leases
+        while leases:
+            key, until = next(iter(leases.items()))
+            if until > now:
+                break
+            leases.popitem(last=False)
+            gid = holder.reserved.pop(key, None)
+            if gid is not None:
+                holder.held_bytes -= self.pool.segment_of(gid).slot_bytes
+                self._drop_reservation(key, gid)
+                n += 1
+        self.counters["reservations_expired"] += n
+        self.counters["aborts"] += n
+        return n
 
     def commit(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings,
                crcs: list[int] | None = None) -> int:
@@ -192,6 +243,8 @@ class Index(CapacityBooks):
         for i in reversed(range(len(full))):     # the head of the prefix linked last: the most recent
             key = full[i]
             gid = holder.reserved.pop(key)
+            holder.leases.pop(key, None)
+            holder.held_bytes -= ns.slot_bytes
             del self.pending[key]
             self._publish(ns, key, gid, crcs[i] if crcs is not None else None)
         self.counters["puts"] += len(full)
@@ -206,12 +259,15 @@ class Index(CapacityBooks):
         self.table.insert(key, gid, ns.cls)
         self._unbusy(seg)
         ns.blocks += 1
+        ns.pending -= 1
 
     def abort(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings) -> int:
         n = 0
         for h in hashes:
             gid = holder.reserved.pop(ns.key(h), None)
             if gid is not None:
+                holder.leases.pop(ns.key(h), None)
+                holder.held_bytes -= ns.slot_bytes
                 self._drop_reservation(ns.key(h), gid)
                 n += 1
         self.counters["aborts"] += n
@@ -228,16 +284,30 @@ class Index(CapacityBooks):
                 self.cancelled.add(key)
         return found
 
+    def begin_delete(self, keys: list[bytes]) -> None:
+        """A delete is about to take these index keys out of the lower tiers without the state lock: until
+        `end_delete`, no promotion brings them back into the host pool from there."""
+        self.deleting.update(keys)
+
+    def end_delete(self, keys: list[bytes]) -> None:
+        self.deleting.subtract(keys)
+        for k in keys:
+            if self.deleting[k] <= 0:
+                del self.deleting[k]
+
     def disconnect(self, holder: Holdings) -> None:
-        """A connection ended: its reservations are freed and its pins released."""
+        """A connection ended: its reservations are freed, its pins released, its namespaces let go of."""
         for key, gid in list(holder.reserved.items()):
             self._drop_reservation(key, gid)
         self.counters["aborts"] += len(holder.reserved)
         holder.reserved.clear()
+        holder.leases.clear()
         for gid, n in holder.pins.items():
             for _ in range(n):
                 self._unpin(gid)
         holder.pins.clear()
+        holder.held_bytes = 0
+        self.namespaces.left(holder)
 
     # ----- pins -----
     def pin(self, ns: NamespaceEntry, block_hash: bytes, holder: Holdings) -> int | None:
@@ -276,13 +346,17 @@ class Index(CapacityBooks):
 
     def _drop_reservation(self, key: bytes, gid: int) -> None:
         del self.pending[key]
+        ns = self.namespaces.owner(key)              # alive: a reservation keeps its entry
+        ns.pending -= 1
         self._unbusy(self.pool.segment_of(gid))
         self._free(gid)
+        self.namespaces.forget_unused(ns)
 
     # ----- inspection -----
     def stats(self) -> dict[str, int]:
         return {"blocks": len(self.table), "reserved": len(self.pending), "pinned": len(self.pins),
-                "zombies": len(self.zombies), "namespaces": len(self.namespaces)}
+                "zombies": len(self.zombies), "namespaces": len(self.namespaces),
+                "namespaces_forgotten": self.namespaces.forgotten}
 
     def blocks(self) -> Iterator[tuple[NamespaceEntry, bytes, int]]:
         """Every block in the host pool: (namespace, block hash, gid), from a snapshot."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvstore.index.keytable import KeyTable
-from kvstore.index.namespaces import Namespaces
+from kvstore.index.namespaces import Namespaces, SlotKey
 from kvstore.policy import EvictionPolicy
 from kvstore.tiers.host import HostPool, Segment, gid_of, split_gid
 
@@ -72,7 +72,7 @@ class CapacityBooks:
                 if (everything or freed < nbytes) and self.pins[gid] == 0 and self._remove(key, evicted=True):
                     blocks, freed = blocks + 1, freed + ns.slot_bytes
             return blocks, freed
-        for slot_bytes, cls in list(self.namespaces.classes.items()):
+        for (_, slot_bytes), cls in list(self.namespaces.classes.items()):
             while everything or freed < nbytes:
                 victim = self.policy.victim(cls)
                 if victim is None:
@@ -104,37 +104,39 @@ class CapacityBooks:
         return sum(s.size for s in self.pool.segments.values() if s.draining)
 
     # ----- allocation -----
-    def _allocate(self, slot_bytes: int, cls: int) -> int | None:
+    def _allocate(self, slot: SlotKey, cls: int) -> int | None:
+        """A slot of the class `slot` (tenant, slot bytes), whose eviction class is `cls`."""
+        tenant, slot_bytes = slot
         while True:
-            gid = self.pool.allocate(slot_bytes)
+            gid = self.pool.allocate(slot_bytes, tenant)
             if gid is not None:
                 return gid
             key = self.policy.victim(cls)
-            stale = self._staler_segment(slot_bytes, key) if len(self.pool.classes) > 1 else None
+            stale = self._staler_segment(slot, key) if len(self.pool.classes) > 1 else None
             if stale is not None:
                 self._retire(stale, inline=True)   # memory moves to this block size: a new segment fits
             elif key is not None:
                 gid = self._evict_for_slot(key)
                 if gid:
                     return gid
-            elif not self._reclaim_other(slot_bytes):
+            elif not self._reclaim_other(slot):
                 return None
 
-    def _staler_segment(self, slot_bytes: int, victim: bytes | None) -> Segment | None:
-        """An idle segment of another block size whose next victim was used before ours: the whole segment goes,
-        so that memory follows use across block sizes instead of staying with whoever filled the pool first.
-        Looks at one candidate per size class: O(classes)."""
+    def _staler_segment(self, slot: SlotKey, victim: bytes | None) -> Segment | None:
+        """An idle segment of another class (block size or tenant) whose next victim was used before ours: the
+        whole segment goes, so that memory follows use across classes instead of staying with whoever filled the
+        pool first. Looks at one candidate per class: O(classes)."""
         if victim is None:
             return None
-        seg, slot = self._where(victim)
-        mine = seg.used[slot]
+        seg, i = self._where(victim)
+        mine = seg.used[i]
         best: tuple[int, Segment] | None = None
         for other, cls in self.namespaces.classes.items():
-            key = self.policy.victim(cls) if other != slot_bytes else None
+            key = self.policy.victim(cls) if other != slot else None
             if key is None:
                 continue
-            seg, slot = self._where(key)
-            used = seg.used[slot]
+            seg, i = self._where(key)
+            used = seg.used[i]
             if seg.busy == 0 and not seg.draining and used < mine and (best is None or used < best[0]):
                 best = (used, seg)
         return None if best is None else best[1]
@@ -148,15 +150,14 @@ class CapacityBooks:
         seg_id, slot = split_gid(gid)
         return self.pool.segments[seg_id], slot
 
-    def _reclaim_other(self, slot_bytes: int) -> bool:
-        """Free a whole idle segment of another block size (fewest blocks first) so this size can grow."""
-        idle = [s for s in self.pool.segments.values()
-                if s.slot_bytes != slot_bytes and s.busy == 0 and not s.draining]
-        while idle and not self.pool.fits(slot_bytes):
+    def _reclaim_other(self, slot: SlotKey) -> bool:
+        """Free a whole idle segment of another class (fewest blocks first) so this one can grow."""
+        idle = [s for s in self.pool.segments.values() if s.slot_key != slot and s.busy == 0 and not s.draining]
+        while idle and not self.pool.fits(slot[1]):
             seg = min(idle, key=lambda s: s.live)
             idle.remove(seg)
             self._retire(seg, inline=True)
-        return self.pool.fits(slot_bytes)
+        return self.pool.fits(slot[1])
 
     # ----- leaving the pool -----
     def _retire(self, seg: Segment, inline: bool = False) -> int:
@@ -214,6 +215,8 @@ class CapacityBooks:
         else:
             self.pins.pop(gid, None)
             self._free(gid)
+        if ns.blocks == 0:
+            self.namespaces.forget_unused(ns)
         return True
 
     def let_go(self, gids: list[int]) -> None:

@@ -20,3 +20,7 @@ class InvalidRequest(Refused):
 
 class TooLarge(Refused):
     """A block that could never fit the pool."""
+
+
+class OverLimit(Refused):
+    """A per-connection limit of the daemon's configuration (the message names the key)."""

@@ -4,16 +4,25 @@ A namespace is registered once per digest (what makes KV bytes identical, kvstor
 id; its blocks' index keys are that id (4 bytes, big endian) + the block hash (16 bytes): 20 bytes, unique in
 this daemon's lifetime, cheap to hash. Across restarts and tiers a block is named by its block id instead: the
 namespace digest + the block hash (32 bytes). A connection may use only the namespaces it said hello to.
+
+Tenants: a namespace belongs to the tenant of the connection that registered it. The tenant is part of its digest
+(the default tenant "" leaves digests as they were), so two tenants never share a key, a record or a hit; and its
+eviction class is per (tenant, block size), as the host pool's slot classes are: a tenant's blocks live in its own
+segments.
+
+An entry is forgotten when no connection holds it (said hello to it), the host pool holds none of its blocks and
+nothing is reserved for it: ids are never reused, and the lower tiers name blocks by digest, so nothing is lost.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from kvstore.index.errors import TooLarge, UnknownNamespace
+from kvstore.index.errors import OverLimit, TooLarge, UnknownNamespace
 from kvstore.protocol.keys import NamespaceSpec
 
 PREFIX_BYTES = 4        # a namespace id at the start of each index key
+SlotKey = tuple[str, int]   # (tenant, slot bytes): a slot class of the host pool, and an eviction class
 
 
 @dataclass(slots=True)
@@ -23,8 +32,15 @@ class NamespaceEntry:
     digest: bytes
     prefix: bytes               # the 4 bytes that start each of its index keys
     slot_bytes: int
-    cls: int                    # eviction class: one per block size
+    cls: int                    # eviction class: one per (tenant, block size)
+    tenant: str = ""
     blocks: int = 0             # blocks of it in the host pool
+    users: int = 0              # connections that said hello to it
+    pending: int = 0            # its slots reserved (stores and promotions in progress)
+
+    @property
+    def slot_key(self) -> SlotKey:
+        return (self.tenant, self.slot_bytes)
 
     def key(self, block_hash: bytes) -> bytes:
         """The index key of one of its blocks."""
@@ -37,11 +53,16 @@ class NamespaceEntry:
 
 @dataclass(slots=True)
 class Holdings:
-    """What one connection (or one mover) holds: released when it ends."""
+    """What one connection (or one mover) holds: released when it ends; and the limits the daemon set for it."""
     reserved: dict[bytes, int] = field(default_factory=dict)   # index key → gid
     pins: Counter[int] = field(default_factory=Counter)        # gid → count
     namespaces: set[int] = field(default_factory=set)
     segments: set[int] = field(default_factory=set)             # whose handles were sent on this connection
+    leases: OrderedDict[bytes, float] = field(default_factory=OrderedDict)   # stores' reservations → lease end
+    held_bytes: int = 0         # bytes of the slots it reserves or pins (each slot once)
+    held_share: float = 0.0     # at most this share of the pool's capacity held at once (0: no cap)
+    max_namespaces: int = 0     # namespaces it may say hello to (0: no cap)
+    tenant: str | None = None   # fixed at the connection's first hello
 
 
 class Namespaces:
@@ -50,23 +71,55 @@ class Namespaces:
     def __init__(self) -> None:
         self.by_id: dict[int, NamespaceEntry] = {}
         self._by_digest: dict[bytes, NamespaceEntry] = {}
-        self.classes: dict[int, int] = {}             # slot bytes → eviction class id
+        self.classes: dict[SlotKey, int] = {}         # (tenant, slot bytes) → eviction class id
+        self.forgotten = 0
+        self._next_id = 1
 
     def register(self, spec: NamespaceSpec, holder: Holdings, pool_capacity: int) -> NamespaceEntry:
-        digest = spec.digest()
+        """The namespace of `spec` in the holder's tenant ("" if none was set), registered on the holder."""
+        tenant = holder.tenant or ""
+        digest = spec.digest(tenant)
         ns = self._by_digest.get(digest)
+        if ns is not None and ns.id in holder.namespaces:
+            return ns
+        if holder.max_namespaces and len(holder.namespaces) >= holder.max_namespaces:
+            raise OverLimit(f"this connection said hello to {len(holder.namespaces)} namespaces, the most one "
+                            "connection may (server.max_namespaces_per_connection)")
         if ns is None:
-            slot = spec.geometry.full_bytes
-            if slot > pool_capacity:
-                raise TooLarge(f"a block of this geometry is {slot} bytes, larger than the whole pool "
-                               f"({pool_capacity} bytes)")
-            nid = len(self.by_id) + 1
-            cls = self.classes.setdefault(slot, len(self.classes))
-            ns = NamespaceEntry(nid, spec, digest, nid.to_bytes(PREFIX_BYTES, "big"), slot, cls)
-            self.by_id[nid] = ns
-            self._by_digest[digest] = ns
+            ns = self._new(spec, digest, tenant, pool_capacity)
+        ns.users += 1
         holder.namespaces.add(ns.id)
         return ns
+
+    def _new(self, spec: NamespaceSpec, digest: bytes, tenant: str, pool_capacity: int) -> NamespaceEntry:
+        slot = spec.geometry.full_bytes
+        if slot > pool_capacity:
+            raise TooLarge(f"a block of this geometry is {slot} bytes, larger than the whole pool "
+                           f"({pool_capacity} bytes)")
+        nid = self._next_id                           # never reused: an id names one namespace for good
+        self._next_id += 1
+        cls = self.classes.setdefault((tenant, slot), len(self.classes))
+        ns = NamespaceEntry(nid, spec, digest, nid.to_bytes(PREFIX_BYTES, "big"), slot, cls, tenant)
+        self.by_id[nid] = ns
+        self._by_digest[digest] = ns
+        return ns
+
+    def left(self, holder: Holdings) -> None:
+        """A connection ended (its reservations and pins already dropped): it no longer holds its namespaces."""
+        for nid in holder.namespaces:
+            ns = self.by_id.get(nid)
+            if ns is not None and ns.users > 0:
+                ns.users -= 1
+                self.forget_unused(ns)
+        holder.namespaces.clear()
+
+    def forget_unused(self, ns: NamespaceEntry) -> None:
+        """Drop the entry of a namespace nobody uses: no connection holds it, no block or slot of it is in the host
+        pool. O(1); called whenever one of those counts may have reached zero."""
+        if ns.users == 0 and ns.blocks == 0 and ns.pending == 0 and self.by_id.get(ns.id) is ns:
+            del self.by_id[ns.id]
+            del self._by_digest[ns.digest]
+            self.forgotten += 1
 
     def of(self, nid: int, holder: Holdings) -> NamespaceEntry:
         if nid not in holder.namespaces:
@@ -75,7 +128,7 @@ class Namespaces:
         return self.by_id[nid]
 
     def owner(self, key: bytes) -> NamespaceEntry:
-        """The namespace of an index key."""
+        """The namespace of an index key (stored or reserved: its entry is alive)."""
         return self.by_id[int.from_bytes(key[:PREFIX_BYTES], "big")]
 
     def get(self, nid: int) -> NamespaceEntry | None:

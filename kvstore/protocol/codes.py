@@ -16,6 +16,8 @@ class Code:
     CONFLICT = "conflict"                    # e.g. a key another client is storing right now
     BUSY = "busy"                            # a bounded queue is full: try again later
     TOO_MANY_CONNECTIONS = "too_many_connections"
+    FORBIDDEN = "forbidden"                  # not this connection's to do: admin role or tenant (server.admin_uids)
+    OVER_LIMIT = "over_limit"                # a per-connection limit of the configuration (named in the message)
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
 

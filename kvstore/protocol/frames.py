@@ -3,6 +3,7 @@ objects); `FrameReader` is the one reader of a byte stream into frames, on both 
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -22,15 +23,38 @@ def encode(msg: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode(body: bytes) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Sizes the decoder refuses while it decodes, before building the objects: a small frame cannot declare a
+    million-element array. Tied to what a valid request can hold (`for_requests`)."""
+    max_bin_len: int
+    max_str_len: int
+    max_array_len: int
+    max_map_len: int
+
+    @classmethod
+    def for_requests(cls, max_frame_bytes: int, max_keys: int) -> Limits:
+        # A keys bin is at most max_keys hashes and a list (ids, slots, crcs) at most max_keys integers; twice that
+        # still decodes, so that a request just over the limit gets the schema's precise bad_request. Strings are
+        # at most 256 characters; maps (a request, a namespace spec, a geometry) a few dozen entries.
+        return cls(max_bin_len=min(max_frame_bytes, 2 * max_keys * 16 + 64), max_str_len=4096,
+                   max_array_len=2 * max_keys + 16, max_map_len=64)
+
+
+def decode(body: bytes, limits: Limits | None = None) -> dict[str, Any]:
+    """One frame body as a msgpack map. With `limits` (the daemon's), oversized containers are a bad frame."""
     # max_ext_len=0: msgpack decodes timestamps (ext -1) itself, without the hook; a zero limit refuses them too.
+    sizes = {} if limits is None else {"max_bin_len": limits.max_bin_len, "max_str_len": limits.max_str_len,
+                                       "max_array_len": limits.max_array_len, "max_map_len": limits.max_map_len}
     try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext, max_ext_len=0)
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext, max_ext_len=0, **sizes)
     except ProtocolError:
         raise
     except ValueError as e:
-        what = ("msgpack extension types (timestamps included) are not accepted" if "max_ext_len" in str(e)
-                else f"not a valid msgpack message: {type(e).__name__}")
+        text = str(e)
+        what = ("msgpack extension types (timestamps included) are not accepted" if "max_ext_len" in text
+                else f"a msgpack {text.split('_')[1]} longer than this daemon accepts in a request ({text})"
+                if " exceeds max_" in text else f"not a valid msgpack message: {type(e).__name__}")
         raise ProtocolError(Code.BAD_FRAME, what) from None
     except Exception as e:  # msgpack raises several types (ExtraData, StackError, ValueError, ...)
         raise ProtocolError(Code.BAD_FRAME, f"not a valid msgpack message: {type(e).__name__}") from None

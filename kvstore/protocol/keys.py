@@ -60,10 +60,14 @@ class NamespaceSpec:
     def share_group(self) -> str:
         return self.group or self.model
 
-    def digest(self) -> bytes:
-        """Stable 16-byte identity: equal digests ⇔ identical KV bytes for identical tokens."""
-        ident = [self.share_group, self.adapter, sorted(self.geometry.to_dict().items()), self.tp_rank,
-                 self.tp_size, self.role, self.salt]
+    def digest(self, tenant: str = "") -> bytes:
+        """Stable 16-byte identity: equal digests ⇔ identical KV bytes for identical tokens, in one tenant. The
+        tenant (the daemon's, kvstore.daemon.tenants) separates equal specs of different tenants; the default
+        tenant "" adds nothing, so digests (and the SSD records named by them) stay as they were."""
+        ident: list[object] = [self.share_group, self.adapter, sorted(self.geometry.to_dict().items()),
+                               self.tp_rank, self.tp_size, self.role, self.salt]
+        if tenant:
+            ident.append(["tenant", tenant])
         return hashlib.blake2b(msgpack.packb(ident), digest_size=16, person=b"kvstore-ns-v1").digest()
 
     def to_dict(self) -> dict[str, Any]:

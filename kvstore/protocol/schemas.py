@@ -16,7 +16,8 @@ Schema = dict[str, tuple[str, bool]]
 _KEYS: Schema = {"ns": ("int", True), "keys": ("keys", True)}
 SCHEMAS: dict[str, Schema] = {
     "ping": {},
-    "hello": {"namespace": ("map", False), "client": ("str", False)},
+    "hello": {"namespace": ("map", False), "client": ("str", False), "tenant": ("str", False),
+              "secret": ("str", False)},
     "segments": {"ids": ("ints", True)},
     "lookup": _KEYS,
     "reserve": _KEYS,

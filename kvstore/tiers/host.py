@@ -3,7 +3,8 @@
 Where bytes live, nothing more: the pool hands out and takes back slots; the index decides what lives in them and
 what to evict. Each segment is one memfd holding whole slots of a single size (one slot = one Full Block), so a
 segment is always a whole number of its blocks (SwiftCache's elastic unit, with no LCM needed because sizes never
-share a segment).
+share a segment). A segment also belongs to one tenant: slot classes are keyed by (tenant, slot size), so a
+connection given the fds of its own tenant's segments can map no other tenant's bytes. One cap for all tenants.
 
 - allocate / free are O(1): a free-slot stack per segment and an ordered set of segments with free slots per size.
 - capacity is exact: the bytes of all live segments never exceed it; a segment is only created if it fits.
@@ -62,6 +63,11 @@ class Segment:
     draining: bool = False        # chosen for release: allocates nothing, released when busy reaches 0
     mm: mmap.mmap | None = None   # the daemon's own mapping, made when it first moves bytes (SSD tier)
     urgent: bool = False          # released for an allocation that waits: punched inline, not by the reaper
+    tenant: str = ""              # whose blocks it holds (only that tenant's connections get its fd)
+
+    @property
+    def slot_key(self) -> tuple[str, int]:
+        return (self.tenant, self.slot_bytes)
 
     @property
     def size(self) -> int:
@@ -71,6 +77,7 @@ class Segment:
 @dataclass(slots=True)
 class SlotClass:
     slot_bytes: int
+    tenant: str = ""
     segments: dict[int, Segment] = field(default_factory=dict)
     with_free: dict[int, Segment] = field(default_factory=dict)   # insertion-ordered set
 
@@ -80,7 +87,7 @@ class HostPool:
         self.capacity = capacity
         self.segment_bytes = segment_bytes
         self.segments: dict[int, Segment] = {}
-        self.classes: dict[int, SlotClass] = {}
+        self.classes: dict[tuple[str, int], SlotClass] = {}   # (tenant, slot bytes) → its segments
         self.mapped_bytes = 0
         self.used_bytes = 0
         self.generation = 0          # bumps when a segment is created or released
@@ -101,14 +108,15 @@ class HostPool:
         return self.mapped_bytes + self.reaping_bytes + self.segment_size(slot_bytes) <= self.capacity
 
     # ----- slots -----
-    def allocate(self, slot_bytes: int) -> int | None:
-        """A free slot of this size (creating a segment if the cap allows), or None: the caller must evict."""
-        cls = self.classes.get(slot_bytes)
+    def allocate(self, slot_bytes: int, tenant: str = "") -> int | None:
+        """A free slot of this size in one of the tenant's segments (creating a segment if the cap allows), or None:
+        the caller must evict."""
+        cls = self.classes.get((tenant, slot_bytes))
         if cls is None or not cls.with_free:
             if not self.fits(slot_bytes):
                 return None
-            seg = self._create(slot_bytes)
-            cls = self.classes[slot_bytes]
+            seg = self._create(slot_bytes, tenant)
+            cls = self.classes[(tenant, slot_bytes)]
         else:
             seg = next(iter(cls.with_free.values()))
         slot = seg.free.pop()
@@ -126,7 +134,7 @@ class HostPool:
         seg.live -= 1
         self.used_bytes -= seg.slot_bytes
         if not seg.draining:
-            self.classes[seg.slot_bytes].with_free[seg.id] = seg
+            self.classes[seg.slot_key].with_free[seg.id] = seg
 
     def view(self, gid: int) -> memoryview:
         """The daemon's view of a slot's bytes (for demotion and promotion). Valid while the slot is held."""
@@ -140,7 +148,7 @@ class HostPool:
         return self.segments[gid >> 32]
 
     # ----- segments -----
-    def _create(self, slot_bytes: int) -> Segment:
+    def _create(self, slot_bytes: int, tenant: str) -> Segment:
         n = self.slots_per_segment(slot_bytes)
         seg_id = self._next_id
         self._next_id += 1
@@ -153,8 +161,9 @@ class HostPool:
         except BaseException:
             os.close(fd)                  # whatever failed, the memfd does not leak
             raise
-        seg = Segment(seg_id, slot_bytes, n, fd, list(range(n - 1, -1, -1)), [None] * n, [0] * n, [None] * n)
-        cls = self.classes.setdefault(slot_bytes, SlotClass(slot_bytes))
+        seg = Segment(seg_id, slot_bytes, n, fd, list(range(n - 1, -1, -1)), [None] * n, [0] * n, [None] * n,
+                      tenant=tenant)
+        cls = self.classes.setdefault(seg.slot_key, SlotClass(slot_bytes, tenant))
         cls.segments[seg_id] = seg
         cls.with_free[seg_id] = seg
         self.segments[seg_id] = seg
@@ -165,17 +174,17 @@ class HostPool:
     def drain(self, seg: Segment) -> None:
         """Stop allocating from a segment chosen for release."""
         seg.draining = True
-        self.classes[seg.slot_bytes].with_free.pop(seg.id, None)
+        self.classes[seg.slot_key].with_free.pop(seg.id, None)
 
     def release(self, seg: Segment, inline: bool = False) -> None:
         """Return an empty segment's memory to the system (the caller has emptied it): in the background, or
         `inline` when an allocation is waiting for exactly this memory."""
         assert seg.live == 0, f"segment {seg.id} still holds {seg.live} slots"
-        cls = self.classes[seg.slot_bytes]
+        cls = self.classes[seg.slot_key]
         del cls.segments[seg.id]
         cls.with_free.pop(seg.id, None)
         if not cls.segments:
-            del self.classes[seg.slot_bytes]
+            del self.classes[seg.slot_key]
         del self.segments[seg.id]
         self.mapped_bytes -= seg.size
         self.generation += 1

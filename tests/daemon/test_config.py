@@ -35,6 +35,10 @@ def test_embedded_default_loads_and_validates():
     s = cfg.server
     assert (s.max_connections, s.max_frame_bytes, s.max_keys_per_request) == (64, MiB, 1024)
     assert cfg.server.shutdown_timeout_s == 10.0
+    assert cfg.server.admin_uids == [os.getuid()]            # "auto": the daemon's own user
+    assert (s.max_held_fraction, s.max_namespaces_per_connection, s.reservation_lease_s) == (1.0, 64, 60.0)
+    assert (s.min_block_bytes, s.idle_timeout_s) == (512, 600.0)
+    assert cfg.tenants == []
     assert cfg.pool.capacity == auto_capacity() > 0          # "auto": a quarter of memory, at most 64 GiB
     assert cfg.pool.capacity <= 64 * GiB
     assert (cfg.pool.segment_bytes, cfg.pool.eviction) == (64 * MiB, "lru")
@@ -70,6 +74,13 @@ def test_every_shipped_config_validates(path):
     ("KVSTORE_METRICS_ENABLED", "true", ("metrics", "enabled"), True),
     ("KVSTORE_METRICS_PORT", "9100", ("metrics", "port"), 9100),
     ("KVSTORE_LOG_LEVEL", "debug", ("log", "level"), "debug"),
+    ("KVSTORE_SERVER_ADMIN_UIDS", "[0, 1000]", ("server", "admin_uids"), [0, 1000]),
+    ("KVSTORE_SERVER_ADMIN_UIDS", "auto", ("server", "admin_uids"), [os.getuid()]),
+    ("KVSTORE_SERVER_MAX_HELD_FRACTION", "0.25", ("server", "max_held_fraction"), 0.25),
+    ("KVSTORE_SERVER_MAX_NAMESPACES_PER_CONNECTION", "8", ("server", "max_namespaces_per_connection"), 8),
+    ("KVSTORE_SERVER_RESERVATION_LEASE_S", "0.5", ("server", "reservation_lease_s"), 0.5),
+    ("KVSTORE_SERVER_MIN_BLOCK_BYTES", "64KiB", ("server", "min_block_bytes"), 64 << 10),
+    ("KVSTORE_SERVER_IDLE_TIMEOUT_S", "30", ("server", "idle_timeout_s"), 30.0),
 ])
 def test_environment_overrides(name, value, where, expected):
     cfg = load_config(env={name: value})
@@ -118,6 +129,16 @@ def test_other_kvstore_variables_are_not_fields():
     ("server", "shutdown_timeout_s", "soon", "expected a number"),
     ("server", "send_timeout_s", 0, "must be 0.1..3600 seconds"),
     ("server", "send_timeout_s", 86400, "must be 0.1..3600 seconds"),
+    ("server", "admin_uids", "root", "expected auto or a list of user ids"),
+    ("server", "admin_uids", [0, -1], "expected auto or a list of user ids"),
+    ("server", "admin_uids", [True], "expected auto or a list of user ids"),
+    ("server", "max_held_fraction", 0, "must be above 0 and at most 1"),
+    ("server", "max_held_fraction", 1.5, "must be above 0 and at most 1"),
+    ("server", "max_namespaces_per_connection", 0, "must be 1..65536"),
+    ("server", "reservation_lease_s", 0, "must be 0.1..86400 seconds"),
+    ("server", "min_block_bytes", 0, "must be 1B..1GiB"),
+    ("server", "min_block_bytes", "2GiB", "must be 1B..1GiB"),
+    ("server", "idle_timeout_s", 0, "must be 0.1..604800 seconds"),
     ("ssd", "eviction", "mru", "must be one of lru"),
     ("ssd", "sync", "sometimes", "must be one of always, batch, never"),
     ("pool", "capacity", -5, "must not be negative"),
@@ -153,11 +174,36 @@ def test_file_and_environment_errors_are_reported_together(tmp_path):
         load_config(path, env={"KVSTORE_METRICS_PORT": "[9100", "KVSTORE_SERVER_MAX_CONNECTIONS": "0"})
     errs = errors_of(e)
     assert len(errs) == 5, errs
-    assert any(x.startswith("cache: unknown section (known: server, pool, ssd, traffic, metrics, log)") for x in errs)
+    assert any(x.startswith("cache: unknown section (known: server, pool, ssd, traffic, metrics, log, tenants)")
+               for x in errs)
     assert any(x.startswith("pool.colour: unknown field (known: capacity") for x in errs)
     assert any(x.startswith("pool.capacity: expected a size") for x in errs)
     assert any(x.startswith("metrics.port: KVSTORE_METRICS_PORT='[9100' is not a valid YAML value") for x in errs)
     assert any(x.startswith("server.max_connections: must be 1..4096") for x in errs)
+
+
+def test_tenants_are_read_from_the_file_and_their_secrets_never_printed(tmp_path):
+    path = write(tmp_path, {"tenants": [{"name": "a", "uids": [1001], "secret": "s3"}, {"name": "b", "uids": [7]}]})
+    cfg = load_config(path, env={})
+    assert [(t.name, t.uids, t.secret) for t in cfg.tenants] == [("a", [1001], "s3"), ("b", [7], "")]
+    assert [t["secret"] for t in cfg.to_dict()["tenants"]] == ["***", ""]
+
+
+@pytest.mark.parametrize("tenants, fragment", [
+    ({"name": "a"}, "tenants: must be a list"),
+    ([{"name": "a", "secret": "x", "colour": 1}], "tenants[0]: must be a mapping of name, uids"),
+    ([{"name": "", "secret": "x"}], "tenants[0].name: must be a string of 1..64 characters"),
+    ([{"name": "uid:5", "secret": "x"}], "not starting with 'uid:'"),
+    ([{"name": "a", "secret": "x"}, {"name": "a", "uids": [1]}], "tenants[1].name: 'a' is listed twice"),
+    ([{"name": "a", "uids": ["root"]}], "tenants[0].uids: expected a list of user ids"),
+    ([{"name": "a", "uids": [1], "secret": 5}], "tenants[0].secret: expected a string"),
+    ([{"name": "a"}], "tenants[0]: give uids, a secret or both"),
+])
+def test_each_invalid_tenant_has_its_own_message(tmp_path, tenants, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, {"tenants": tenants}), env={})
+    (only,) = errors_of(e)
+    assert fragment in only
 
 
 def test_unknown_field_from_the_environment(tmp_path):

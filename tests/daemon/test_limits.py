@@ -1,0 +1,207 @@
+"""Per-connection bounds against a live daemon (issue 13, part 2): a client that holds all it can, walks away from
+its reservations, opens namespaces without end, asks for tiny blocks, sends oversized msgpack or idles without a
+namespace gets a clear status or loses its connection, and the others keep storing and reading byte-exact blocks."""
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import msgpack
+import pytest
+
+from kvstore.client import KVStoreError
+from kvstore.protocol import VERSION, ReserveStatus
+from kvstore.protocol.geometry import Geometry
+from tests.conftest import GEOM, DaemonProc, block, hashes, spec, ssd_settled
+
+PER_MIB = (1 << 20) // GEOM.full_bytes      # 128 blocks of 8 KiB per MiB
+
+
+def wait_for(predicate, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_client_that_reserves_until_no_space_and_idles_leaves_the_others_room(start_daemon):
+    """Before, one connection could reserve every slot of the pool and sit on them: every other writer got
+    no_space. With server.max_held_fraction 0.5 it holds half the pool at most."""
+    d = start_daemon("4MiB", env={"KVSTORE_SERVER_MAX_HELD_FRACTION": "0.5"})
+    hostile, other = d.client(), d.client()
+    try:
+        ns = hostile.namespace(spec())
+        held, refused, batch = 0, False, 0
+        while not refused:                                   # reserve until no_space, never commit
+            r = ns.reserve(hashes(64, start=64 * batch, tag=b"hostile"))
+            held += len(r.reserved)
+            refused = ReserveStatus.NO_SPACE in r.status
+            r.done = True                                    # and keep the slots: no abort
+            batch += 1
+        assert held == 2 * PER_MIB                           # half of the 4 MiB pool
+        assert other.stats()["counters"]["held_cap"] >= 1
+        mine = other.namespace(spec())
+        hs, want = hashes(3 * PER_MIB), [block(i) for i in range(3 * PER_MIB)]
+        for i in range(0, len(hs), PER_MIB):                 # more than the room left: the others evict their own
+            put = mine.put(hs[i:i + PER_MIB], want[i:i + PER_MIB])
+            assert put.stored == PER_MIB and put.no_space == 0
+            outs = [bytearray(GEOM.full_bytes) for _ in range(PER_MIB)]
+            assert mine.get(hs[i:i + PER_MIB], outs) == PER_MIB
+            assert [bytes(o) for o in outs] == want[i:i + PER_MIB]
+    finally:
+        hostile.close()
+        other.close()
+
+
+def test_an_acquire_gets_the_prefix_within_the_cap(start_daemon):
+    d = start_daemon("4MiB", env={"KVSTORE_SERVER_MAX_HELD_FRACTION": "0.5"})
+    with d.client() as c:
+        ns = c.namespace(spec())
+        hs, want = hashes(3 * PER_MIB), [block(i) for i in range(3 * PER_MIB)]
+        assert ns.put(hs, want).stored == 3 * PER_MIB
+        before = c.stats()["counters"]["held_cap"]
+        lease = ns.acquire(hs[:1000])
+        assert len(lease) == 2 * PER_MIB                     # pinned: half the pool, the prefix within it
+        outs = [bytearray(GEOM.full_bytes) for _ in range(len(lease))]
+        lease.read_blocks(outs)
+        assert [bytes(o) for o in outs] == want[:len(lease)]
+        assert c.stats()["counters"]["held_cap"] == before + 1
+        lease.release()
+        with ns.acquire(hs[2 * PER_MIB:]) as rest:           # released: the rest fits again
+            assert len(rest) == PER_MIB
+
+
+def test_an_uncommitted_reservation_is_aborted_after_its_lease(start_daemon):
+    """Before, a reservation lived as long as its connection: a client that reserved and walked away (but kept the
+    connection) held its slots, and the keys stayed "in progress" for every other writer, for good."""
+    d = start_daemon(env={"KVSTORE_SERVER_RESERVATION_LEASE_S": "0.3"})
+    hs = hashes(4)
+    with d.client() as slow, d.client() as other:
+        ns = slow.namespace(spec())
+        r = ns.reserve(hs)
+        r.write_blocks([block(i) for i in range(4)])
+        wait_for(lambda: other.stats()["counters"]["reservations_expired"] == 4, "the lease to end")
+        assert other.stats()["reserved"] == 0
+        with pytest.raises(KVStoreError) as e:
+            r.commit()                                       # too late: nothing was committed
+        assert e.value.code == "not_found"
+        assert "server.reservation_lease_s" in d.read_log()
+        theirs = other.namespace(spec())
+        assert theirs.put(hs, [block(10 + i) for i in range(4)]).stored == 4   # the keys are free again
+        outs = [bytearray(GEOM.full_bytes) for _ in hs]
+        assert ns.get(hs, outs) == 4 and [bytes(o) for o in outs] == [block(10 + i) for i in range(4)]
+
+
+def test_a_committed_reservation_is_not_touched_by_the_lease(start_daemon):
+    d = start_daemon(env={"KVSTORE_SERVER_RESERVATION_LEASE_S": "0.3"})
+    with d.client() as c:
+        ns = c.namespace(spec())
+        assert ns.put(hashes(4), [block(i) for i in range(4)]).stored == 4
+        r = ns.reserve(hashes(2, start=10))                  # a lease that is still running is left alone
+        time.sleep(0.6)
+        outs = [bytearray(GEOM.full_bytes) for _ in range(4)]
+        assert ns.get(hashes(4), outs) == 4 and [bytes(o) for o in outs] == [block(i) for i in range(4)]
+        assert c.stats()["counters"]["reservations_expired"] == 2   # the committed ones were not counted
+        with pytest.raises(KVStoreError):
+            r.commit()
+
+
+def test_namespaces_per_connection_are_capped(start_daemon):
+    d = start_daemon(env={"KVSTORE_SERVER_MAX_NAMESPACES_PER_CONNECTION": "2"})
+    with d.client() as c:
+        a, b = c.namespace(spec("a")), c.namespace(spec("b"))
+        assert c.namespace(spec("a")).id == a.id             # saying hello again to one it holds is free
+        with pytest.raises(KVStoreError) as e:
+            c.namespace(spec("c"))
+        assert e.value.code == "over_limit" and "server.max_namespaces_per_connection" in e.value.message
+        assert b.put(hashes(2), [block(0), block(1)]).stored == 2   # the connection serves on
+    with d.client() as c:                                    # a cap per connection, not per daemon
+        assert c.namespace(spec("c")).id > b.id
+
+
+def test_a_geometry_below_the_minimum_block_size_is_refused(daemon):
+    """Before, 1-byte blocks were accepted: a 64 MiB segment of them builds 64 Mi-entry slot lists under the state
+    lock (seconds, and GiBs outside the cap)."""
+    tiny = Geometry(layers=1, tokens=1, kv_heads=1, head_dim=1, dtype="uint8", kv=1)
+    with daemon.client() as c:
+        with pytest.raises(KVStoreError) as e:
+            c.namespace(spec(geometry=tiny))
+        assert e.value.code == "wrong_geometry" and "server.min_block_bytes" in e.value.message
+        assert c.stats()["namespaces"] == 0
+        assert c.namespace(spec()).put(hashes(1), [block(0)]).stored == 1
+
+
+def test_unused_namespaces_are_forgotten_and_their_blocks_found_again(tmp_path, daemons):
+    """Before, every namespace ever said hello to stayed in the daemon's books for good."""
+    d = DaemonProc(env={"KVSTORE_SSD_DIR": str(tmp_path / "ssd")}).start()
+    daemons.append(d)
+    hs, want = hashes(8), [block(i) for i in range(8)]
+    with d.client() as admin:
+        with d.client() as c:
+            ns = c.namespace(spec("gone"))
+            old = ns.id
+            assert ns.put(hs, want).stored == 8
+            assert admin.stats()["namespaces"] == 1
+        assert admin.stats()["namespaces"] == 1              # its blocks are still in the host pool
+        admin.evict(everything=True)                         # now on SSD only
+        ssd_settled(admin)
+        wait_for(lambda: admin.stats()["namespaces"] == 0, "the namespace to be forgotten")
+        assert admin.stats()["namespaces_forgotten"] == 1
+        with d.client() as c:                                # said hello to again: a new id, the same blocks
+            ns = c.namespace(spec("gone"))
+            assert ns.id > old
+            outs = [bytearray(GEOM.full_bytes) for _ in hs]
+            assert ns.get(hs, outs) == 8 and [bytes(o) for o in outs] == want
+
+
+def raw_reply(sock: socket.socket) -> dict | None:
+    head = b""
+    while len(head) < 4:
+        chunk = sock.recv(4 - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    (n,) = struct.unpack("<I", head)
+    body = b""
+    while len(body) < n:
+        body += sock.recv(n - len(body))
+    return msgpack.unpackb(body, raw=False)
+
+
+def frame(msg: bytes) -> bytes:
+    return struct.pack("<I", len(msg)) + msg
+
+
+@pytest.mark.parametrize("value", [[None] * 100_000, "x" * 100_000, {str(i): 0 for i in range(1000)},
+                                   b"\0" * 500_000])
+def test_msgpack_beyond_the_request_limits_is_refused_while_decoding(daemon, value):
+    """Before, a 1 MiB frame decoded into whatever it declared (here 100 000 objects) before the schema looked at
+    it; now the decoder refuses containers no valid request has, and closes the connection."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(20)
+        s.connect(daemon.socket)
+        s.sendall(frame(msgpack.packb({"v": VERSION, "op": "ping", "id": 1, "junk": value}, use_bin_type=True)))
+        reply = raw_reply(s)
+        assert reply is not None and reply["error"]["code"] == "bad_frame"
+        assert "longer than this daemon accepts" in reply["error"]["message"]
+        assert raw_reply(s) is None                          # then closed
+    with daemon.client() as c:
+        assert c.ping()["pong"] is True
+
+
+def test_an_idle_connection_without_a_namespace_is_closed_and_one_with_is_kept(start_daemon):
+    """Before, a connection that sent nothing was kept for good: 64 of them locked everyone out."""
+    d = start_daemon(env={"KVSTORE_SERVER_IDLE_TIMEOUT_S": "0.3"})
+    with d.client() as engine:
+        ns = engine.namespace(spec())
+        assert ns.put(hashes(2), [block(0), block(1)]).stored == 2
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
+            idle.settimeout(20)
+            idle.connect(d.socket)
+            assert idle.recv(1) == b""                       # closed by the daemon, not by our timeout
+        assert engine.stats()["counters"]["idle_closed"] >= 1
+        assert "server.idle_timeout_s" in d.read_log()
+        time.sleep(1.0)                                      # an engine idles longer than that: kept
+        outs = [bytearray(GEOM.full_bytes) for _ in range(2)]
+        assert ns.get(hashes(2), outs) == 2 and [bytes(o) for o in outs] == [block(0), block(1)]
