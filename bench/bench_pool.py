@@ -1,7 +1,8 @@
 """The host pool through the daemon, against the machine's own baselines measured in the same run.
 
 - put / get of 2 MiB blocks, batches of 32, from this process (the daemon is another one it starts), with 1 and 2
-  copy threads, against numpy memcpy of the same blocks with 1 and 2 threads;
+  copy threads, against numpy memcpy of the same blocks with 1 and 2 threads — with end-to-end checksums (the
+  default: the writer's CRC-32C with each commit, the reader's copy checked) and without;
 - lookup of 32 present keys, p50 and p99, against a raw 64-byte round trip over a Unix socket to an echo server in
   a child process (the daemon's `ping` is shown too: it splits the gap into protocol and index);
 - resize of a full pool (release 256 MiB, then grow back) at 1 GiB and 8 GiB.
@@ -11,7 +12,8 @@ page fault in the daemon's memfd and in the client's mapping, so the warm-up fil
 timed runs reuse), with its spread (IQR, min, max) in the JSON. Each baseline takes turns with what it is compared
 to, repetition by repetition, so that both see the same machine, and every ratio is computed within the run.
 
-Targets: put and get ≥ 0.9× one-thread memcpy with one copy thread, ≥ 0.8× two-thread memcpy with two; lookup
+Targets: put and get ≥ 0.9× one-thread memcpy with one copy thread, ≥ 0.8× two-thread memcpy with two, and
+≥ 0.85× memcpy with checksums on; lookup
 p50 ≤ 2× the raw round trip; resize at 8 GiB ≤ 1.2× resize at 1 GiB.
 
     python bench/bench_pool.py [--quick] [--reps N] [--blocks N] [--profile]
@@ -156,8 +158,8 @@ def put_get(d: Daemon, threads: int, blocks: int, reps: int, warm: int, profile:
     dsts = [np.ones(BLOCK, np.uint8) for _ in range(blocks)]           # touched: no page faults in the timing
     check = np.empty(BLOCK, np.uint8)
     memcpy = Memcpy(threads)
-    out: dict[str, list[float]] = {"memcpy": [], "put": [], "get": [], "memcpy_batch": [],
-                                   **{f"daemon_{op}": [] for op in DAEMON_OPS}}
+    out: dict[str, list[float]] = {k: [] for k in ("memcpy", "put", "get", "put_crc", "get_crc", "memcpy_batch")}
+    out.update({f"daemon_{op}": [] for op in DAEMON_OPS})
     gb = blocks * BLOCK / 1e9
     try:
         with d.client(copy_threads=threads) as c:
@@ -170,15 +172,23 @@ def put_get(d: Daemon, threads: int, blocks: int, reps: int, warm: int, profile:
                 before = c.stats()["latency"]
                 if profile and rep >= warm:
                     profile.enable()
-                r = ns.put(hs, srcs, batch=BATCH)
+                r = ns.put(hs, srcs, batch=BATCH, checksum=False)
                 t2 = time.perf_counter()
-                n = ns.get(hs, dsts, batch=BATCH)
+                n = ns.get(hs, dsts, batch=BATCH, verify=False)
                 t3 = time.perf_counter()
                 if profile:
                     profile.disable()
                 after = c.stats()["latency"]
                 if r.stored != blocks or n != blocks:
                     raise RuntimeError(f"put {r}, got {n} of {blocks}: is the pool big enough?")
+                ns.delete(hs)
+                t4 = time.perf_counter()           # the same with checksums, as users run it by default
+                r = ns.put(hs, srcs, batch=BATCH)
+                t5 = time.perf_counter()
+                n = ns.get(hs, dsts, batch=BATCH)
+                t6 = time.perf_counter()
+                if r.stored != blocks or n != blocks:
+                    raise RuntimeError(f"checksummed put {r}, verified get {n} of {blocks}")
                 for i in (0, blocks - 1):               # the bytes went through the slots (fresh buffer, untimed)
                     check[:] = 0
                     if ns.get([hs[i]], [check]) != 1 or not np.array_equal(check, srcs[i]):
@@ -188,6 +198,8 @@ def put_get(d: Daemon, threads: int, blocks: int, reps: int, warm: int, profile:
                     out["memcpy"].append(gb / (t1 - t0))
                     out["put"].append(gb / (t2 - t1))
                     out["get"].append(gb / (t3 - t2))
+                    out["put_crc"].append(gb / (t5 - t4))
+                    out["get_crc"].append(gb / (t6 - t5))
                     for op in DAEMON_OPS:       # the daemon's own time in this put+get, per batch of 32
                         spent = after.get(op, {}).get("sum", 0.0) - before.get(op, {}).get("sum", 0.0)
                         out[f"daemon_{op}"].append(spent * BATCH / blocks)
@@ -468,8 +480,8 @@ def main() -> None:
                            "quick": args.quick}
     for threads, limit in ((1, 0.9), (2, 0.8)):
         raw = pg[threads]
-        o: dict[str, Any] = {k: summary(raw[k]) for k in ("memcpy", "put", "get")}
-        for op in ("put", "get"):      # per-repetition ratios: each against the memcpy run just before it
+        o: dict[str, Any] = {k: summary(raw[k]) for k in ("memcpy", "put", "get", "put_crc", "get_crc")}
+        for op in ("put", "get", "put_crc", "get_crc"):   # per-repetition ratios: each against the memcpy before it
             o[f"{op}_over_memcpy"] = summary([a / b for a, b in zip(raw[op], raw["memcpy"])])
         res[f"copy_threads_{threads}_gbps"] = o
         res[f"copy_threads_{threads}_per_batch_us"] = {k: summary(v, 1e6) for k, v in raw.items()
@@ -478,6 +490,10 @@ def main() -> None:
             ratio = o[op]["median"] / o["memcpy"]["median"]
             row(f"{op}, {threads} copy thread{'s' * (threads > 1)}", o[op], o["memcpy"], "GB/s",
                 f"≥ {limit}× memcpy {threads}t", ratio >= limit)
+        for op in ("put", "get"):
+            ratio = o[f"{op}_crc"]["median"] / o["memcpy"]["median"]
+            row(f"{op} with CRC-32C, {threads} copy thread{'s' * (threads > 1)}", o[f"{op}_crc"], o["memcpy"],
+                "GB/s", f"≥ 0.85× memcpy {threads}t", ratio >= 0.85)
     both = {k: pg[1][k] + pg[2][k] for k in pg[1] if k.startswith(("daemon_", "memcpy_batch"))}
     copy_batch = summary(pg[1]["memcpy_batch"], 1e6)
     for op, (a, b) in (("put", ("reserve", "commit")), ("get", ("acquire", "release"))):

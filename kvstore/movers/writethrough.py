@@ -2,10 +2,11 @@
 they survive a daemon restart and their later eviction costs no write (DualPath persists each full block as soon as
 it fills). Off by default (`ssd.write_through`): it spends write bandwidth on blocks that may never be evicted.
 
-No copy: the committed slot is pinned by the write-through itself and the tier's write reads straight from it; the
-pin is dropped when the write returns (durable, for the SSD tier). Pinned bytes are bounded (`ssd.staging_bytes`):
-beyond the bound a block is skipped (counted) and goes down the usual way, when it is evicted. A block deleted
-meanwhile is not published (the tier drops a write whose block was deleted after `announce`).
+No copy: the tier's write reads straight from the committed slot, pinned only while its batch is written (BATCH
+blocks at a time), so write-through never holds the pool's room: a block queued but not written yet can be evicted
+like any other, and then goes down the write-back way (demotion's staged copy), which the write-through skips. The
+queue is bounded (`ssd.staging_bytes` of blocks): beyond it a block is skipped (counted) and goes down on eviction.
+A block deleted meanwhile is not published (the tier drops a write whose block was deleted after `announce`).
 """
 from __future__ import annotations
 
@@ -34,22 +35,21 @@ class WriteThrough:
         self.max_bytes = max_bytes
         self.holder = Holdings()
         self.queue: deque[tuple[bytes, int, int, NamespaceEntry, bytes]] = deque()   # block id, gid, size, ns, hash
-        self.pinned_bytes = 0
+        self.queued_bytes = 0
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvstore-writethrough", daemon=True)
         self._thread.start()
 
     def committed(self, ns: NamespaceEntry, hashes: list[bytes]) -> None:
-        """(Under the state lock.) Queue the writes of blocks just committed, pinning their slots."""
+        """(Under the state lock.) Queue the writes of blocks just committed (nothing pinned yet)."""
         for h in hashes:
-            if not self.index.holds(ns, h) or self.tier.has(ns.block_id(h)):
+            gid = self.index.slot(ns, h)
+            if gid is None or self.tier.has(ns.block_id(h)):
                 continue                            # gone already, or held by the tier already (stored again)
-            if self.pinned_bytes + ns.slot_bytes > self.max_bytes:
+            if self.queued_bytes + ns.slot_bytes > self.max_bytes:
                 self.counters["write_through_skipped"] += 1
                 continue
-            gid = self.index.pin(ns, h, self.holder)
-            assert gid is not None
-            self.pinned_bytes += ns.slot_bytes
+            self.queued_bytes += ns.slot_bytes
             self.queue.append((ns.block_id(h), gid, ns.slot_bytes, ns, h))
         self.changed.notify_all()
 
@@ -61,7 +61,11 @@ class WriteThrough:
                 if not self.queue:
                     return
                 batch = [self.queue.popleft() for _ in range(min(BATCH, len(self.queue)))]
-                live = [b for b in batch if self.index.slot(b[3], b[4]) == b[1]]   # not deleted meanwhile
+                self.queued_bytes -= sum(n for _, _, n, _, _ in batch)
+                # Still in its slot (not deleted, nor evicted: then demotion took it down) and not in the tier yet.
+                live = [b for b in batch if self.index.slot(b[3], b[4]) == b[1] and not self.tier.has(b[0])]
+                for _, _, _, ns, h in live:
+                    self.index.pin(ns, h, self.holder)          # held for this write only
                 views = [self.pool.view(gid) for _, gid, _, _, _ in live]
                 crcs = self.index.crcs_of([gid for _, gid, _, _, _ in live])   # the writers': checked by the tier
                 self.tier.announce([bid for bid, _, _, _, _ in live])    # a delete from now on cancels the write
@@ -76,8 +80,7 @@ class WriteThrough:
                     v.release()
             with self.changed:
                 self.counters["written_through"] += stored
-                self.index.release([gid for _, gid, _, _, _ in batch], self.holder)
-                self.pinned_bytes -= sum(n for _, _, n, _, _ in batch)
+                self.index.release([gid for _, gid, _, _, _ in live], self.holder)
 
     def close(self) -> None:
         """Write what is queued (a graceful stop keeps it), then stop."""

@@ -78,3 +78,46 @@ def test_a_delete_racing_a_demotion_batch_leaves_nothing_on_disk(tmp_path, daemo
     with d.client() as c:
         ns = c.namespace(spec())
         assert c.stats()["tiers"][1]["blocks"] == 20 and all(ns.lookup([h]) == 0 for h in hs[:20])
+
+
+def test_write_through_never_refuses_a_store_while_the_ssd_has_room(tmp_path, daemons):
+    """Three writers into a pool a fraction of their data, write-through on, a slow disk. Before: the write-through
+    pinned every committed slot until its write returned, so the pool filled with pinned blocks and 49–66% of the
+    stores were refused no_space while the SSD had room. Now a slot is pinned only while its batch is written; a
+    block evicted before its turn goes down by demotion instead."""
+    import threading
+
+    d = DaemonProc(capacity="2MiB", segment="1MiB",
+                   env={"KVSTORE_SSD_DIR": str(tmp_path / "ssd"), "KVSTORE_SSD_CAPACITY": "256MiB",
+                        "KVSTORE_SSD_WRITE_THROUGH": "true", "KVSTORE_SLOW_DEVICE": "ssd:2MB:5"})
+    daemons.append(d)
+    d.start()
+    results: dict[int, list[int]] = {}
+
+    def writer(w: int) -> None:
+        with d.client() as c:
+            ns = c.namespace(spec())
+            hs = [key(10_000 * (w + 1) + i) for i in range(160)]        # 1.25 MiB each, 3.75 MiB in all
+            got = [0, 0]
+            for start in range(0, len(hs), 16):
+                r = ns.put(hs[start:start + 16], [content(h) for h in hs[start:start + 16]])
+                got[0] += r.stored
+                got[1] += r.no_space
+            results[w] = got
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {w: r[1] for w, r in results.items()} == {0: 0, 1: 0, 2: 0}     # nothing refused
+    assert sum(r[0] for r in results.values()) == 480
+    with d.client() as c:
+        s = ssd_settled(c, timeout=60)
+        assert s["counters"]["evictions"] > 0                            # the pool really overflowed
+        ns = c.namespace(spec())
+        for w in range(3):
+            hs = [key(10_000 * (w + 1) + i) for i in range(160)]
+            outs = [bytearray(GEOM.full_bytes) for _ in hs]
+            assert ns.get(hs, outs) == 160                                # every block, byte-exact, from a tier
+            assert [bytes(o) for o in outs] == [content(h) for h in hs]
