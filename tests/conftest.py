@@ -131,13 +131,15 @@ def hashes(n: int, start: int = 0, tag: bytes = b"") -> list[bytes]:
 
 
 def ssd_settled(c: Client, timeout: float = 30.0) -> dict:
-    """The daemon's stats once its SSD tier has written everything staged, its traffic path is idle and no block is
-    pinned (write-through done): what a test reads after demotions, promotions or deletes it started."""
+    """The daemon's stats once its SSD tier has written everything staged, its traffic path is idle, no block is
+    pinned and the write-through has nothing queued or in flight: what a test reads after demotions, promotions,
+    write-throughs or deletes it started."""
     deadline = time.monotonic() + timeout
     while True:
         s = c.stats()
         lanes = s["traffic"][0]["lanes"].values()
-        if s["tiers"][1]["staged_blocks"] == 0 and s["pinned"] == 0 and \
+        wt = s.get("write_through") or {"queued": 0, "writing": 0}
+        if s["tiers"][1]["staged_blocks"] == 0 and s["pinned"] == 0 and not wt["queued"] and not wt["writing"] and \
                 not any(r["queued"] or r["in_flight"] for r in lanes):
             return s
         if time.monotonic() > deadline:

@@ -10,7 +10,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvstore import __version__
+from kvstore import __version__, workers
 from kvstore.daemon import process
 from kvstore.daemon.tenants import Conn, forbidden, tenant_of
 from kvstore.index import Holdings
@@ -118,4 +118,5 @@ def snapshot(st: State) -> dict[str, Any]:
             "socket": st.config.server.socket, "counters": counters, "tiers": [host, *st.lower.stats()],
             "traffic": st.traffic.stats(), "errors": dict(st.metrics.errors), "connections": st.connections,
             "latency": {op: hist.to_dict() for op, hist in st.metrics.latency.items()}, "process": process.state(),
+            "workers": workers.stats(), "write_through": st.write_through.stats() if st.write_through else None,
             **idx.stats()}

@@ -11,14 +11,15 @@ A block deleted meanwhile is not published (the tier drops a write whose block w
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter, deque
 from threading import Condition
 
+from kvstore.daemon.crash import fault_point
 from kvstore.index import Holdings, Index, NamespaceEntry
 from kvstore.tiers import LowerTier
 from kvstore.tiers.host import HostPool
 from kvstore.traffic import Lane
+from kvstore.workers import Worker
 
 log = logging.getLogger("kvstore")
 BATCH = 32
@@ -36,9 +37,9 @@ class WriteThrough:
         self.holder = Holdings()
         self.queue: deque[tuple[bytes, int, int, NamespaceEntry, bytes]] = deque()   # block id, gid, size, ns, hash
         self.queued_bytes = 0
+        self.writing = 0                        # blocks of the batch being written
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="kvstore-writethrough", daemon=True)
-        self._thread.start()
+        self._worker = Worker("kvstore-writethrough", self._run).start()   # restarted if it ever raises
 
     def committed(self, ns: NamespaceEntry, hashes: list[bytes]) -> None:
         """(Under the state lock.) Queue the writes of blocks just committed (nothing pinned yet)."""
@@ -60,6 +61,7 @@ class WriteThrough:
                     self.changed.wait()
                 if not self.queue:
                     return
+                fault_point("write_through_loop")
                 batch = [self.queue.popleft() for _ in range(min(BATCH, len(self.queue)))]
                 self.queued_bytes -= sum(n for _, _, n, _, _ in batch)
                 # Still in its slot (not deleted, nor evicted: then demotion took it down) and not in the tier yet.
@@ -67,6 +69,7 @@ class WriteThrough:
                 for _, _, _, ns, h in live:
                     self.index.pin(ns, h, self.holder)          # held for this write only
                 views = [self.pool.view(gid) for _, gid, _, _, _ in live]
+                self.writing = len(batch)
                 crcs = self.index.crcs_of([gid for _, gid, _, _, _ in live])   # the writers': checked by the tier
                 self.tier.announce([bid for bid, _, _, _, _ in live])    # a delete from now on cancels the write
             try:
@@ -81,10 +84,15 @@ class WriteThrough:
             with self.changed:
                 self.counters["written_through"] += stored
                 self.index.release([gid for _, gid, _, _, _ in live], self.holder)
+                self.writing = 0
+
+    def stats(self) -> dict[str, int]:
+        """(Under the state lock.) Blocks waiting for their write, and blocks being written (pinned)."""
+        return {"queued": len(self.queue), "writing": self.writing, "restarts": self._worker.restarts}
 
     def close(self) -> None:
         """Write what is queued (a graceful stop keeps it), then stop."""
         with self.changed:
             self._stop = True
             self.changed.notify_all()
-        self._thread.join(timeout=60)
+        self._worker.join(timeout=60)

@@ -35,10 +35,12 @@ import numpy as np
 
 from kvstore.checksum import crc32c
 from kvstore.daemon.config import Config, SsdConfig
+from kvstore.daemon.crash import fault_point
 from kvstore.tiers import StagingBuffer, TierUnavailable, TierWrite
 from kvstore.tiers.ssd.store import SsdStore, StoreLocked
 from kvstore.traffic import Lane, Path
 from kvstore.traffic.manager import TrafficManager
+from kvstore.workers import Worker
 
 log = logging.getLogger("kvstore")
 WRITE_BATCH = 32
@@ -75,7 +77,7 @@ class SsdTier:
         self._inflight: Counter[bytes] = Counter()    # keys in a write batch now (demotion or write-through)
         self._killed: set[bytes] = set()               # ... deleted meanwhile: the batch must not publish them
         self._spare: dict[int, list[mmap.mmap]] = {}     # staging buffers written to disk, ready for reuse
-        self._thread = threading.Thread(target=self._run, name="kvstore-demote", daemon=True)
+        self._writer = Worker("kvstore-demote", self._run)     # restarted if it ever raises
 
     def open(self, wait: bool = False) -> "SsdTier":
         """Open the store and start its scan; the daemon serves meanwhile (a block not scanned yet is a miss)."""
@@ -87,7 +89,7 @@ class SsdTier:
         self.store.open(progress, wait=wait)
         log.info("ssd: %s: %d records to scan; serving meanwhile (kvstore stats shows the progress)",
                  self.cfg.dir, self.store.scan.total)
-        self._thread.start()
+        self._writer.start()
         return self
 
     def _buffer(self, nbytes: int) -> bytearray | mmap.mmap:
@@ -153,6 +155,7 @@ class SsdTier:
                     self.lock.wait()
                 if not batch:
                     return
+                fault_point("demote_loop")
                 self._begin([k for k, _ in batch])
                 items = [(k, v, self.staged_crcs.get(k)) for k, v in batch]
             try:
@@ -297,7 +300,7 @@ class SsdTier:
         return {"tier": "ssd", "capacity_bytes": self.cfg.capacity, "mapped_bytes": files, "used_bytes": used,
                 "resident_bytes": files, "blocks": blocks, "segments": len(s.files), "staged_blocks": staged_blocks,
                 "staged_bytes": staged_bytes, "dropped": self.dropped, "rewrites_saved": self.rewrites_saved,
-                "staged_crc_mismatch": self.crc_mismatch,
+                "staged_crc_mismatch": self.crc_mismatch, "writer_restarts": self._writer.restarts,
                 "counters": counters, "scan": s.scan_status(), "io": s.io,
                 "namespaces": {d.hex(): n for d, n in s.by_namespace().items()}}
 
@@ -306,7 +309,7 @@ class SsdTier:
         with self.lock:
             self._stop = True
             self.lock.notify()
-        self._thread.join()
+        self._writer.join()
         self.store.close()
 
 
