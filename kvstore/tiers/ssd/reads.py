@@ -86,7 +86,7 @@ class Reader:
         return s.path.submit(lane, cf.record, lambda: self.read_into(key, cf, where[1], out), tag=key,
                              on_done=on_done)
 
-    def read_into(self, key: bytes, cf: ClassFile, rec: int, out: Out) -> int | bool:
+    def read_into(self, key: bytes, cf: ClassFile, rec: int, out: Out) -> int | bool | None:
         """(A path worker.) Read record `rec` of `cf` into `out` and check it: its writer's CRC-32C (None if the
         block has none), or False when it fails (quarantined, unless evicted or rewritten while it was read)."""
         s = self.store
