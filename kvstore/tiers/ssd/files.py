@@ -4,13 +4,16 @@
   takes its LOCK file (0600, flock): one daemon is its only owner. `StoreLocked` when another holds it; a refused
   directory raises NotPrivateDir (an OSError). Nothing else in the directory is touched.
 - A `ClassFile` is `blocks-<payload bytes>.kvs`: fixed-size records (record.py), 0600, opened with O_NOFOLLOW and
-  with O_DIRECT where the file system takes it (tmpfs does not: then buffered). `open_record_file` opens one found
-  at start: a name that is not ours, or a symlink, is skipped (None); a torn tail (not a whole record) is cut off.
-- `grow` allocates records at the end of a file for real (posix_fallocate), so a full disk shows there as a
-  refusal, never as a failed write later; a refusal leaves the file exactly as it was. The new records are free:
-  `free` lists the records of a file that hold nothing (the writer takes from its end).
-- `choose_io` picks how record bytes move: os.preadv/pwritev from the path's workers, or an io_uring per worker
-  (uring.py) when asked for and its probe finds it sound. Buffers for O_DIRECT come from `aligned` (page-aligned
+  with O_DIRECT where the file system takes it (tmpfs does not: then buffered). A file created is followed by an
+  fsync of the directory, so that it survives a power cut with the records later synced in it (growth needs none:
+  the fdatasync of the records written there carries the new size). `record_file_payload` names the files found
+  at start that are ours (a name that is not, or a symlink, is skipped); a torn tail (not a whole record) is cut.
+- `allocate` reserves records at the end of a file for real (posix_fallocate), so a full disk shows there as a
+  refusal, never as a failed write later; a refusal leaves the file exactly as it was. `add_records` then books
+  the new records as free: `free` lists the records of a file that hold nothing (the writer takes from its end).
+- Every change to a record file goes through diskio.py (which a test can record); `choose_io` picks how record
+  bytes move: os.preadv/pwritev from the path's workers, or an io_uring per worker (uring.py) when asked for and
+  its probe finds it sound (never while diskio records). Buffers for O_DIRECT come from `aligned` (page-aligned
   anonymous mappings) unless `aligned_for_io` says the caller's buffer can be used as it is.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.private_dir import ensure_private_dir
+from kvstore.tiers.ssd import diskio
 from kvstore.tiers.ssd.record import ALIGN, HEADER_BYTES, record_bytes
 
 log = logging.getLogger("kvstore")
@@ -62,6 +66,9 @@ def aligned_for_io(buf: Any) -> bool:
 
 def choose_io(io: str) -> tuple[str, Callable[..., int], Callable[..., int]]:
     """(name, preadv, pwritev) for `io` (auto | io_uring | threads): io_uring only where its probe passes."""
+    if diskio.recording():
+        log.warning("ssd: recording every write and sync (%s): io_uring not used", diskio.RECORD_ENV)
+        return "threads", os.preadv, diskio.pwritev
     if io in ("auto", "io_uring"):
         from kvstore.tiers.ssd import uring
 
@@ -114,16 +121,30 @@ class ClassFile:
 
 
 def open_class_file(directory: str, payload: int, path: str | None = None) -> ClassFile:
-    """Open (creating it empty) the record file for `payload`-byte blocks: O_DIRECT where it is taken."""
+    """Open the record file for `payload`-byte blocks, O_DIRECT where it is taken; one that does not exist yet is
+    created empty and the directory synced."""
     path = path or os.path.join(directory, f"blocks-{payload}.kvs")
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd, direct = os.open(path, flags | os.O_DIRECT, 0o600), True
+        fd, direct = _open(path, os.O_CREAT | os.O_EXCL)
+        created = True
+    except FileExistsError:
+        fd, direct = _open(path, 0)
+        created = False
+    diskio.opened(fd, path, created)
+    if created:
+        diskio.fsync_dir(directory)
+    return ClassFile(payload, path, fd, direct)
+
+
+def _open(path: str, create: int) -> tuple[int, bool]:
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | create | os.O_DIRECT, 0o600), True
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        fd, direct = os.open(path, flags, 0o600), False   # tmpfs and friends: no O_DIRECT
-    return ClassFile(payload, path, fd, direct)
+    # no O_DIRECT here (tmpfs and friends): buffered; the refused open may have created the file already
+    return os.open(path, flags | (create & ~os.O_EXCL), 0o600), False
 
 
 def record_file_payload(directory: str, name: str) -> int | None:
@@ -141,28 +162,31 @@ def cut_torn_tail(cf: ClassFile) -> int:
     size = os.fstat(cf.fd).st_size
     cf.nrecords = size // cf.record
     if size % cf.record:
-        os.ftruncate(cf.fd, cf.size())
+        diskio.ftruncate(cf.fd, cf.size())
     return size % cf.record
 
 
-def grow(cf: ClassFile, records: int) -> OSError | None:
-    """Allocate `records` more records at the end of the file, really (posix_fallocate, not a sparse ftruncate),
-    and add them to `free`, lowest last. Where the file system has no fallocate a sparse file will do. Returns the
-    refusal (ENOSPC, EDQUOT, EFBIG), with nothing allocated, or None; other errors raise."""
-    start, n = cf.size(), records * cf.record
+def allocate(cf: ClassFile, start: int, nbytes: int) -> OSError | None:
+    """Allocate `nbytes` at `start` (the file's end), really (posix_fallocate, not a sparse ftruncate); where the
+    file system has no fallocate a sparse file will do. Returns the refusal (ENOSPC, EDQUOT, EFBIG), with nothing
+    allocated, or None; other errors raise. A disk call: never under the store's lock."""
     try:
-        os.posix_fallocate(cf.fd, start, n)
+        diskio.posix_fallocate(cf.fd, start, nbytes)
     except OSError as e:
         if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):     # no fallocate here: a sparse file will do
-            os.ftruncate(cf.fd, start + n)
+            diskio.ftruncate(cf.fd, start + nbytes)
         elif e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise
         else:
             try:
-                os.ftruncate(cf.fd, start)                    # nothing half-allocated stays past our records
+                diskio.ftruncate(cf.fd, start)                # nothing half-allocated stays past our records
             except OSError:
                 pass
             return e
+    return None
+
+
+def add_records(cf: ClassFile, records: int) -> None:
+    """(The books.) Book `records` allocated at the end of the file as free, lowest last."""
     cf.free.extend(range(cf.nrecords + records - 1, cf.nrecords - 1, -1))
     cf.nrecords += records
-    return None

@@ -7,7 +7,8 @@
   overtakes it). `wait=True` (tools, tests) returns when the scan is done.
 - Each header found is booked under the store's lock: an empty record is free; a bad one (torn, foreign, corrupt,
   of another length) is quarantined; of two copies of a key the newest (highest sequence number) wins and the other
-  is quarantined as superseded; a key deleted before the scan reached it is quarantined as deleted.
+  is quarantined as superseded; a key deleted during the scan is quarantined as deleted wherever the scan finds
+  it (the delete waits for the scan, `wait`, so that this zeroing is durable before it is reported).
 - Requests are served meanwhile: a block not scanned yet is a miss. Writes made during the scan take records the
   scan has already read or has grown the files by, and outrank every copy it may still find (their sequence
   numbers come from the clock), so the scan never undoes them.
@@ -75,6 +76,13 @@ class RestartScan:
         if self._thread is not None and self._thread.is_alive():
             self._thread.join()
 
+    def wait(self) -> None:
+        """Return once the scan has ended (at once when none runs): every copy it found is booked or queued for
+        zeroing."""
+        t = self._thread
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            t.join()
+
     def note_deleted_locked(self, key: bytes) -> None:
         """(Under store.lock.) A key not in the books was deleted: while scanning, a copy found later is stale."""
         if self.progress.state == "scanning":
@@ -92,7 +100,9 @@ class RestartScan:
                 s.counters["skipped_files"] += 1
                 log.info("ssd: skipped %s (not a kvstore record file)", path)
                 continue
-            torn = cut_torn_tail(s.class_file(payload, path))
+            with s.lock:
+                cf = s.class_file(payload, path)
+            torn = cut_torn_tail(cf)
             if torn:     # a torn tail or appended garbage: cut back to whole records
                 s.counters["bad.torn_tail"] += 1
                 log.warning("ssd: %s ends with %d bytes that are not a whole record: cut", path, torn)

@@ -5,9 +5,9 @@
   makes one daemon its only owner (files.py).
 - Every disk access is a transfer on the traffic manager's `ssd` path, in the caller's lane: a read an engine
   waits on (critical) overtakes demotion writes and the restart scan (background), and several transfers are in
-  flight at once. The store's books (`lock`) are never held across a payload or header read or write; the only
-  disk calls under it are short ones: zeroing a deleted or bad record's 4 KiB header (so that a shrink cannot cut
-  the record meanwhile), opening a new block size's file, growing a file (posix_fallocate), cutting one (resize).
+  flight at once. The store's books (`lock`) are never held across a disk call: not a record's read or write, not
+  a header's zeroing (zeroing.py), and not the rare file calls of the books either (creating a block size's file,
+  growing one, cutting one at a resize), which let go of the lock for the call. `stats` never waits for a disk.
 - `put_many` writes payloads, syncs (policy always | batch | never), writes headers, syncs: a record is durable
   when it returns (with always or batch). A key deleted while its write is in flight is not published (writes.py).
 - Reads check every header field against the key asked and the payload's checksum against its bytes: a record that
@@ -20,9 +20,14 @@
 This module keeps the books, under `lock`: `index` (namespace digest + block hash → (payload bytes, record, seq));
 `policy` (a kvstore.policy TierPolicy: the order in which the cap evicts, per block size); `files` (payload bytes →
 ClassFile, whose free records are booked there too); bytes used and blocks per namespace, kept as the index changes;
-`counters`. Deleting and quarantining a record take it out of the books at once and zero its header in the
-background before its space is reused, so it never comes back after a restart. The `*_locked` methods are the
-books' primitives for the other parts; they expect `lock` held.
+`counters`. The `*_locked` methods are the books' primitives for the other parts; they expect `lock` held.
+
+Deletes are durable before they return: the record leaves the books at once and `delete` returns only once its
+header is zeroed on disk and synced (zeroing.py; concurrent deletes share the writes and syncs), after any write of
+the key in flight has finished (it publishes nothing) and, during the restart scan, after the scan (a copy it had
+not reached yet is zeroed too). Under sync policy never nothing is durable, deletes included: they return at once.
+A record that leaves the books otherwise (superseded by a newer copy, quarantined) is zeroed before its space is
+reused, so no block comes back after a crash, and no key comes back with an older copy's bytes.
 """
 from __future__ import annotations
 
@@ -37,12 +42,13 @@ from typing import Any
 
 from kvstore.daemon.crash import crash_point
 from kvstore.policy import make_tier_policy
-from kvstore.tiers.ssd.files import ZERO_BUF, ClassFile, StoreLocked, choose_io, lock_directory, open_class_file
+from kvstore.tiers.ssd import diskio
+from kvstore.tiers.ssd.files import ClassFile, StoreLocked, choose_io, lock_directory, open_class_file
 from kvstore.tiers.ssd.reads import Reader
-from kvstore.tiers.ssd.record import HEADER_BYTES
 from kvstore.tiers.ssd.scan import RestartScan, Scan
 from kvstore.tiers.ssd.writes import SYNC_POLICIES, Item, Writer
-from kvstore.traffic import Busy, Lane, Path
+from kvstore.tiers.ssd.zeroing import Zeroing, run_unlocked
+from kvstore.traffic import Lane, Path
 
 __all__ = ["SYNC_POLICIES", "ClassFile", "SsdStore", "StoreLocked"]
 log = logging.getLogger("kvstore")
@@ -74,8 +80,10 @@ class SsdStore:
         self.writer = Writer(self, sync, pwritev)
         self.reader = Reader(self, preadv)
         self.scanner = RestartScan(self)
+        self.zeroing = Zeroing(self, pwritev)       # records out of the books, wiped before they are reused
+        self.evicted: set[bytes] = set()            # keys evicted for the write batch in flight (their records
+        #                                             are wiped by its payload writes, not by zeroing)
         self._seq = 0
-        self._zeroing = 0                           # header zeroings queued; close waits for them
         self._lock_fd = -1
 
     @property
@@ -97,9 +105,7 @@ class SsdStore:
 
     def close(self) -> None:
         self.scanner.stop()              # a scan in progress stops submitting and finishes what it queued
-        deadline = time.monotonic() + 10
-        while self._zeroing and time.monotonic() < deadline:     # deleted blocks stay deleted after a restart
-            time.sleep(0.005)
+        self.zeroing.close()             # what was queued is wiped: nothing left out of the books comes back
         if self._own_path:
             self.path.close()
         for cf in self.files.values():
@@ -140,7 +146,7 @@ class SsdStore:
         lane is full."""
         return self.reader.read_async(key, out, lane, on_done)
 
-    def read_into(self, key: bytes, cf: ClassFile, rec: int, out: Out) -> int | bool:
+    def read_into(self, key: bytes, cf: ClassFile, rec: int, out: Out) -> int | bool | None:
         """(A path worker.) Read one record, check it against the key and its checksum, and put the payload in
         `out`: straight into it when it is aligned for O_DIRECT (a host slot of a whole number of pages), else
         through an aligned buffer. On a failed check `out` holds garbage, and the caller does not publish it."""
@@ -152,46 +158,68 @@ class SsdStore:
         return self.reader.verify(fix)
 
     # ----- deletes and resize -----
-    def delete(self, ns: bytes, h: bytes) -> bool:
-        """Forget the block; its header is zeroed (a background transfer) before its record is reused, so a
-        deleted block never comes back after a restart. A write in flight for it is not published."""
+    def delete(self, ns: bytes, h: bytes, lane: Lane = Lane.STORE) -> bool:
+        """Forget the block; True if the store held it or was writing it. Durable on return (unless the sync
+        policy is never: then nothing is): its header is zeroed on disk and synced, in `lane`, after any write of
+        it in flight has finished (it is not published) and, during the restart scan, after the scan (a copy not
+        scanned yet is wiped too). Blocks on disk calls, never under the store's lock."""
         key = ns + h
         with self.lock:
             writing = self.writer.cancel_locked(key)
+            reused = key in self.evicted          # evicted for the batch in flight: its header is still there
             where = self.index.get(key)
             if where is not None:
                 self.drop_locked(key)
-                self.zero_later_locked(self.files[where[0]], where[1])
-            else:
-                self.scanner.note_deleted_locked(key)
+                self.zeroing.add_locked(self.files[where[0]], where[1])
+            scanning = self.scan.state == "scanning"
+            if scanning:
+                self.scanner.note_deleted_locked(key)     # an older copy the scan finds later is stale
+            if self.sync == "never":
+                self.zeroing.soon_locked()
+        if self.sync != "never":
+            if writing or reused:
+                with self.writer.batch:     # that batch ends: the record is queued for zeroing, or overwritten
+                    pass
+            if scanning:
+                self.scanner.wait()         # the scan has queued every copy it found
+            self.zeroing.barrier(lane)
         return where is not None or writing
 
     def resize(self, capacity: int) -> int:
         """Set the cap. Shrinking below the files' size cuts records from the ends of the largest files (those
         holding blocks are evicted) and truncates them: the files never stay over the cap. Returns the evictions.
-        Waits for a write batch in flight; refused while the restart scan runs."""
-        with self.writer.batch, self.lock:
-            if self.scan.state == "scanning":
-                raise RuntimeError(f"the SSD tier is still scanning ({self.scan.done} of {self.scan.total} "
-                                   "records); resize it when the scan is done")
-            self.capacity = capacity
-            evicted = 0
-            while self.file_bytes() > capacity:
-                evicted += self._cut_largest_locked(capacity)
-            self.counters["evictions"] += evicted
+        Waits for a write batch in flight and a zeroing flush (neither may touch a record being cut); the files
+        are cut and synced outside the store's lock. Refused while the restart scan runs."""
+        with self.writer.batch, self.zeroing.mutex:
+            with self.lock:
+                if self.scan.state == "scanning":
+                    raise RuntimeError(f"the SSD tier is still scanning ({self.scan.done} of {self.scan.total} "
+                                       "records); resize it when the scan is done")
+                self.capacity = capacity
+                evicted = 0
+                cut: set[ClassFile] = set()
+                while self.file_bytes() > capacity:
+                    evicted += self._cut_largest_locked(capacity, cut)
+                self.counters["evictions"] += evicted
+                sizes = [(cf, cf.size()) for cf in cut]
+            for cf, size in sizes:
+                diskio.ftruncate(cf.fd, size)
+                if self.sync != "never":
+                    diskio.fsync(cf.fd)          # the cut survives a power cut: the files stay under the cap
             return evicted
 
-    def _cut_largest_locked(self, capacity: int) -> int:
-        """Cut the largest file by what the files are over `capacity` (at most all of it); the evictions."""
+    def _cut_largest_locked(self, capacity: int, cut: set[ClassFile]) -> int:
+        """Cut the largest file's books by what the files are over `capacity` (at most all of it), adding it to
+        `cut` (the caller truncates it); the evictions."""
         cf = max(self.files.values(), key=lambda f: f.size())
-        cut = min(cf.nrecords, -(-(self.file_bytes() - capacity) // cf.record))
-        first = cf.nrecords - cut
+        n = min(cf.nrecords, -(-(self.file_bytes() - capacity) // cf.record))
+        first = cf.nrecords - n
         victims = [key for key, (payload, rec, _) in self.index.items() if payload == cf.payload and rec >= first]
         for key in victims:
             self.drop_locked(key)
         cf.free = [r for r in cf.free if r < first]
         cf.nrecords = first
-        os.ftruncate(cf.fd, cf.size())
+        cut.add(cf)
         return len(victims)
 
     # ----- accounting -----
@@ -213,11 +241,15 @@ class SsdStore:
 
     # ----- the books' primitives, for scan.py, writes.py and reads.py -----
     def class_file(self, payload: int, path: str | None = None) -> ClassFile:
-        """(Under the lock, or before the scan starts.) The record file for `payload`-byte blocks, opened (and
-        created empty) on first use."""
+        """(Under the lock.) The record file for `payload`-byte blocks, opened (created empty, and the directory
+        synced) on first use, with the lock let go for the disk calls. Only one thread opens files at a time: the
+        writer's batch, or the scan before the daemon serves."""
         cf = self.files.get(payload)
         if cf is None:
-            cf = self.files[payload] = open_class_file(self.dir, payload, path)
+            opened = run_unlocked(self.lock, lambda: open_class_file(self.dir, payload, path))
+            cf = self.files.setdefault(payload, opened)
+            if cf is not opened:
+                os.close(opened.fd)
         return cf
 
     def add_locked(self, key: bytes, cf: ClassFile, rec: int, seq: int) -> None:
@@ -257,34 +289,21 @@ class SsdStore:
         if key is None:
             return None
         _, rec, _ = self.drop_locked(key)
+        self.evicted.add(key)
         crash_point("mid_eviction")
         self.counters["evictions"] += 1
         return rec
 
     def quarantine_locked(self, cf: ClassFile, rec: int, reason: str) -> None:
-        """A bad record (already out of the index) is never read again: its header is zeroed and its space
-        reused; counted as bad.<reason>."""
+        """A bad record (already out of the index) is never read again: its header is zeroed (in the background)
+        before its space is reused; counted as bad.<reason>."""
         self.counters[f"bad.{reason}"] += 1
         if reason != "deleted":
             log.warning("ssd: record %d of %s is bad (%s): quarantined, served as a miss", rec, cf.path, reason)
         self.zero_later_locked(cf, rec)
 
     def zero_later_locked(self, cf: ClassFile, rec: int) -> None:
-        """Zero a record's header in the background (here and now when the lane is full or the path closed),
-        then free the record. A record cut by a shrink meanwhile is left alone."""
-        def zero() -> None:
-            with self.lock:
-                if rec < cf.nrecords:                           # not cut by a shrink meanwhile
-                    os.pwritev(cf.fd, [ZERO_BUF], rec * cf.record)
-                    cf.free.append(rec)
-
-        def zeroed(f: Future[Any]) -> None:
-            with self.lock:
-                self._zeroing -= 1
-        try:
-            self.path.submit(Lane.BACKGROUND, HEADER_BYTES, zero, on_done=zeroed)
-            self._zeroing += 1
-        except (Busy, RuntimeError):
-            if rec < cf.nrecords:
-                os.pwritev(cf.fd, [ZERO_BUF], rec * cf.record)
-                cf.free.append(rec)
+        """A record out of the index is zeroed by a background transfer (or the next delete's flush), then
+        freed (zeroing.py)."""
+        self.zeroing.add_locked(cf, rec)
+        self.zeroing.soon_locked()

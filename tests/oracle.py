@@ -1,0 +1,81 @@
+"""The crash oracle shared by the kill -9 and power-loss tests: what each key may, must or must not hold after a
+crash, from the history of the requests that clients sent and the replies they got.
+
+Every block's bytes are a function of its key (tests.workers.content), so a block served with other bytes is
+always a failure. Each key has one owner (one client thread), which sends its puts and deletes one after the
+other, so a key's history is a sequence; the crash happens at `cut` (time.monotonic(), comparable across the
+processes of this machine). Of the requests sent before the cut, the last one decides:
+- an acknowledged delete (reply received before the cut): the block must be a miss, never served again;
+- a put acknowledged as stored, followed (same daemon life) by a moment the daemon's stats showed the SSD tier
+  settled with write-through and sync=always (`settled`): the block is durable and must be served;
+- anything else (a request in flight at the cut, a put refused, a put not settled yet): either is fine;
+- no request at all: a miss.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+ABSENT, PRESENT, EITHER = "absent", "present", "either"
+
+
+@dataclass
+class Op:
+    kind: str                     # "put" | "delete"
+    life: int                     # which daemon process it was sent to
+    start: float
+    ack: float | None = None      # when its reply arrived; None: in flight when the daemon died, or failed
+    stored: bool = False          # a put: the daemon holds the block (stored now or already)
+
+
+@dataclass
+class Oracle:
+    ops: dict[bytes, list[Op]] = field(default_factory=dict)
+    settles: list[tuple[int, float, float]] = field(default_factory=list)    # (life, start, end)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def begin(self, key: bytes, kind: str, life: int) -> Op:
+        op = Op(kind, life, time.monotonic())
+        with self.lock:
+            self.ops.setdefault(key, []).append(op)
+        return op
+
+    @staticmethod
+    def acked(op: Op, stored: bool = False) -> None:
+        op.stored = stored
+        op.ack = time.monotonic()
+
+    def settled(self, life: int, start: float, end: float) -> None:
+        """The SSD tier was seen settled between `start` and `end` (stats polled from `start` on)."""
+        with self.lock:
+            self.settles.append((life, start, end))
+
+    def expect(self, key: bytes, cut: float) -> str:
+        sent = [op for op in self.ops.get(key, []) if op.start < cut]
+        if not sent:
+            return ABSENT
+        last = sent[-1]
+        done = last.ack is not None and last.ack < cut
+        if last.kind == "delete":
+            return ABSENT if done else EITHER
+        if not done or not last.stored:
+            return EITHER
+        assert last.ack is not None
+        durable = any(life == last.life and start > last.ack and end < cut for life, start, end in self.settles)
+        return PRESENT if durable else EITHER
+
+    def check(self, key: bytes, served: bytes | None, want: bytes, cut: float) -> str | None:
+        """Why serving `served` (None: a miss) for `key` after a crash at `cut` breaks a promise; None if fine."""
+        if served is not None and served != want:
+            return f"{key.hex()}: served bytes that were never written for it"
+        expect = self.expect(key, cut)
+        if served is not None and expect == ABSENT:
+            return f"{key.hex()}: served after a delete acknowledged before the crash ({self.history(key)})"
+        if served is None and expect == PRESENT:
+            return f"{key.hex()}: durable before the crash, missing after it ({self.history(key)})"
+        return None
+
+    def history(self, key: bytes) -> str:
+        return ", ".join(f"{op.kind}@{op.life}{'' if op.ack else '?'}{'+' if op.stored else ''}"
+                         for op in self.ops.get(key, [])[-4:])

@@ -1,0 +1,77 @@
+"""Deletes in the SSD record store stay deleted: a superseded copy of a key is wiped too, and a delete made while
+the restart scan runs wins over a copy the scan has not reached yet. (Durability across kill -9 and power loss:
+tests/daemon/test_kill9.py and tests/tiers/test_power_loss.py.)"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvstore.tiers.ssd import scan
+from kvstore.tiers.ssd.record import HEADER_BYTES, padded
+from kvstore.tiers.ssd.store import SsdStore
+
+NS = bytes(range(16))
+PAYLOAD = 8192
+RECORD = HEADER_BYTES + padded(PAYLOAD)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def payload(i: int, version: int = 0) -> bytes:
+    return bytes([i % 256, version]) * (PAYLOAD // 2)
+
+
+def read(s: SsdStore, i: int) -> bytes | None:
+    out = bytearray(PAYLOAD)
+    return bytes(out) if s.get(NS, h(i), out) else None
+
+
+@pytest.fixture
+def ssd_dir(tmp_path: Path) -> str:
+    return str(tmp_path / "ssd")
+
+
+def test_a_superseded_copy_never_brings_a_deleted_key_back(ssd_dir: str) -> None:
+    s = SsdStore(ssd_dir, 64 * RECORD, sync="always").open()
+    assert s.put_many([(NS, h(1), payload(1, 0))]) == 1
+    assert s.put_many([(NS, h(1), payload(1, 1))]) == 1      # a newer copy: the first record is superseded
+    assert read(s, 1) == payload(1, 1)
+    assert s.delete(NS, h(1))
+    s.close()
+    s = SsdStore(ssd_dir, 64 * RECORD).open()                  # a restart finds neither copy
+    assert read(s, 1) is None and not s.index
+    s.close()
+
+
+def test_a_delete_during_the_scan_beats_the_copy_the_scan_finds_later(ssd_dir: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    s = SsdStore(ssd_dir, 256 * RECORD, sync="always").open()
+    assert s.put_many([(NS, h(i), payload(i)) for i in range(8)]) == 8
+    s.close()
+    gate = threading.Event()                       # the scan reads nothing until the gate opens
+    real = scan.RestartScan._scan_chunk
+
+    def gated(self: scan.RestartScan, cf: object, start: int, end: int) -> None:
+        assert gate.wait(30)
+        real(self, cf, start, end)                 # type: ignore[arg-type]
+
+    monkeypatch.setattr(scan.RestartScan, "_scan_chunk", gated)
+    s = SsdStore(ssd_dir, 256 * RECORD, sync="always").open(wait=False)
+    assert s.put_many([(NS, h(5), payload(5, 1))]) == 1      # written during the scan: a newer copy of 5
+    deleting = threading.Thread(target=s.delete, args=(NS, h(5)))
+    deleting.start()
+    deleting.join(0.3)
+    assert deleting.is_alive(), "the delete returned before the scan had wiped the copy it has not reached"
+    gate.set()
+    deleting.join(30)
+    assert not deleting.is_alive() and s.scan.state == "ready"
+    assert read(s, 5) is None and s.counters["bad.deleted"] == 1     # the scanned old copy, wiped as deleted
+    assert [read(s, i) == payload(i) for i in range(8)] == [i != 5 for i in range(8)]
+    s.close()
+    s = SsdStore(ssd_dir, 256 * RECORD).open()
+    assert read(s, 5) is None and len(s.index) == 7
+    s.close()
