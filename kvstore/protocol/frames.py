@@ -34,11 +34,12 @@ class Limits:
 
     @classmethod
     def for_requests(cls, max_frame_bytes: int, max_keys: int) -> Limits:
-        # A keys bin is at most max_keys hashes and a list (ids, slots, crcs) at most max_keys integers; twice that
-        # still decodes, so that a request just over the limit gets the schema's precise bad_request. Strings are
-        # at most 256 characters; maps (a request, a namespace spec, a geometry) a few dozen entries.
-        return cls(max_bin_len=min(max_frame_bytes, 2 * max_keys * 16 + 64), max_str_len=4096,
-                   max_array_len=2 * max_keys + 16, max_map_len=64)
+        # Containers are what a small frame inflates: n elements, n objects (a 1 MiB frame of nils, a million). A
+        # list (ids, slots, crcs) holds at most max_keys integers; twice that still decodes, so that a request just
+        # over the limit gets the schema's precise bad_request (the connection stays). Maps (a request, a namespace
+        # spec, a geometry) hold a few dozen entries. A str or bin costs what its bytes cost: the frame bounds it.
+        return cls(max_bin_len=max_frame_bytes, max_str_len=max_frame_bytes, max_array_len=2 * max_keys + 16,
+                   max_map_len=64)
 
 
 def decode(body: bytes, limits: Limits | None = None) -> dict[str, Any]:

@@ -1,0 +1,173 @@
+"""The admin role and tenants against a live daemon (issue 13, parts 1 and 3): a client that is not an admin cannot
+resize, evict or list another connection's keys; a tenant cannot map, list or hit another tenant's blocks, even of
+the same model and hashes, nor speak as another tenant without its secret."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvstore.client import Client, KVStoreError
+from tests.conftest import GEOM, DaemonProc, block, hashes, spec, ssd_settled
+
+NOT_ME = 4242 if os.getuid() != 4242 else 4343      # an admin uid that is not the test's
+TENANTS = [{"name": "a", "secret": "secret-a"}, {"name": "b", "secret": "secret-b"}]
+
+
+def tenant_daemon(tmp_path: Path, daemons: list[DaemonProc], admin: bool, **env: str) -> DaemonProc:
+    conf = tmp_path / "kvstore.yaml"
+    conf.write_text(yaml.safe_dump({"tenants": TENANTS}))
+    if not admin:
+        env["KVSTORE_SERVER_ADMIN_UIDS"] = f"[{NOT_ME}]"
+    d = DaemonProc(env={"KVSTORE_CONFIG": str(conf), **env}).start()
+    daemons.append(d)
+    return d
+
+
+def forbidden(call, *args, **kw) -> str:
+    with pytest.raises(KVStoreError) as e:
+        call(*args, **kw)
+    assert e.value.code == "forbidden", e.value
+    return e.value.message
+
+
+def test_a_client_that_is_not_an_admin_cannot_resize_evict_or_list_others_keys(start_daemon):
+    """Before, resize and evict were open to every client (`resize 2**63` lifted the cap, `resize ssd 1MiB` wiped
+    the SSD tier) and `list ns=N` gave any namespace's hashes and slots."""
+    d = start_daemon(env={"KVSTORE_SERVER_ADMIN_UIDS": f"[{NOT_ME}]"})
+    with d.client() as owner, d.client() as other:
+        ns = owner.namespace(spec())
+        assert ns.put(hashes(4), [block(i) for i in range(4)]).stored == 4
+        assert "server.admin_uids" in forbidden(other.resize, 1 << 40)
+        assert "server.admin_uids" in forbidden(other.resize, 1 << 20, "ssd")
+        assert "server.admin_uids" in forbidden(other.evict, everything=True)
+        assert "server.admin_uids" in forbidden(other.list, ns.id)
+        assert len(owner.list(ns.id)["keys"]) == 4              # its own namespace: listed
+        s = other.stats()                                       # open to all: it shows no key
+        assert s["tiers"][0]["capacity_bytes"] == 16 << 20 and s["blocks"] == 4
+        assert s["errors"]["forbidden"] == 4
+        outs = [bytearray(GEOM.full_bytes) for _ in range(4)]   # nothing was evicted
+        assert ns.get(hashes(4), outs) == 4 and [bytes(o) for o in outs] == [block(i) for i in range(4)]
+    for args in (["resize", "32MiB"], ["evict", "--all"]):     # the CLI says why, and exits 1
+        r = subprocess.run([sys.executable, "-m", "kvstore", "--socket", d.socket, *args], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 1, r
+        assert r.stderr.startswith("kvstore: refused by the daemon: ") and "server.admin_uids" in r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_two_tenants_cannot_map_list_or_hit_each_others_blocks(tmp_path, daemons):
+    d = tenant_daemon(tmp_path, daemons, admin=False)
+    hs = hashes(8)
+    with Client(d.socket, tenant="a", secret="secret-a") as a, Client(d.socket, tenant="b", secret="secret-b") as b:
+        ns_a, ns_b = a.namespace(spec()), b.namespace(spec())   # the same model, geometry and hashes
+        assert ns_a.id != ns_b.id
+        assert ns_a.put(hs, [block(i) for i in range(8)]).stored == 8
+        assert ns_b.lookup(hs) == 0                              # no hit on A's blocks
+        assert ns_b.get(hs, [bytearray(GEOM.full_bytes) for _ in hs]) == 0
+        assert ns_b.put(hs, [block(100 + i) for i in range(8)]).stored == 8   # B's own, not "exists"
+        a_live = a.call("segments", ids=[])["live"]
+        b_live = b.call("segments", ids=[])["live"]
+        assert a_live and b_live and not set(a_live) & set(b_live)   # each tenant its own segments
+        reply, fds = b._roundtrip("segments", {"ids": a_live}, want_fds=True)
+        assert fds == [] and reply["segments"] == []            # B gets no fd of A's segments
+        assert [n["id"] for n in b.list()["namespaces"]] == [ns_b.id]   # nor sees A's namespaces
+        forbidden(b.list, ns_a.id)                              # nor A's keys
+        for ns, base in ((ns_a, 0), (ns_b, 100)):               # each reads its own bytes
+            outs = [bytearray(GEOM.full_bytes) for _ in hs]
+            assert ns.get(hs, outs) == 8 and [bytes(o) for o in outs] == [block(base + i) for i in range(8)]
+        # a connection's tenant is fixed at its first hello
+        assert "first hello" in forbidden(a.call, "hello", tenant="b", secret="secret-b")
+
+
+@pytest.mark.parametrize("tenant, secret, fragment", [
+    ("a", "secret-b", "wrong secret for tenant 'a'"),
+    ("a", None, "wrong secret for tenant 'a'"),
+    ("c", "secret-a", "tenant 'c' is not configured"),
+])
+def test_a_tenant_needs_its_secret(tmp_path, daemons, tenant, secret, fragment):
+    d = tenant_daemon(tmp_path, daemons, admin=True)
+    message = forbidden(Client, d.socket, tenant=tenant, secret=secret)
+    assert fragment in message
+    with Client(d.socket, tenant="a", secret="secret-a") as a:   # the daemon serves on
+        assert a.namespace(spec()).put(hashes(1), [block(0)]).stored == 1
+
+
+def test_a_tenant_allowed_only_to_other_users_is_refused(tmp_path, daemons):
+    conf = tmp_path / "kvstore.yaml"
+    conf.write_text(yaml.safe_dump({"tenants": [{"name": "theirs", "uids": [NOT_ME]}]}))
+    d = DaemonProc(env={"KVSTORE_CONFIG": str(conf)}).start()
+    daemons.append(d)
+    assert f"uid {os.getuid()} may not speak as tenant 'theirs'" in forbidden(Client, d.socket, tenant="theirs")
+
+
+def test_the_tenant_comes_from_the_environment_and_the_default_tenant_keeps_digests(tmp_path, daemons, monkeypatch):
+    d = tenant_daemon(tmp_path, daemons, admin=True)
+    with Client(d.socket, tenant="a", secret="secret-a") as a, Client(d.socket) as plain:
+        ns_a = a.namespace(spec())
+        assert ns_a.put(hashes(2), [block(0), block(1)]).stored == 2
+        ns = plain.namespace(spec())                            # no tenant named: the default tenant ""
+        assert plain.call("hello")["tenant"] == ""
+        digests = {n["id"]: n["digest"] for n in plain.list()["namespaces"]}
+        assert digests[ns.id] == spec().digest().hex()          # as before tenants: SSD records stay readable
+        assert digests[ns_a.id] != spec().digest().hex()
+        assert ns.lookup(hashes(2)) == 0
+    monkeypatch.setenv("KVSTORE_TENANT", "a")
+    monkeypatch.setenv("KVSTORE_TENANT_SECRET", "secret-a")
+    with Client(d.socket) as again:                             # KVSTORE_TENANT / KVSTORE_TENANT_SECRET
+        ns = again.namespace(spec())
+        outs = [bytearray(GEOM.full_bytes) for _ in range(2)]
+        assert ns.get(hashes(2), outs) == 2 and [bytes(o) for o in outs] == [block(0), block(1)]
+
+
+def test_a_tenants_blocks_on_ssd_stay_its_own(tmp_path, daemons):
+    d = tenant_daemon(tmp_path, daemons, admin=True, KVSTORE_SSD_DIR=str(tmp_path / "ssd"))
+    hs, want = hashes(16), [block(i) for i in range(16)]
+    with Client(d.socket, tenant="a", secret="secret-a") as a, Client(d.socket, tenant="b", secret="secret-b") as b:
+        ns_a, ns_b = a.namespace(spec()), b.namespace(spec())
+        assert ns_a.put(hs, want).stored == 16
+        a.evict(everything=True)                                # an admin: every block goes to SSD
+        ssd_settled(a)
+        assert ns_b.lookup(hs) == 0                             # no hit from SSD either
+        outs = [bytearray(GEOM.full_bytes) for _ in hs]
+        assert ns_a.get(hs, outs) == 16 and [bytes(o) for o in outs] == want
+        listing = a.list()                                      # the admin sees both tenants
+        assert {n["tenant"] for n in listing["namespaces"]} == {"a", "b"}
+
+
+def test_a_delete_of_blocks_below_races_no_get_into_bringing_them_back(tmp_path, daemons):
+    """op_delete deletes from the lower tiers without the state lock: a get of the same keys meanwhile must not
+    promote them back into the host pool."""
+    d = DaemonProc(env={"KVSTORE_SSD_DIR": str(tmp_path / "ssd")}).start()
+    daemons.append(d)
+    hs, want = hashes(64), [block(i) for i in range(64)]
+    with d.client() as c, d.client() as reader:
+        ns, theirs = c.namespace(spec()), reader.namespace(spec())
+        assert ns.put(hs, want).stored == 64
+        c.evict(everything=True)
+        ssd_settled(c)
+        stop = threading.Event()
+        bad: list[str] = []
+
+        def read() -> None:
+            while not stop.is_set():
+                outs = [bytearray(GEOM.full_bytes) for _ in hs]
+                n = theirs.get(hs, outs)
+                if [bytes(o) for o in outs[:n]] != want[:n]:
+                    bad.append("wrong bytes")
+
+        t = threading.Thread(target=read)
+        t.start()
+        try:
+            assert sum(ns.delete([h]) for h in hs) == 64
+        finally:
+            stop.set()
+            t.join()
+        assert bad == []
+        ssd_settled(c)
+        assert sum(ns.lookup([h]) for h in hs) == 0                # gone from every tier, none brought back
