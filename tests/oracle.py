@@ -10,6 +10,7 @@ processes of this machine). Of the requests sent before the cut, the last one de
   settled with write-through and sync=always (`settled`): the block is durable and must be served;
 - anything else (a request in flight at the cut, a put refused, a put not settled yet): either is fine;
 - no request at all: a miss.
+`history` shows a key's last requests: kind@life, `?` for no reply, `+` for stored.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-ABSENT, PRESENT, EITHER = "absent", "present", "either"
+ABSENT, DELETED, PRESENT, EITHER = "absent", "deleted", "present", "either"   # DELETED: absent, by a delete
 
 
 @dataclass
@@ -58,7 +59,7 @@ class Oracle:
         last = sent[-1]
         done = last.ack is not None and last.ack < cut
         if last.kind == "delete":
-            return ABSENT if done else EITHER
+            return DELETED if done else EITHER
         if not done or not last.stored:
             return EITHER
         assert last.ack is not None
@@ -70,8 +71,10 @@ class Oracle:
         if served is not None and served != want:
             return f"{key.hex()}: served bytes that were never written for it"
         expect = self.expect(key, cut)
-        if served is not None and expect == ABSENT:
+        if served is not None and expect == DELETED:
             return f"{key.hex()}: served after a delete acknowledged before the crash ({self.history(key)})"
+        if served is not None and expect == ABSENT:
+            return f"{key.hex()}: served, but never written before the crash"
         if served is None and expect == PRESENT:
             return f"{key.hex()}: durable before the crash, missing after it ({self.history(key)})"
         return None

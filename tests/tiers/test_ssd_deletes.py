@@ -75,3 +75,24 @@ def test_a_delete_during_the_scan_beats_the_copy_the_scan_finds_later(ssd_dir: s
     s = SsdStore(ssd_dir, 256 * RECORD).open()
     assert read(s, 5) is None and len(s.index) == 7
     s.close()
+
+
+@pytest.mark.xfail(strict=True, reason="needs SsdTier.delete to wait for an announced write (tier.py, h2's report)")
+def test_a_tier_delete_waits_for_the_announced_write_it_cancels(ssd_dir: str) -> None:
+    """A write announced (write-through, a demotion batch) and then deleted must not leave a synced record of the
+    block on disk once the delete has returned: the delete waits for the write, which publishes nothing."""
+    from kvstore.daemon.config import SsdConfig
+    from kvstore.tiers.ssd.tier import SsdTier
+    from kvstore.traffic import Lane
+
+    tier = SsdTier(SsdConfig(dir=ssd_dir, capacity=64 * RECORD, sync="always", io="threads")).open(wait=True)
+    bid = NS + h(7)
+    tier.announce([bid])                                   # a write-through batch took the block
+    deleting = threading.Thread(target=tier.delete, args=(bid,))
+    deleting.start()
+    deleting.join(0.3)
+    blocked = deleting.is_alive()
+    assert tier.write([(bid, payload(7), None)], Lane.STORE) == 0     # cancelled: not published
+    deleting.join(30)
+    tier.close()
+    assert blocked, "the delete returned while the write it cancelled could still put the block on disk"

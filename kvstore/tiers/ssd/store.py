@@ -159,31 +159,40 @@ class SsdStore:
 
     # ----- deletes and resize -----
     def delete(self, ns: bytes, h: bytes, lane: Lane = Lane.STORE) -> bool:
-        """Forget the block; True if the store held it or was writing it. Durable on return (unless the sync
-        policy is never: then nothing is): its header is zeroed on disk and synced, in `lane`, after any write of
-        it in flight has finished (it is not published) and, during the restart scan, after the scan (a copy not
-        scanned yet is wiped too). Blocks on disk calls, never under the store's lock."""
-        key = ns + h
+        """Forget the block; True if the store held it or was writing it. Durable on return: see delete_many."""
+        return self.delete_many([ns + h], lane)[0]
+
+    def delete_many(self, keys: Sequence[bytes], lane: Lane = Lane.STORE) -> list[bool]:
+        """Forget blocks (namespace digest + block hash each); for each, whether the store held it or was writing
+        it. Durable on return (unless the sync policy is never: then nothing is): every header is zeroed on disk
+        and synced, in `lane` and in one flush, after the write batch in flight (if it writes one of them, or
+        reuses the record of one it evicted: that write publishes nothing) and, during the restart scan, after the
+        scan (a copy not scanned yet is wiped too). Blocks on disk calls, never under the store's lock."""
+        found = []
         with self.lock:
-            writing = self.writer.cancel_locked(key)
-            reused = key in self.evicted          # evicted for the batch in flight: its header is still there
-            where = self.index.get(key)
-            if where is not None:
-                self.drop_locked(key)
-                self.zeroing.add_locked(self.files[where[0]], where[1])
+            wait_batch = False
+            for key in keys:
+                writing = self.writer.cancel_locked(key)
+                wait_batch = wait_batch or writing or key in self.evicted
+                where = self.index.get(key)
+                if where is not None:
+                    self.drop_locked(key)
+                    self.zeroing.add_locked(self.files[where[0]], where[1])
+                found.append(where is not None or writing)
             scanning = self.scan.state == "scanning"
             if scanning:
-                self.scanner.note_deleted_locked(key)     # an older copy the scan finds later is stale
+                for key in keys:
+                    self.scanner.note_deleted_locked(key)     # an older copy the scan finds later is stale
             if self.sync == "never":
                 self.zeroing.soon_locked()
-        if self.sync != "never":
-            if writing or reused:
-                with self.writer.batch:     # that batch ends: the record is queued for zeroing, or overwritten
-                    pass
-            if scanning:
-                self.scanner.wait()         # the scan has queued every copy it found
-            self.zeroing.barrier(lane)
-        return where is not None or writing
+                return found
+        if wait_batch:
+            with self.writer.batch:        # that batch ends: its records are queued for zeroing, or overwritten
+                pass
+        if scanning:
+            self.scanner.wait()            # the scan has queued every copy it found
+        self.zeroing.barrier(lane)
+        return found
 
     def resize(self, capacity: int) -> int:
         """Set the cap. Shrinking below the files' size cuts records from the ends of the largest files (those
