@@ -14,6 +14,15 @@ Lease whose `read_layer(i, dsts)` loads layer i of the prefix, and `release()` u
 
 A Client is not thread-safe: use one per thread (they are cheap), or the asyncio flavour.
 
+Reconnects: the daemon closes a connection that idles past its server.idle_timeout_s (holding no pinned block).
+Before a request, when nothing is in flight and the connection has been quiet a while, the client checks whether the
+daemon closed it and if so connects again, says hello to its namespaces again (a Namespace's id follows) and keeps
+its segment mappings (dropped if the daemon restarted). A request whose connection breaks while it is in flight is
+sent again on a new connection only if it is idempotent (`REPLAYABLE`: lookups, reads of the books, acquire and
+reserve, whose old pins and reservations went with the old connection); any other raises ConnectionError. Pipelined
+requests (`send`) and leases or reservations made before the break are not carried over: their release or commit
+gets a refusal (not_found).
+
 Tenants: `Client(tenant=..., secret=...)` (else KVSTORE_TENANT / KVSTORE_TENANT_SECRET, else none) names the
 tenant the connection speaks for; the daemon checks it at the first hello (sent at connect when a tenant is named)
 and refuses with `forbidden` a tenant that is not configured, not allowed to this user, or a wrong secret.
@@ -23,7 +32,10 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import select
 import socket
+import time
+import weakref
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -38,6 +50,8 @@ from kvstore.protocol.paths import default_socket_path
 
 MAX_FDS = 253          # segment handles one reply can carry (SCM_RIGHTS)
 RECV_BYTES = 1 << 16   # one recv: a whole small reply, or a large one's next chunk
+QUIET_S = 0.05         # a connection quiet this long is checked for a close by the daemon before the next request
+REPLAYABLE = frozenset({"ping", "hello", "stats", "list", "segments", "lookup", "acquire", "reserve", "prefetch"})
 
 
 class KVStoreError(Exception):
@@ -72,14 +86,16 @@ class Client:
         self.path = path or os.environ.get("KVSTORE_SERVER_SOCKET") or default_socket_path()
         self.tenant = tenant if tenant is not None else os.environ.get("KVSTORE_TENANT") or None
         self.secret = secret if secret is not None else os.environ.get("KVSTORE_TENANT_SECRET") or None
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        try:
-            self.sock.connect(self.path)
-        except (FileNotFoundError, ConnectionRefusedError) as e:
-            self.sock.close()
-            raise ConnectionError(f"no kvstore daemon at {self.path} ({e.strerror}); start one with "
-                                  f"`kvstore serve` or `make serve`") from None
+        self.timeout = timeout
+        self.sock = self._connect()
+        self._quiet_since = time.monotonic()
+        self._reconnecting = False
+        self._broken = False                  # a request failed on a broken connection: the next one reconnects
+        self._refused = False                 # over the daemon's connection cap: never connected again by itself
+        self._renamed: dict[int, int] = {}    # namespace ids of earlier connections → the current ones
+        self.reconnects = 0                   # connections made again after the daemon closed one
+        self._spaces: weakref.WeakSet[Namespace] = weakref.WeakSet()   # said hello to: again after a reconnect
+        self.daemon_pid: int | None = None
         self._ids = itertools.count(1)
         self._frames = FrameReader()          # replies: no limit (the daemon is trusted to frame them)
         self._unanswered = 0
@@ -96,6 +112,17 @@ class Client:
             except BaseException:
                 self.close()
                 raise
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            sock.close()
+            raise ConnectionError(f"no kvstore daemon at {self.path} ({e.strerror}); start one with "
+                                  f"`kvstore serve` or `make serve`") from None
+        return sock
 
     def _credentials(self) -> dict[str, str]:
         out = {"tenant": self.tenant} if self.tenant else {}
@@ -115,11 +142,20 @@ class Client:
     def send(self, op: str, **fields: Any) -> None:
         """Send a request without waiting: its reply is read (and a refusal raised) by the next `call` or `flush`.
         The daemon answers in order, so a client can keep the daemon busy while it copies."""
-        self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **fields}))
+        if not self._unanswered:
+            self._reopen_if_closed()
+        try:
+            self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields)}))
+        except ConnectionError:
+            self._broken = True
+            raise
         self._unanswered += 1
 
     def flush(self) -> None:
-        """Read the replies of every request sent with `send`; raise the first refusal among them."""
+        """Read the replies of every request sent with `send`; raise the first refusal among them. Then, nothing
+        being in flight, connect again if the daemon closed this connection while it was quiet."""
+        if self._broken:
+            self._unanswered = 0      # their replies went with the connection (a ConnectionError said so)
         first: KVStoreError | None = None
         while self._unanswered:
             self._unanswered -= 1
@@ -129,11 +165,75 @@ class Client:
                 first = first or e
         if first is not None:
             raise first
+        self._reopen_if_closed()
 
     def _roundtrip(self, op: str, fields: dict[str, Any], want_fds: bool) -> tuple[dict[str, Any], list[int]]:
         self.flush()
-        self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **fields}))
+        try:
+            self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields)}))
+            return self._reply(*self._recv_frame(want_fds))
+        except ConnectionError:
+            if op not in REPLAYABLE or self._reconnecting or self._refused:
+                self._broken = True
+                raise                                     # it may have run: the caller decides
+            self._reconnect()
+        self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields)}))
         return self._reply(*self._recv_frame(want_fds))
+
+    def _current(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """The fields with a namespace id of an earlier connection replaced by the current one."""
+        nid = fields.get("ns")
+        if self._renamed and nid in self._renamed:
+            return {**fields, "ns": self._renamed[nid]}
+        return fields
+
+    def _reopen_if_closed(self) -> None:
+        """If the connection broke, or has been quiet a while and the daemon closed it (an end of stream waits to
+        be read), connect again. One poll() when quiet, nothing otherwise."""
+        if self._reconnecting or self._refused or self.sock.fileno() < 0:
+            return
+        if self._broken:
+            self._reconnect()
+            return
+        if time.monotonic() - self._quiet_since < QUIET_S:
+            return
+        p = select.poll()
+        p.register(self.sock, select.POLLIN)
+        if not p.poll(0):
+            return
+        try:
+            closed = self.sock.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            closed = True
+        if closed:
+            self._reconnect()
+
+    def _reconnect(self) -> None:
+        """A new connection in place of one the daemon closed: the same tenant, hello again to every namespace
+        (their ids follow, and requests built with an old id are sent with the new one), segment mappings kept
+        unless the daemon is another process."""
+        self._reconnecting = True
+        try:
+            self.sock.close()
+            self.sock = self._connect()
+            self._broken = False
+            self._frames = FrameReader()
+            self._unanswered = 0
+            pid = self.call("hello", **self._credentials())["pid"]
+            if self.daemon_pid is not None and pid != self.daemon_pid:
+                for sid in list(self._segments):          # a restarted daemon: those segments are gone
+                    self._unmap(sid)
+                self.generation = -1
+            self.daemon_pid = pid
+            renamed = {}
+            for ns in list(self._spaces):
+                new = self.call("hello", namespace=ns.spec.to_dict(), client=f"pid {os.getpid()}",
+                                **self._credentials())["ns"]
+                renamed[ns.id], ns.id = new, new
+            self._renamed = {old: renamed.get(cur, cur) for old, cur in self._renamed.items()} | renamed
+            self.reconnects += 1
+        finally:
+            self._reconnecting = False
 
     def _reply(self, body: bytes, fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         reply = decode(body)
@@ -141,6 +241,7 @@ class Client:
             for fd in fds:
                 os.close(fd)
             err = reply.get("error") or {}
+            self._refused = self._refused or err.get("code") == "too_many_connections"
             raise KVStoreError(err.get("code", "?"), err.get("message", "?"))
         return reply, fds
 
@@ -149,17 +250,26 @@ class Client:
         the replies after it. File descriptors only come with `segments`, which is never pipelined."""
         fds: list[int] = []
         while (body := self._frames.next()) is None:
-            if want_fds:
-                data, anc, _, _ = self.sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(MAX_FDS * 4))
-                for level, kind, payload in anc:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
-            else:
-                data = self.sock.recv(RECV_BYTES)
-            if not data:
-                raise ConnectionError(f"the kvstore daemon at {self.path} closed the connection")
+            try:
+                data = self._recv_some(want_fds, fds)
+            except ConnectionError:
+                self._broken = True
+                raise
             self._frames.feed(data)
+        self._quiet_since = time.monotonic()
         return body, fds
+
+    def _recv_some(self, want_fds: bool, fds: list[int]) -> bytes:
+        if want_fds:
+            data, anc, _, _ = self.sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(MAX_FDS * 4))
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
+        else:
+            data = self.sock.recv(RECV_BYTES)
+        if not data:
+            raise ConnectionError(f"the kvstore daemon at {self.path} closed the connection")
+        return data
 
     def _map(self, seg_ids: Iterable[int]) -> None:
         wanted = sorted(set(seg_ids) - set(self._segments))
@@ -201,7 +311,10 @@ class Client:
     def namespace(self, spec: NamespaceSpec) -> Namespace:
         reply = self.call("hello", namespace=spec.to_dict(), client=f"pid {os.getpid()}", **self._credentials())
         self.max_keys = reply["max_keys"]
-        return Namespace(self, reply["ns"], spec)
+        self.daemon_pid = reply["pid"]
+        ns = Namespace(self, reply["ns"], spec)
+        self._spaces.add(ns)
+        return ns
 
     def ping(self) -> dict[str, Any]:
         return self.call("ping")

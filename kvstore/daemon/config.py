@@ -38,7 +38,7 @@ class ServerConfig:
     max_namespaces_per_connection: int = 64
     reservation_lease_s: float = 60.0   # an uncommitted reservation older than this is aborted
     min_block_bytes: int = 512          # a namespace whose full block is smaller is refused
-    idle_timeout_s: float = 600.0       # a connection holding no namespace that sends nothing this long is closed
+    idle_timeout_s: float = 600.0       # a connection pinning nothing that sends nothing this long is closed
 
 
 @dataclass(slots=True)

@@ -5,8 +5,9 @@ any reason, its reservations and pins are dropped.
 
 The connection's limits are set here, from the configuration: the share of the pool it may hold
 (server.max_held_fraction), its namespaces (server.max_namespaces_per_connection), its peer's role and tenant
-(kvstore.daemon.tenants). One that said hello to no namespace and sends nothing for server.idle_timeout_s is closed;
-one with namespaces is kept however long it idles (engines keep theirs for hours)."""
+(kvstore.daemon.tenants). One that sends nothing for server.idle_timeout_s is closed, its reservations released,
+unless it pins blocks (a reader's copy out of a slot must not find it reused). Engines keep connections for hours:
+the client connects again by itself before its next request (kvstore.client.connection)."""
 from __future__ import annotations
 
 import logging
@@ -85,8 +86,8 @@ class Session:
             try:
                 chunk = self.sock.recv(1 << 16)
             except (BlockingIOError, TimeoutError):
-                if self.holdings.namespaces:
-                    continue                  # an engine idles between requests: kept
+                if self.holdings.pins:
+                    continue                  # its lease's slots must stay its own while it copies
                 self._idle_closed()
                 return None
             if not chunk:
@@ -96,8 +97,9 @@ class Session:
     def _idle_closed(self) -> None:
         with self.state.lock:
             self.state.counters["idle_closed"] += 1
-        log.info("client %s sent nothing for %.0f s and holds no namespace (server.idle_timeout_s): closed",
-                 self.peer, self.state.config.server.idle_timeout_s)
+        log.info("client %s sent nothing for %g s (server.idle_timeout_s) and pins no block: closed (the client "
+                 "library connects again when it next needs the daemon)", self.peer,
+                 self.state.config.server.idle_timeout_s)
 
     def _handle(self, body: bytes) -> bool:
         t0 = time.perf_counter()

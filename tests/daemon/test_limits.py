@@ -190,18 +190,27 @@ def test_msgpack_beyond_the_request_limits_is_refused_while_decoding(daemon, val
         assert c.ping()["pong"] is True
 
 
-def test_an_idle_connection_without_a_namespace_is_closed_and_one_with_is_kept(start_daemon):
-    """Before, a connection that sent nothing was kept for good: 64 of them locked everyone out."""
+def test_an_idle_connection_is_closed_unless_it_pins_blocks(start_daemon):
+    """Before, a connection that sent nothing was kept for good: 64 of them locked everyone out. Now one that idles
+    is closed (its reservations released), unless it pins blocks: a lease's slots stay its own while it copies."""
     d = start_daemon(env={"KVSTORE_SERVER_IDLE_TIMEOUT_S": "0.3"})
-    with d.client() as engine:
-        ns = engine.namespace(spec())
+    with d.client() as reader, d.client() as writer:
+        ns = reader.namespace(spec())
         assert ns.put(hashes(2), [block(0), block(1)]).stored == 2
+        lease = ns.acquire(hashes(2))
+        mine = writer.namespace(spec())
+        r = mine.reserve(hashes(2, start=10))
+        r.done = True                                        # neither committed nor aborted
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as idle:
             idle.settimeout(20)
             idle.connect(d.socket)
             assert idle.recv(1) == b""                       # closed by the daemon, not by our timeout
-        assert engine.stats()["counters"]["idle_closed"] >= 1
         assert "server.idle_timeout_s" in d.read_log()
-        time.sleep(1.0)                                      # an engine idles longer than that: kept
+        wait_for(lambda: d.client().stats()["reserved"] == 0, "the idle writer to lose its reservations")
+        time.sleep(1.0)                                      # the reader, pinning, idles longer than that: kept
         outs = [bytearray(GEOM.full_bytes) for _ in range(2)]
-        assert ns.get(hashes(2), outs) == 2 and [bytes(o) for o in outs] == [block(0), block(1)]
+        lease.read_blocks(outs)
+        assert [bytes(o) for o in outs] == [block(0), block(1)]
+        lease.release()
+        assert ns.lookup(hashes(2)) == 2 and reader.reconnects == 0
+        assert writer.stats()["counters"]["idle_closed"] >= 2 and writer.reconnects == 1
