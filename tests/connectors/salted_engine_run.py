@@ -28,7 +28,7 @@ def main() -> None:
 
     def generate(self: LLM, prompts: list[dict[str, Any]], *args: Any, **kw: Any) -> Any:
         salt = next(salts)
-        return plain(self, [{**p, "cache_salt": salt} if salt else p for p in prompts], *args, **kw)
+        return plain(self, [{**p, "cache_salt": salt} if salt else p for p in prompts], *args, **kw)  # type: ignore
 
     LLM.generate = generate              # type: ignore[method-assign,assignment]
     vllm_engine_run.main()

@@ -8,13 +8,9 @@ import random
 
 import numpy as np
 
+from kvstore.checksum import crc32c as block_crc  # the writer's checksum (end-to-end CRC-32C)
 from kvstore.protocol.geometry import Geometry
 from tests.conftest import spec
-
-try:
-    from kvstore.checksum import crc32c as block_crc  # the writer's checksum, once end-to-end CRCs are in
-except ImportError:  # pragma: no cover - before them
-    from zlib import crc32 as block_crc
 
 SMALL = Geometry(layers=1, tokens=16, kv_heads=2, head_dim=32, dtype="float16")     # 4 KiB, the smallest block
 BLOCK = SMALL.full_bytes
