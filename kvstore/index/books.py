@@ -315,6 +315,8 @@ class Index(CapacityBooks):
         key = ns.key(block_hash)
         gid = self.table.get(key)
         if gid is not None:
+            if holder.pins[gid] == 0:
+                holder.held_bytes += ns.slot_bytes      # balanced by `release` (a mover has no cap)
             self._pin(key, gid)
             holder.pins[gid] += 1
         return gid
