@@ -225,11 +225,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows = [[r["ns"] if r["ns"] is not None else "-", r["digest"][:12], r["blocks"]] for r in data["ssd"]]
         _out(args, data["ssd"], _table(["ns", "digest", "blocks on ssd"], rows))
         return 0
-    rows = [[n["id"], n.get("tenant") or "-", n["model"], n["group"], n["adapter"] or "-", n["tp"], n["role"],
-             n["digest"][:12], n["blocks"], format_size(n["bytes"]), format_size(n["slot_bytes"])]
-            for n in data["namespaces"]]
-    text = _table(["ns", "tenant", "model", "group", "adapter", "tp", "role", "digest", "blocks", "bytes", "block"],
-                  rows)
+    rows = [[n["id"], n["model"], n["group"], n["adapter"] or "-", n["tp"], n["role"], n["digest"][:12],
+             n["blocks"], format_size(n["bytes"]), format_size(n["slot_bytes"])] for n in data["namespaces"]]
+    headers = ["ns", "model", "group", "adapter", "tp", "role", "digest", "blocks", "bytes", "block"]
+    if any(n.get("tenant") for n in data["namespaces"]):     # tenants configured: say whose each one is
+        headers.insert(1, "tenant")
+        for row, n in zip(rows, data["namespaces"]):
+            row.insert(1, n.get("tenant") or "-")
+    text = _table(headers, rows)
     if "keys" in data:
         text += "\n\n" + _table(["hash", "slot"], [[k.hex(), f"{gid >> 32}:{gid & 0xFFFFFFFF}"]
                                                    for k, gid in data["keys"]])

@@ -138,6 +138,10 @@ def test_a_tenants_blocks_on_ssd_stay_its_own(tmp_path, daemons):
         assert ns_a.get(hs, outs) == 16 and [bytes(o) for o in outs] == want
         listing = a.list()                                      # the admin sees both tenants
         assert {n["tenant"] for n in listing["namespaces"]} == {"a", "b"}
+    r = subprocess.run([sys.executable, "-m", "kvstore", "--socket", d.socket, "ls"], capture_output=True, text=True,
+                       timeout=60)
+    rows = [line.split()[:3] for line in r.stdout.splitlines()[2:]]
+    assert r.stdout.split()[:3] == ["ns", "tenant", "model"] and sorted(t for _, t, _ in rows) == ["a", "b"]
 
 
 def test_a_delete_of_blocks_below_races_no_get_into_bringing_them_back(tmp_path, daemons):
