@@ -12,6 +12,7 @@ Files that existed before the log began are not modelled: the tests start from a
 """
 from __future__ import annotations
 
+import bisect
 import os
 import random
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ PAGE = 4096
 @dataclass
 class Cut:
     at: int            # entries before this one happened; none from it on
-    time: float        # when the last entry kept was logged: a request answered before it was answered before the cut
+    time: float        # the moment of the cut: just before entry `at` was logged (no disk call in between, so
+    #                    the state is the same), or `end` for a cut after the last entry
     keep: float        # the chance that a page or size change not yet durable lands anyway
     files: dict[str, bytes]
 
@@ -34,8 +36,9 @@ def load(path: str) -> list[Entry]:
     return list(diskio.read_log(path))
 
 
-def cut_at(entries: list[Entry], at: int, rng: random.Random, keep: float) -> Cut:
-    """The directory a power cut just before entry `at` could leave (one draw of the undurable pages)."""
+def cut_at(entries: list[Entry], at: int, rng: random.Random, keep: float, end: float) -> Cut:
+    """The directory a power cut just before entry `at` could leave (one draw of the undurable pages); `end` is
+    when the recording stopped (the daemon killed)."""
     synced: dict[int, int] = {}              # file id → entries before this index are durable in it
     dir_synced = 0
     for e in entries[:at]:
@@ -59,7 +62,7 @@ def cut_at(entries: list[Entry], at: int, rng: random.Random, keep: float) -> Cu
             _resize(data[e.fid], e.a if e.op == SIZE else max(len(data[e.fid]), e.a + e.b))
     files = {names[f]: bytes(b) for f, b in data.items()
              if created.get(f, -1) < dir_synced or rng.random() < keep}
-    return Cut(at, entries[at - 1].t if at else 0.0, keep, files)
+    return Cut(at, entries[at].t if at < len(entries) else end, keep, files)
 
 
 def _write(buf: bytearray, offset: int, data: bytes, durable: bool, rng: random.Random, keep: float) -> None:
@@ -90,13 +93,24 @@ def materialize(cut: Cut, directory: str) -> None:
             os.close(fd)
 
 
-def cut_points(entries: list[Entry], n: int, rng: random.Random) -> list[int]:
-    """`n` places to cut: about half just before or after a sync (where durability changes), the rest anywhere."""
+def cut_plan(entries: list[Entry], n: int, rng: random.Random, settles: list[float],
+             acks: list[float]) -> list[tuple[int, float]]:
+    """`n` cuts, as (entry, keep), in order. First, just after each settle (up to half of them): the cut keeps only
+    what was durable (keep 0), the least that must hold every block the settle made durable. Then a third of the
+    rest just after a moment a promise was made (a settle seen, a delete acknowledged: the kind drawn first, so the
+    rare settles get their share), a third just before or after a sync (where durability changes), the rest
+    anywhere; each keeping all, half or none of what was not durable yet."""
+    times = [e.t for e in entries]
     syncs = [i for i, e in enumerate(entries) if e.op in (SYNC, DIRSYNC)]
-    points = []
-    for _ in range(n):
-        if syncs and rng.random() < 0.5:
-            points.append(min(len(entries), max(1, rng.choice(syncs) + rng.choice((0, 1)))))
+    kinds = [k for k in (settles, acks) if k]
+    plan = [(bisect.bisect_right(times, t), 0.0) for t in settles[:n // 2]]
+    while len(plan) < n:
+        r = rng.random()
+        if kinds and r < 1 / 3:
+            at = bisect.bisect_right(times, rng.choice(rng.choice(kinds))) + rng.randint(0, 2)
+        elif syncs and r < 2 / 3:
+            at = rng.choice(syncs) + rng.choice((0, 1))
         else:
-            points.append(rng.randint(1, len(entries)))
-    return points
+            at = rng.randint(1, len(entries))
+        plan.append((at, rng.choice((0.0, 0.5, 1.0))))
+    return sorted((min(len(entries), max(1, at)), keep) for at, keep in plan)

@@ -11,11 +11,14 @@ import random
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import DaemonProc
 from tests.crash_load import UNIVERSE, Killer, Load, start, verify
 from tests.oracle import DELETED, PRESENT, Oracle
 
 CYCLES = int(os.environ.get("KVSTORE_KILL9_CYCLES", "20"))
+pytestmark = pytest.mark.timeout(300 + 6 * CYCLES)    # a few seconds a cycle on a busy machine
 
 
 def test_kill_9_cycles_never_serve_wrong_bytes_resurrect_deletes_or_lose_durable_blocks(

@@ -14,13 +14,16 @@ import signal
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from kvstore.tiers.ssd import diskio
 from tests.conftest import DaemonProc
 from tests.crash_load import UNIVERSE, Killer, Load, start, verify
 from tests.oracle import DELETED, PRESENT, Oracle
-from tests.power_cut import cut_at, cut_points, load, materialize
+from tests.power_cut import cut_at, cut_plan, load, materialize
 
 STATES = int(os.environ.get("KVSTORE_POWERLOSS_STATES", "20"))
+pytestmark = pytest.mark.timeout(300 + 5 * STATES)    # a few seconds a state on a busy machine
 
 
 def test_power_cuts_never_serve_wrong_bytes_resurrect_deletes_or_lose_synced_blocks(tmp_path: Path,
@@ -37,8 +40,10 @@ def test_power_cuts_never_serve_wrong_bytes_resurrect_deletes_or_lose_synced_blo
     entries = load(log_path)
     assert entries, f"the daemon recorded no I/O:\n{d.read_log()[-2000:]}"
     seen: Counter[str] = Counter()
-    for i, at in enumerate(sorted(cut_points(entries, STATES, rng))):
-        cut = cut_at(entries, at, rng, keep=rng.choice((0.0, 0.5, 1.0)))
+    settles = [end for _, _, end in oracle.settles]
+    acks = [op.ack for ops in oracle.ops.values() for op in ops if op.kind == "delete" and op.ack is not None]
+    for i, (at, keep) in enumerate(cut_plan(entries, STATES, rng, settles, acks)):
+        cut = cut_at(entries, at, rng, keep, end=killer.cut)
         state = str(tmp_path / f"state-{i}")
         materialize(cut, state)
         restarted = start(state, daemons)

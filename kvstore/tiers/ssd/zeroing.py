@@ -9,11 +9,12 @@ cancelled) is wiped on disk before its space is used again, so that its block ne
   zeroed and synced: a flush is a barrier. Concurrent deletes share one flush's writes and syncs (group commit):
   the first takes the queue, the others find it empty or short and sync only what is left.
 - `barrier(lane)`: a delete waits here, as a transfer in its lane (in this thread when the lane is full or the
-  path closed), before it is reported. `soon()` queues a background flush for records nobody waits for (bad ones
-  found by reads or by the scan); the next barrier, or close, takes them if the background lane is full.
+  path closed), before it is reported. `soon_locked` queues a background flush for records nobody waits for (bad
+  ones found by reads or by the scan); the next barrier, or `close`, takes them if the background lane is full.
 - A record cut off by a resize while queued is dropped, never written past the end of its file (resize holds
-  `mutex` while it cuts). A zero header that cannot be written leaves its record out of the free list (counted
-  as zero_errors, logged): it can never be reused while it may still hold a block.
+  `mutex` while it cuts). A zero header that cannot be written or synced leaves its record out of the free list
+  (counted as zero_errors in the tier's counters, logged): it is never reused while it may still hold a block,
+  and the delete that waited is reported all the same (the disk is failing; the log says which file).
 """
 from __future__ import annotations
 
