@@ -39,6 +39,7 @@ DEPTH = 24                 # frames a connection sends before it reads their rep
 MAX_FRAME = 1 << 20        # server.max_frame_bytes (default)
 MAX_KEYS = 1024            # server.max_keys_per_request (default)
 MAX_INT = (1 << 63) - 1
+MAX_ARRAY, MAX_MAP = 2 * MAX_KEYS + 16, 64     # what the daemon decodes at most (protocol.frames.Limits)
 SEGMENT = 1 << 20
 # codes a schema-valid request must never get (a later cap may refuse it with a code of its own: any other)
 FATAL = {"internal", "bad_frame", "bad_version", "unknown_op"}
@@ -92,7 +93,8 @@ def local_decode(body: bytes) -> dict[Any, Any] | None:
     def no_ext(code: int, data: bytes) -> Any:
         raise ValueError(code)
     try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_ext_len=0, ext_hook=no_ext)
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_ext_len=0, ext_hook=no_ext,
+                              max_array_len=MAX_ARRAY, max_map_len=MAX_MAP)
     except Exception:
         return None
     return msg if isinstance(msg, dict) else None
@@ -209,7 +211,7 @@ class Gen:
         """A last frame: unparseable (bad_frame, then closed), truncated or oversize; or random bytes."""
         r = self.rng
         base = pack(self.valid())
-        kind = r.randrange(11)
+        kind = r.randrange(13)
         if kind == 0:
             body = r.randbytes(r.randrange(1, 200))
             msg = local_decode(body)
@@ -237,6 +239,14 @@ class Gen:
         if kind == 8:
             return Frame(struct.pack("<I", r.choice([MAX_FRAME + 1, 1 << 30, (1 << 32) - 1])) + r.randbytes(8),
                          closes=True)                                                    # refused by its header
+        if kind == 10:                  # a container declaring more elements than any request holds
+            count = r.choice([MAX_ARRAY + 1, 100_000, (1 << 32) - 1])
+            head = b"\xdd" + struct.pack(">I", count) if r.random() < 0.5 else b"\xdf" + struct.pack(">I", count)
+            return Frame(frame(b"\x83" + pack("v") + pack(1) + pack("op") + pack("ping") + pack("x") + head),
+                         closes=True)
+        if kind == 11:                  # a map of more fields than any request has, each of them complete
+            fields = {f"f{i}": i for i in range(r.randrange(MAX_MAP + 1, 200))}
+            return Frame(frame(pack({"v": 1, "op": "ping", **fields})), closes=True)
         if kind == 9:
             data = frame(base)
             return Frame(data[:r.randrange(len(data))], closes=True, silent=True)       # truncated, then EOF
