@@ -1,9 +1,10 @@
 """Hostile frames at scale (issue 13 part 5, RELIABILITY 11): a seeded generator sends ≥ 100 k hostile frames under
-`make stress` (KVSTORE_FUZZ_SCALE=1; a tenth of them in the normal suite) over several pipelined connections at once:
+`make stress` (KVSTORE_FUZZ_SCALE=1; 20 k in the normal suite) over several pipelined connections at once:
 random bytes, truncated frames, wrong types, huge declared lengths, deep nesting, unknown ops, extra fields,
 msgpack ext types and timestamps, bools and floats and negative or oversize integers where integers belong,
-oversize key blobs, non-UTF-8 strings, integer map keys, trailing bytes, near-limit frames, and schema-valid
-requests with hostile content (namespaces not said hello to, slots not held, keys not reserved).
+oversize key blobs, containers declaring more elements than a request holds, non-UTF-8 strings, integer map
+keys, trailing bytes, frames up to exactly the size limit, and schema-valid requests with hostile content
+(namespaces not said hello to, slots not held, keys not reserved).
 
 Every frame gets the reply an independent statement of the validation order predicts (the precise code and the
 echoed id), or — for a frame that cannot be parsed — a `bad_frame` error and then a disconnect, or for a truncated

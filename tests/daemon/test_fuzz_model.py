@@ -9,12 +9,14 @@ pipeline a few requests at once over disjoint keys, so that every order the daem
 outcome. Connections are dropped mid-sequence, some with requests still unanswered (only requests whose effect the
 drop undoes: reserve, acquire, release, abort, lookup).
 
-The model predicts every reply when its request is generated (statuses, counts, prefixes, the slot of every pinned
-block, its CRC), checks every pinned slot's bytes after each step (a pinned block is never overwritten, even when
-deleted and stored again), that no two live blocks or reservations share a slot, and the daemon's books (blocks,
-pinned slots, reservations) at sync points and at the end of each sequence; then every key of the universe is
-looked up and every stored block read back byte-exact. The pool is sized so that nothing is ever evicted for space
-(blocks of 4 and 8 KiB, a few dozen at most, far under half the pool per connection).
+The model (tests/daemon/books_model.py) predicts every reply when its request is generated (statuses, counts,
+prefixes, the slot of every pinned block, its CRC), checks every pinned slot's bytes after each step (a pinned block
+is never overwritten, even when deleted and stored again), that no two live blocks or reservations share a slot, and
+the daemon's books (blocks, pinned slots, reservations, host bytes in use) at sync points and at the end of each
+sequence; then each namespace's listing (hashes and slots) and lookups must equal the model's, and every stored
+block is read back byte-exact. The run's seed is in every assertion message (KVSTORE_FUZZ_SEED replays a run).
+The pool is sized so that nothing is ever evicted for space (blocks of 4 and 8 KiB, a few dozen at most, far under
+half the pool per connection).
 """
 from __future__ import annotations
 
