@@ -35,6 +35,7 @@ class ServerConfig:
     send_timeout_s: float = 10.0        # a client that stops reading its replies this long is disconnected
     admin_uids: list[int] = field(default_factory=list)   # who may resize, evict, list others ("auto": our uid)
     max_held_fraction: float = 1.0      # one connection's reserved + pinned bytes, as a share of the pool
+    max_reserved_fraction: float = 0.5  # one connection's reservations not committed yet, as a share of the pool
     max_namespaces_per_connection: int = 64
     reservation_lease_s: float = 60.0   # an uncommitted reservation older than this is aborted
     min_block_bytes: int = 512          # a namespace whose full block is smaller is refused
@@ -318,6 +319,8 @@ def _check_limits(s: ServerConfig) -> list[str]:
     errors = []
     if not 0 < s.max_held_fraction <= 1:
         errors.append(f"server.max_held_fraction: must be above 0 and at most 1, got {s.max_held_fraction}")
+    if not 0 < s.max_reserved_fraction <= 1:
+        errors.append(f"server.max_reserved_fraction: must be above 0 and at most 1, got {s.max_reserved_fraction}")
     if not 1 <= s.max_namespaces_per_connection <= 65536:
         errors.append(f"server.max_namespaces_per_connection: must be 1..65536, got "
                       f"{s.max_namespaces_per_connection}")

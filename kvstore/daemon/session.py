@@ -36,6 +36,7 @@ class Session:
         self.sock = sock
         self.peer = peer
         self.holdings = Conn(peer=peer, admin=is_admin(state.config, peer), held_share=cfg.max_held_fraction,
+                             reserved_share=cfg.max_reserved_fraction,
                              max_namespaces=cfg.max_namespaces_per_connection)
         self.in_request = False
         self._frames = FrameReader(cfg.max_frame_bytes)

@@ -166,9 +166,18 @@ class Index(CapacityBooks):
         """Slots for the blocks not stored yet. Returns (gids, status) per block; gid 0 unless RESERVED. With
         `lease_until` (a time.monotonic() value), `expire` aborts the reservations still open at that time."""
         gids, status = [], []
+        room = holder.reserved_share * self.pool.capacity if holder.reserved_share else None
         for h in hashes:
             key = ns.key(h)
+            if room is not None and holder.reserved_bytes + ns.slot_bytes > room and key not in self.table \
+                    and key not in self.pending:
+                self.counters["held_cap"] += 1           # server.max_reserved_fraction: the rest waits for commits
+                gids.append(0)
+                status.append(NO_SPACE)
+                continue
             gid, st = self._reserve_one(key, ns, holder)
+            if gid:
+                holder.reserved_bytes += ns.slot_bytes
             if gid and lease_until:
                 holder.leases.pop(key, None)
                 holder.leases[key] = lease_until     # in time order: the oldest lease first
@@ -220,6 +229,7 @@ class Index(CapacityBooks):
             gid = holder.reserved.pop(key, None)
             if gid is not None:
                 holder.held_bytes -= self.pool.segment_of(gid).slot_bytes
+                holder.reserved_bytes -= self.pool.segment_of(gid).slot_bytes
                 self._drop_reservation(key, gid)
                 n += 1
         self.counters["reservations_expired"] += n
@@ -245,6 +255,7 @@ class Index(CapacityBooks):
             gid = holder.reserved.pop(key)
             holder.leases.pop(key, None)
             holder.held_bytes -= ns.slot_bytes
+            holder.reserved_bytes -= ns.slot_bytes
             del self.pending[key]
             self._publish(ns, key, gid, crcs[i] if crcs is not None else None)
         self.counters["puts"] += len(full)
@@ -268,6 +279,7 @@ class Index(CapacityBooks):
             if gid is not None:
                 holder.leases.pop(ns.key(h), None)
                 holder.held_bytes -= ns.slot_bytes
+                holder.reserved_bytes -= ns.slot_bytes
                 self._drop_reservation(ns.key(h), gid)
                 n += 1
         self.counters["aborts"] += n
@@ -306,7 +318,7 @@ class Index(CapacityBooks):
             for _ in range(n):
                 self._unpin(gid)
         holder.pins.clear()
-        holder.held_bytes = 0
+        holder.held_bytes = holder.reserved_bytes = 0
         self.namespaces.left(holder)
 
     # ----- pins -----

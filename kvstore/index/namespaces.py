@@ -61,6 +61,8 @@ class Holdings:
     leases: OrderedDict[bytes, float] = field(default_factory=OrderedDict)   # stores' reservations → lease end
     held_bytes: int = 0         # bytes of the slots it reserves or pins (each slot once)
     held_share: float = 0.0     # at most this share of the pool's capacity held at once (0: no cap)
+    reserved_bytes: int = 0     # bytes of its store reservations not committed yet
+    reserved_share: float = 0.0  # at most this share of the pool reserved for stores at once (0: no cap)
     max_namespaces: int = 0     # namespaces it may say hello to (0: no cap)
     tenant: str | None = None   # fixed at the connection's first hello
 

@@ -27,8 +27,9 @@ def wait_for(predicate, what: str, timeout: float = 20.0) -> None:
 
 def test_a_client_that_reserves_until_no_space_and_idles_leaves_the_others_room(start_daemon):
     """Before, one connection could reserve every slot of the pool and sit on them: every other writer got
-    no_space. With server.max_held_fraction 0.5 it holds half the pool at most."""
-    d = start_daemon("4MiB", env={"KVSTORE_SERVER_MAX_HELD_FRACTION": "0.5"})
+    no_space. By default (server.max_reserved_fraction 0.5) its uncommitted reservations hold half the pool at
+    most."""
+    d = start_daemon("4MiB")
     hostile, other = d.client(), d.client()
     try:
         ns = hostile.namespace(spec())

@@ -230,7 +230,6 @@ def test_records_larger_than_a_piece_round_trip_in_every_lane(ssd_dir, io: str, 
 # ----- one record check, shared by reads and verify -----
 def test_check_record_is_the_one_check() -> None:
     from kvstore.checksum import crc32c
-
     from kvstore.tiers.ssd.record import BadRecord, Header, check_record
 
     body = payload(7)
@@ -253,7 +252,6 @@ def test_verify_and_reads_agree_on_a_record_of_another_length(ssd_dir: str) -> N
     """A whole, checksummed header that names fewer bytes than the file's records hold: reads refuse it, and so
     does verify (it applies the same check)."""
     from kvstore.checksum import crc32c
-
     from kvstore.tiers.ssd.record import Header
 
     s = open_store(ssd_dir)
