@@ -15,7 +15,7 @@ pool, `page_size` per page):
 
 - `batch_exists(keys) -> int`: how many leading keys are stored (longest contiguous prefix, host pool or SSD).
 - `batch_get_v1(keys, host_indices) -> list[bool]`: load the stored prefix into the host pool's pages; True for
-  each page whose bytes were copied and proved (CRC-32) to be those committed; False from the first miss on.
+  each page whose bytes were copied and proved (CRC-32C) to be those committed; False from the first miss on.
 - `batch_set_v1(keys, host_indices) -> list[bool]`: store the pages: True when stored now, already stored, or being
   stored by another writer of the same namespace (identical bytes by construction); False when not (no space,
   daemon away). A page is invisible to readers until its commit.
@@ -34,7 +34,7 @@ ranks' sets are no-ops reported True.
 extra config (beside SGLang's backend_name, module_path, class_name, interface_v1): socket (default
 $KVSTORE_SERVER_SOCKET, else the daemon's default), model / group / salt (namespace overrides), retry_s (5: how often
 a lost daemon is tried again), timeout_s (5: the longest one daemon call may take), verify (true: each block carries a
-CRC-32 checked before its bytes reach the pool).
+CRC-32C checked before its bytes reach the pool).
 """
 from __future__ import annotations
 

@@ -14,12 +14,12 @@ hashes (never the block holding the last prompt token, which vLLM always compute
 the worker which blocks to load (hits) and which full blocks were completed this step and must be saved.
 Worker side: loads are acquired (pinned) in `start_load_kv` and copied layer by layer in `wait_for_layer_load`;
 saves are reserved at the first `save_kv_layer` of a step, written layer by layer, and committed when the last
-layer is in, with each block's CRC-32. A load first checks every block against its CRC-32; a block that is missing,
+layer is in, with each block's CRC-32C. A load first checks every block against its CRC-32C; a block that is missing,
 altered or could not be loaded is reported by `get_block_ids_with_load_errors`, so vLLM recomputes it (with
 `kv_load_failure_policy: recompute`) instead of using bad KV.
 
 extra config: socket (default: $KVSTORE_SERVER_SOCKET or the daemon's default), model / group / salt (namespace
-overrides), retry_s (5), timeout_s (5), save (true), load (true), verify (true: blocks carry a CRC-32, checked
+overrides), retry_s (5), timeout_s (5), save (true), load (true), verify (true: blocks carry a CRC-32C, checked
 before they are loaded; false trades that proof for less CPU per block), copy_engine (auto: on a GPU one Triton
 kernel per layer where it proves byte-exact, else one copy_ per page run; kernel; copy).
 
@@ -291,7 +291,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._io_failed(e)
                 self._load_errors.update(t.block_ids)
                 continue
-            n = lease.verified_prefix() if self.verify else len(lease)   # bytes checked against their CRC-32
+            n = lease.verified_prefix() if self.verify else len(lease)   # bytes checked against their CRC-32C
             if n < len(lease):
                 log.warning("kvstore: block %d of request %s does not match its checksum: recomputed", n, t.req_id)
             if n < len(t.hashes):     # evicted since the scheduler's lookup, or altered: the rest is recomputed

@@ -135,7 +135,8 @@ class Index(CapacityBooks):
     def finish_promotion(self, ns: NamespaceEntry, plan: list[tuple[bytes, int]], n: int, holder: Holdings,
                          pin: bool = True, crcs: Sequence[int | None] = ()) -> list[int]:
         """Publish (and pin) the first `n` promoted blocks, unless deleted meanwhile; free the other slots. `crcs`:
-        the CRC-32 each block was verified against in its tier, which its host slot carries on."""
+        the writer's CRC-32C each block was verified against in its tier (None: none), which its host slot carries
+        on."""
         gids: list[int] = []
         for i, (h, gid) in enumerate(plan):
             key = ns.key(h)

@@ -57,7 +57,7 @@ class Segment:
     free: list[int]
     keys: list[bytes | None]      # reverse map slot → key of the block in it (None when free or reserved)
     used: list[int]               # slot → the index's clock at the block's last store or read
-    crc: list[int | None]         # slot → the CRC-32 its writer committed with the block, if it gave one
+    crc: list[int | None]         # slot → the CRC-32C its writer committed with the block, if it gave one
     live: int = 0                 # slots not free (reserved or holding a block)
     busy: int = 0                 # slots reserved or pinned: they keep the segment alive
     draining: bool = False        # chosen for release: allocates nothing, released when busy reaches 0

@@ -1,7 +1,7 @@
 """The SSD store's reads: every byte served has been checked against the key asked and its checksum.
 
 - `read_into` (a path worker) reads one record and checks it with record.check_record: the header whole and
-  ours, naming the key and the length asked, the payload matching its CRC-32. A payload that O_DIRECT can move as
+  ours, naming the key and the length asked, the payload matching its CRC-32C. A payload that O_DIRECT can move as
   it is (a host slot of whole pages) is read straight into `out`, in pieces of PIECE_BYTES with a checkpoint
   between pieces (a lower-lane read yields to critical ones); any other goes through an aligned buffer and is
   copied into `out` only once checked. A record that fails is a miss: quarantined (its header zeroed, its space
@@ -75,7 +75,8 @@ class Reader:
     def read_async(self, key: bytes, out: Out, lane: Lane,
                    on_done: Callable[[Future[Any]], None] | None = None) -> Future[Any] | None:
         """Submit a verified read of one block into `out`; None (counted) when the store does not hold it with
-        that size. The future's result is the block's CRC-32, or False for a bad record; Busy if the lane is full."""
+        that size. The future's result is its writer's CRC-32C (None if none), or False for a bad record; Busy if
+        the lane is full."""
         s = self.store
         with s.lock:
             where = s.index.get(key)
@@ -168,8 +169,8 @@ def _check_on_disk(key: bytes, cf: ClassFile, rec: int) -> str | None:
 
 
 def outcome(job: Future[Any], crcs: list[int | None] | None) -> bool:
-    """A read's outcome: True for a verified block, whose CRC-32 (None if unknown) goes to `crcs`; a bad, failed or
-    cancelled read is a miss."""
+    """A read's outcome: True for a verified block, whose writer's CRC-32C (None if none) goes to `crcs`; a bad,
+    failed or cancelled read is a miss."""
     try:
         r = job.result()
         if r is False:
