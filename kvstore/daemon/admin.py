@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 from kvstore import __version__, workers
 from kvstore.daemon import process
 from kvstore.daemon.tenants import Conn, forbidden, tenant_of
-from kvstore.index import Holdings
 from kvstore.protocol import Code, ProtocolError
 
 if TYPE_CHECKING:
@@ -24,8 +23,14 @@ COUNTERS = ("lookups", "hits", "misses", "puts", "gets", "evictions", "deletes",
             "write_through_skipped", "held_cap", "reservations_expired", "idle_closed")
 
 
-def op_stats(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
-    return snapshot(st)
+def op_stats(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    """Everything `kvstore stats` shows; the host pool's per-tenant rows only for the admin and for the
+    connection's own tenant (other tenants' names are not another tenant's to see)."""
+    s = snapshot(st)
+    if not h.admin:
+        host = s["tiers"][0]
+        host["classes"] = [c for c in host["classes"] if c["tenant"] == h.tenant]
+    return s
 
 
 def op_list(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:

@@ -78,6 +78,8 @@ def test_two_tenants_cannot_map_list_or_hit_each_others_blocks(tmp_path, daemons
         assert fds == [] and reply["segments"] == []            # B gets no fd of A's segments
         assert [n["id"] for n in b.list()["namespaces"]] == [ns_b.id]   # nor sees A's namespaces
         forbidden(b.list, ns_a.id)                              # nor A's keys
+        rows = b.stats()["tiers"][0]["classes"]                 # nor A's name in the pool's rows
+        assert rows and {r["tenant"] for r in rows} == {"b"}
         for ns, base in ((ns_a, 0), (ns_b, 100)):               # each reads its own bytes
             outs = [bytearray(GEOM.full_bytes) for _ in hs]
             assert ns.get(hs, outs) == 8 and [bytes(o) for o in outs] == [block(base + i) for i in range(8)]
