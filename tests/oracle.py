@@ -10,7 +10,6 @@ processes of this machine). Of the requests sent before the cut, the last one de
   settled with write-through and sync=always (`settled`): the block is durable and must be served;
 - anything else (a request in flight at the cut, a put refused, a put not settled yet): either is fine;
 - no request at all: a miss.
-`history` shows a key's last requests: kind@life, `?` for no reply, `+` for stored.
 """
 from __future__ import annotations
 
@@ -72,13 +71,24 @@ class Oracle:
             return f"{key.hex()}: served bytes that were never written for it"
         expect = self.expect(key, cut)
         if served is not None and expect == DELETED:
-            return f"{key.hex()}: served after a delete acknowledged before the crash ({self.history(key)})"
+            return f"{key.hex()}: served after a delete acknowledged before the crash ({self.history(key, cut)})"
         if served is not None and expect == ABSENT:
             return f"{key.hex()}: served, but never written before the crash"
         if served is None and expect == PRESENT:
-            return f"{key.hex()}: durable before the crash, missing after it ({self.history(key)})"
+            return f"{key.hex()}: durable before the crash, missing after it ({self.history(key, cut)})"
         return None
 
-    def history(self, key: bytes) -> str:
-        return ", ".join(f"{op.kind}@{op.life}{'' if op.ack else '?'}{'+' if op.stored else ''}"
-                         for op in self.ops.get(key, [])[-4:])
+    def history(self, key: bytes, cut: float) -> str:
+        """The key's last requests sent before the cut: kind@life, `?` without a reply before it, `+` stored, and
+        when it was sent and answered (ms before the cut); then the settles of the last one's life."""
+        sent = [op for op in self.ops.get(key, []) if op.start < cut][-4:]
+        ops = ", ".join(f"{op.kind}@{op.life}{'' if op.ack is not None and op.ack < cut else '?'}"
+                        f"{'+' if op.stored else ''} ({_ms(cut - op.start)}..{_ms(cut - (op.ack or cut))})"
+                        for op in sent)
+        settles = [f"{_ms(cut - a)}..{_ms(cut - b)}" for life, a, b in self.settles
+                   if sent and life == sent[-1].life and a < cut]
+        return f"{ops}; settles {settles}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"

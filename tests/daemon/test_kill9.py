@@ -28,11 +28,12 @@ def test_kill_9_cycles_never_serve_wrong_bytes_resurrect_deletes_or_lose_durable
     rng = random.Random(int(os.environ.get("KVSTORE_KILL9_SEED", "1309")))
     cut = 0.0
     seen: Counter[str] = Counter()
+    killed: DaemonProc | None = None
     for life in range(CYCLES):
         d = start(ssd_dir, daemons)
         # after each restart: every promise the last kill could test
         failures = verify(d, oracle, cut)
-        assert not failures, f"after kill {life}: " + "\n".join(failures[:10])
+        assert not failures, f"after kill {life}: " + "\n".join(failures[:10]) + _evidence(killed, d)
         seen.update(oracle.expect(k, cut) for k in UNIVERSE)
         # then load until the kill: at a random moment, or right after an acknowledged delete
         assert d.proc is not None
@@ -42,9 +43,17 @@ def test_kill_9_cycles_never_serve_wrong_bytes_resurrect_deletes_or_lose_durable
         assert not wrong, "\n".join(wrong[:10])
         d.proc.wait()
         d.stop()
-        cut = killer.cut
+        cut, killed = killer.cut, d
     d = start(ssd_dir, daemons)
     failures = verify(d, oracle, cut)
-    assert not failures, "after the last kill: " + "\n".join(failures[:10])
+    assert not failures, "after the last kill: " + "\n".join(failures[:10]) + _evidence(killed, d)
     # the kills tested something: blocks that had to survive them and deletes that had to stay deleted
     assert seen[PRESENT] and seen[DELETED], f"expectations over all restarts: {dict(seen)}"
+
+
+def _evidence(killed: DaemonProc | None, restarted: DaemonProc) -> str:
+    """What the killed daemon logged above info, and the restarted one's SSD counters: for a failure's message."""
+    lines = [ln for ln in killed.read_log().splitlines() if " WARNING " in ln or " ERROR " in ln] if killed else []
+    with restarted.client() as c:
+        ssd = c.stats()["tiers"][1]["counters"]
+    return f"\nkilled daemon's warnings: {lines[-20:]}\nrestarted daemon's SSD counters: {ssd}"

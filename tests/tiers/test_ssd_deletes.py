@@ -96,3 +96,15 @@ def test_a_tier_delete_waits_for_the_announced_write_it_cancels(ssd_dir: str) ->
     deleting.join(30)
     tier.close()
     assert blocked, "the delete returned while the write it cancelled could still put the block on disk"
+
+
+def test_a_block_twice_in_one_batch_is_stored_once(ssd_dir: str) -> None:
+    """The write-through can queue a block twice (put, delete, put again into the same slot before its queue
+    drains): the batch must store it, not cancel both copies (found by tests/daemon/test_kill9.py)."""
+    s = SsdStore(ssd_dir, 64 * RECORD, sync="always").open()
+    assert s.put_many([(NS, h(1), payload(1)), (NS, h(2), payload(2)), (NS, h(1), payload(1))]) == 2
+    assert read(s, 1) == payload(1) and read(s, 2) == payload(2)
+    s.close()
+    s = SsdStore(ssd_dir, 64 * RECORD).open()
+    assert read(s, 1) == payload(1) and len(s.index) == 2 and not s.counters["bad.superseded"]
+    s.close()
