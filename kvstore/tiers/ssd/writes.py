@@ -2,9 +2,10 @@
 
 `Writer.put_many` runs one batch at a time (`batch`; resize waits for it) and guarantees:
 - Placement never takes the files past the store's capacity: a record comes from the file's free records, else the
-  file grows by up to GROW_RECORDS (really allocated, files.grow), else the least recently used record of that
-  block size is evicted; with none of these the block is not stored (counted as full). A file system that refuses
-  to grow is counted as disk_full and the tier stays at its size, evicting within it.
+  file grows by up to GROW_RECORDS (really allocated, files.allocate, with the store's lock let go), else the
+  least recently used record of that block size is evicted; with none of these the block is not stored (counted
+  as full). A file system that refuses to grow is counted as disk_full and the tier stays at its size, evicting
+  within it.
 - Each payload is written as a transfer in the caller's lane, after zeroing the record's old header in the same
   write (a crash leaves an empty record, never an old header over new bytes). A payload that can be moved as it is
   (aligned_for_io) is written in pieces of PIECE_BYTES with a checkpoint between pieces, so that a lower-lane write
@@ -32,8 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.checksum import crc32c
 from kvstore.daemon.crash import crash_point
-from kvstore.tiers.ssd.files import ZERO_BUF, ClassFile, aligned, aligned_for_io, grow
+from kvstore.tiers.ssd import diskio
+from kvstore.tiers.ssd.files import ZERO_BUF, ClassFile, add_records, aligned, aligned_for_io, allocate
 from kvstore.tiers.ssd.record import HEADER_BYTES, Header, padded
+from kvstore.tiers.ssd.zeroing import run_unlocked
 from kvstore.traffic import Busy, Lane
 from kvstore.traffic.path import PIECE_BYTES
 
@@ -117,10 +120,13 @@ class Writer:
         return cf.free.pop()
 
     def _grow_locked(self, cf: ClassFile, records: int) -> bool:
-        """(Under store.lock.) Grow the file; False (counted, logged now and then) when the file system refuses."""
+        """(Under store.lock, let go for the allocation: only this batch grows files.) Grow the file; False
+        (counted, logged now and then) when the file system refuses."""
         s = self.store
-        refused = grow(cf, records)
+        start = cf.size()
+        refused = run_unlocked(s.lock, lambda: allocate(cf, start, records * cf.record))
         if refused is None:
+            add_records(cf, records)
             return True
         s.counters["disk_full"] += 1
         if s.counters["disk_full"] == 1 or s.counters["disk_full"] % 1000 == 0:
@@ -141,24 +147,35 @@ class Writer:
             cf.free.append(rec)
 
     def _publish(self, headers: list[Written], cancelled: Collection[bytes]) -> int:
-        """Book the written records, unless deleted meanwhile; a key's previous record is freed."""
+        """Book the written records, unless deleted meanwhile (then the record is zeroed). A key's previous
+        record is zeroed too, and both are durable before this returns: a crash can then never bring back a
+        deleted key, nor a key with an older copy's bytes once its new record is evicted. A key placed twice in
+        one batch (`writing` holds the later copy's seq) publishes its later copy; the earlier is zeroed."""
         s = self.store
         stored = 0
+        wiped = 0
         with s.lock:
             for cf, rec, header in headers:
                 key = header.ns + header.hash
-                if self.writing.get(key) != header.seq or key in cancelled:   # deleted while being written
-                    self.writing.pop(key, None)
-                    s.zero_later_locked(cf, rec)
+                ours = self.writing.get(key) == header.seq
+                if not ours or key in cancelled:     # deleted while being written, or placed again after this
+                    if ours:
+                        del self.writing[key]
+                    s.zeroing.add_locked(cf, rec)
+                    wiped += 1
                     continue
                 del self.writing[key]
                 old = s.index.get(key)
                 if old is not None:
                     s.drop_locked(key)
-                    s.files[old[0]].free.append(old[1])
+                    s.zeroing.add_locked(s.files[old[0]], old[1])
+                    wiped += 1
                 s.add_locked(key, cf, rec, header.seq)
                 stored += 1
             s.counters["writes"] += stored
+            s.evicted.clear()                  # the victims' records hold this batch's blocks now
+        if wiped:
+            s.zeroing.barrier(Lane.STORE)
         return stored
 
     # ----- the disk -----
@@ -222,7 +239,7 @@ class Writer:
         with aligned(HEADER_BYTES) as buf:
             for i, (cf, rec, header) in enumerate(headers):
                 buf[:] = header.pack()
-                os.pwritev(cf.fd, [buf], rec * cf.record)
+                diskio.pwritev(cf.fd, [buf], rec * cf.record)
                 if i == len(headers) // 2:
                     crash_point("mid_header")
 
@@ -231,7 +248,7 @@ class Writer:
         if self.sync in policies:
             self.store.path.checkpoint()          # a flush of the device's cache would stall a critical read
             for cf in cfs:
-                os.fdatasync(cf.fd)
+                diskio.fdatasync(cf.fd)
 
 
 def _checked(payload: Any, writer_crc: int | None) -> int:
