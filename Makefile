@@ -20,7 +20,7 @@ PKG_FILES := $(shell find kvstore connectors configs native -type f \( -name '*.
 # make test fails where an engine venv cannot import its engine or runs fewer engine tests than these
 # (tests/engine_guard.py: a skip of a required engine's test is a failure).
 GUARD := -p tests.engine_guard
-MIN_VLLM := 3
+MIN_VLLM := 4
 MIN_WHEEL := 3
 MIN_SGLANG := 19
 MIN_TRITON := 2
@@ -84,7 +84,7 @@ serve: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP) $(WHEEL_INSTALLED)
 	KVSTORE_REQUIRE_ENGINES=vllm KVSTORE_MIN_PASSED=vllm:$(MIN_VLLM) TOKENIZERS_PARALLELISM=false \
 		$(BIN)/python -m pytest -q $(GUARD) -m "not sglang and not triton and not wheel"
-	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/index
+	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/index tests/daemon
 	KVSTORE_SSD_IO=threads $(BIN)/python -m pytest -q tests/tiers/test_ssd_tier.py tests/traffic/test_traffic_daemon.py
 	KVSTORE_WHEEL_VENV=$(WHEEL_VENV) KVSTORE_WHEEL_DIR=$(WHEEL_DIR) KVSTORE_REQUIRE_ENGINES=wheel \
 		KVSTORE_MIN_PASSED=wheel:$(MIN_WHEEL) $(BIN)/python -m pytest -q -s $(GUARD) -m wheel tests/install
@@ -93,8 +93,16 @@ test: $(STAMP) $(VLLM_STAMP) $(WHEEL_INSTALLED)
 		TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q $(GUARD) -m "sglang or triton" \
 		tests/connectors/test_sglang_connector.py tests/connectors/test_kv_pages.py
 
+# The attacks and crashes at full size (make test runs a share of each): 100 k hostile frames and 10 k random op
+# sequences against a model, 1000 kill -9 cycles and 200 power-cut disk states against the oracle, and the salts
+# through real SGLang engines.
 stress: $(STAMP)
 	KVSTORE_STRESS_ITERATIONS=50 $(BIN)/python -m pytest -q tests/tiers/test_ssd_tier.py -k "kill_9 or crash"
+	KVSTORE_FUZZ_SCALE=1 $(BIN)/python -m pytest -q tests/daemon/test_fuzz_frames.py tests/daemon/test_fuzz_model.py
+	KVSTORE_KILL9_CYCLES=1000 $(BIN)/python -m pytest -q tests/daemon/test_kill9.py
+	KVSTORE_POWERLOSS_STATES=200 $(BIN)/python -m pytest -q tests/tiers/test_power_loss.py
+	bash tests/setup_sglang_env.sh .venv-sglang
+	TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q -m sglang tests/connectors/test_salts_sglang.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvstore connectors tests bench

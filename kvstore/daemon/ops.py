@@ -197,7 +197,7 @@ def op_delete(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
         st.index.begin_delete(keys)
         st.lock.release()
         try:
-            below = [st.lower.delete(bid) for bid in ids]
+            below = st.lower.delete_many(ids)            # one durable flush for the request's keys
         finally:
             st.lock.acquire()
             st.index.end_delete(keys)

@@ -64,8 +64,10 @@ class WriteThrough:
                 fault_point("write_through_loop")
                 batch = [self.queue.popleft() for _ in range(min(BATCH, len(self.queue)))]
                 self.queued_bytes -= sum(n for _, _, n, _, _ in batch)
-                # Still in its slot (not deleted, nor evicted: then demotion took it down) and not in the tier yet.
-                live = [b for b in batch if self.index.slot(b[3], b[4]) == b[1] and not self.tier.has(b[0])]
+                # Still in its slot (not deleted, nor evicted: then demotion took it down) and not in the tier yet;
+                # once per block (a block deleted and stored again into the same slot is queued twice).
+                live = list({b[0]: b for b in batch
+                             if self.index.slot(b[3], b[4]) == b[1] and not self.tier.has(b[0])}.values())
                 for _, _, _, ns, h in live:
                     self.index.pin(ns, h, self.holder)          # held for this write only
                 views = [self.pool.view(gid) for _, gid, _, _, _ in live]

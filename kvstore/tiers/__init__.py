@@ -79,6 +79,10 @@ class LowerTier(Protocol):
 
     def delete(self, bid: bytes) -> bool: ...
 
+    def delete_many(self, bids: Sequence[bytes]) -> list[bool]:
+        """Forget blocks (per block: whether the tier held it); durable when it returns, where the tier can be."""
+        ...
+
     def resize(self, capacity: int) -> dict[str, Any]:
         """Set the cap; the reply fields of the resize op (capacity, evicted, mapped_bytes). ValueError if the
         capacity is too small for this tier, RuntimeError if it cannot resize now."""
@@ -117,9 +121,12 @@ class LowerTiers:
         return next((t for t in self.tiers if t.has(bid)), None)
 
     def delete(self, bid: bytes) -> bool:
-        found = False
+        return self.delete_many([bid])[0]
+
+    def delete_many(self, bids: Sequence[bytes]) -> list[bool]:
+        found = [False] * len(bids)
         for t in self.tiers:
-            found = t.delete(bid) or found
+            found = [a or b for a, b in zip(t.delete_many(bids), found)]
         return found
 
     def stats(self) -> list[dict[str, Any]]:

@@ -77,7 +77,6 @@ def test_a_delete_during_the_scan_beats_the_copy_the_scan_finds_later(ssd_dir: s
     s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="needs SsdTier.delete to wait for an announced write (tier.py, h2's report)")
 def test_a_tier_delete_waits_for_the_announced_write_it_cancels(ssd_dir: str) -> None:
     """A write announced (write-through, a demotion batch) and then deleted must not leave a synced record of the
     block on disk once the delete has returned: the delete waits for the write, which publishes nothing."""

@@ -192,6 +192,7 @@ class SsdTier:
                     if self._inflight[k] <= 0:
                         del self._inflight[k]
                         self._killed.discard(k)
+                self.lock.notify_all()                  # deletes waiting for this batch
 
     # ----- reads -----
     def has(self, key: bytes) -> bool:
@@ -270,14 +271,26 @@ class SsdTier:
         return False
 
     def delete(self, key: bytes) -> bool:
+        return self.delete_many([key])[0]
+
+    def delete_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Forget blocks: staged copies at once, records durably (SsdStore.delete_many: one flush for all). A
+        block in a write batch now is cancelled there, and the delete waits for that batch to end (it publishes
+        nothing of it), so a kill -9 after the reply can never find the block's record written and synced."""
+        staged_found = []
         with self.lock:
-            self.staged_crcs.pop(key, None)
-            staged = self.staging.pop(key, None)
-            if staged is not None:
-                self.staged_bytes -= len(staged)
-            if key in self._inflight:
-                self._killed.add(key)
-        return self.store.delete(key[:16], key[16:]) or staged is not None
+            for key in keys:
+                self.staged_crcs.pop(key, None)
+                staged = self.staging.pop(key, None)
+                if staged is not None:
+                    self.staged_bytes -= len(staged)
+                staged_found.append(staged is not None)
+                if key in self._inflight:
+                    self._killed.add(key)
+            while any(k in self._inflight for k in keys):
+                self.lock.wait()
+        found = self.store.delete_many(keys)
+        return [a or b for a, b in zip(found, staged_found)]
 
     def resize(self, capacity: int) -> dict[str, Any]:
         """Set the cap: records beyond it are evicted and the files cut (waits for a write batch in flight)."""

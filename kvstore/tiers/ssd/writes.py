@@ -144,7 +144,7 @@ class Writer:
         with self.store.lock:
             self.store.counters["crc_mismatch" if why == "crc_mismatch" else "write_errors"] += 1
             self.writing.pop(key, None)
-            cf.free.append(rec)
+            self.store.zero_later_locked(cf, rec)   # it may still hold an evicted block's header
 
     def _publish(self, headers: list[Written], cancelled: Collection[bytes]) -> int:
         """Book the written records, unless deleted meanwhile (then the record is zeroed). A key's previous
