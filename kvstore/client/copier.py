@@ -3,9 +3,11 @@
 numpy's copy releases the GIL, so two threads really copy in parallel; below ~1 MiB per batch a second thread costs
 more than it gives, so small batches stay on the calling thread.
 
-`copy_checked` also returns the CRC-32C of each destination (kvstore.checksum): the checksum of a group of blocks
-runs on a checksum thread while the next group is copied, reading bytes the copy has just left in the cache, so a
-checked copy costs about what the copy alone does (the CRC also releases the GIL).
+`copy_checked` also returns the CRC-32C of each destination (kvstore.checksum). With one copy thread, the checksum
+of a group of blocks runs on a checksum thread while the next group is copied, reading bytes the copy has just left
+in the cache; with more, each copy thread checksums the whole blocks it copies right after copying each (the copy
+threads then cover the checksums' CPU time, and two already saturate the memory bus here). The CRC, like numpy's
+copy, releases the GIL.
 """
 from __future__ import annotations
 
@@ -63,6 +65,13 @@ class Copier:
                 np.copyto(dst, src)
                 crcs[i] = crc32c(dst)
             return crcs
+        if self._pool is not None:
+            shares = [list(range(i, len(pairs), self.threads)) for i in range(self.threads)]
+            jobs = [self._pool.submit(_copy_and_check, pairs, s, crcs) for s in shares[1:]]
+            _copy_and_check(pairs, shares[0], crcs)
+            for j in jobs:
+                j.result()
+            return crcs
         if self._checker is None:
             self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvstore-crc")
         futures = []
@@ -108,6 +117,13 @@ def _groups(pairs: Sequence[tuple[np.ndarray, np.ndarray]], nbytes: int) -> list
     if start < len(pairs):
         out.append(range(start, len(pairs)))
     return out
+
+
+def _copy_and_check(pairs: Sequence[tuple[np.ndarray, np.ndarray]], which: list[int], crcs: list[int]) -> None:
+    for i in which:
+        dst, src = pairs[i]
+        np.copyto(dst, src)
+        crcs[i] = crc32c(dst)
 
 
 def _checksums(crcs: list[int], items: list[tuple[int, np.ndarray]]) -> None:
