@@ -10,7 +10,7 @@ Checksums are on by default, end to end: a writer commits each block with the CR
 that fails, or was committed without one, ends the prefix there (a miss, never a wrong byte)."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -205,16 +205,28 @@ class Reservation:
         srcs = self.ns._check([blocks[i] for i in pos], self.ns.block_bytes, "block", False)
         # The last part first: the daemon links each commit's blocks as the most recent, so the head of a prefix
         # ends up most recent and eviction takes its tail first (a block is useless without those before it).
+        # With checksums, a part's commit goes once the next part is copied: its last CRC runs beside that copy.
+        copier = self.ns.client.copier
+        waiting: tuple[int, Callable[[], list[int]]] | None = None
         for start in reversed(range(0, len(pos), part)):
             pairs = list(zip(self.views[start:start + part], srcs[start:start + part]))
-            extra: dict[str, Any] = {}
-            if checksum:
-                extra["crcs"] = self.ns.client.copier.copy_checked(pairs)
-            else:
-                self.ns.client.copier.copy(pairs)
-            self.ns.client.send("commit", ns=self.ns.id, keys=self._keys_at(pos[start:start + part]), **extra)
-            self._uncommitted = start
+            if not checksum:
+                copier.copy(pairs)
+                self._commit_part(pos, start, part, None)
+                continue
+            finish = copier.start_checked(pairs)
+            if waiting is not None:
+                self._commit_part(pos, waiting[0], part, waiting[1]())
+            waiting = (start, finish)
+        if waiting is not None:
+            self._commit_part(pos, waiting[0], part, waiting[1]())
         self.done = True
+
+    def _commit_part(self, pos: list[int], start: int, part: int, crcs: list[int] | None) -> None:
+        """Send the commit of the reserved positions pos[start:start + part] without waiting for its reply."""
+        extra = {"crcs": crcs} if crcs is not None else {}
+        self.ns.client.send("commit", ns=self.ns.id, keys=self._keys_at(pos[start:start + part]), **extra)
+        self._uncommitted = start
 
     def write_layer(self, layer: int, srcs: Sequence[Any]) -> None:
         """Copy Layer Block `layer` of every reserved block (one source per hash asked)."""

@@ -11,7 +11,7 @@ copy, releases the GIL.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,29 +58,38 @@ class Copier:
 
     def copy_checked(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[int]:
         """Copy each (dst, src) pair and return the CRC-32C of each destination as copied."""
+        return self.start_checked(pairs)()
+
+    def start_checked(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> Callable[[], list[int]]:
+        """Copy each pair; returns a function that waits for the checksums and returns them. The copies are done
+        when this returns; the last group's checksum may still run, so a caller with more to copy starts it
+        before it asks for these (no pipeline drain between parts)."""
         crcs = [0] * len(pairs)
         total = sum(src.nbytes for _, src in pairs)
         if total < PARALLEL_MIN_BYTES or len(pairs) < 2:
             for i, (dst, src) in enumerate(pairs):
                 np.copyto(dst, src)
                 crcs[i] = crc32c(dst)
-            return crcs
+            return lambda: crcs
         if self._pool is not None:
             shares = [list(range(i, len(pairs), self.threads)) for i in range(self.threads)]
             jobs = [self._pool.submit(_copy_and_check, pairs, s, crcs) for s in shares[1:]]
             _copy_and_check(pairs, shares[0], crcs)
             for j in jobs:
                 j.result()
-            return crcs
+            return lambda: crcs
         if self._checker is None:
             self._checker = ThreadPoolExecutor(1, thread_name_prefix="kvstore-crc")
         futures = []
         for group in _groups(pairs, GROUP_BYTES * self.threads):
             self.copy([pairs[i] for i in group])
             futures.append(self._checker.submit(_checksums, crcs, [(i, pairs[i][0]) for i in group]))
-        for f in futures:
-            f.result()
-        return crcs
+
+        def finish() -> list[int]:
+            for f in futures:
+                f.result()
+            return crcs
+        return finish
 
     def close(self) -> None:
         for pool in (self._pool, self._checker):
