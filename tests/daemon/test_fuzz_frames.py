@@ -20,7 +20,7 @@ import random
 import socket
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ from kvstore.client import Client
 from kvstore.protocol import FrameReader
 from kvstore.protocol.schemas import SCHEMAS
 from tests.conftest import GEOM, DaemonProc, spec
+from tests.request_model import MAX_INT, MAX_KEYS, expected_code
 
 SCALE = float(os.environ.get("KVSTORE_FUZZ_SCALE", "0.1"))
 SEED = int(os.environ.get("KVSTORE_FUZZ_SEED", "0")) or random.randrange(1 << 32)
@@ -38,8 +39,6 @@ FRAMES = max(20_000, int(100_000 * SCALE))     # cheap: a fifth of them even in 
 CONNECTIONS = 4            # hostile connections open at once in a batch
 DEPTH = 24                 # frames a connection sends before it reads their replies
 MAX_FRAME = 1 << 20        # server.max_frame_bytes (default)
-MAX_KEYS = 1024            # server.max_keys_per_request (default)
-MAX_INT = (1 << 63) - 1
 MAX_ARRAY, MAX_MAP = 2 * MAX_KEYS + 16, 64     # what the daemon decodes at most (protocol.frames.Limits)
 SEGMENT = 1 << 20
 # codes a schema-valid request must never get (a later cap may refuse it with a code of its own: any other)
@@ -49,41 +48,7 @@ BASELINE = 2               # the checker's and the reference client's connection
 pytestmark = pytest.mark.timeout(int(240 + 2400 * SCALE))
 
 
-# ----- the validation order, stated independently of kvstore.protocol.schemas (which gives only the kinds) -----
-
-def is_int(v: Any) -> bool:
-    return type(v) is int and 0 <= v <= MAX_INT
-
-
-KIND_OK: dict[str, Callable[[Any], bool]] = {
-    "int": is_int,
-    "bool": lambda v: type(v) is bool,
-    "str": lambda v: type(v) is str and len(v) <= 256,
-    "map": lambda v: type(v) is dict,
-    "ints": lambda v: type(v) is list and len(v) <= MAX_KEYS and all(map(is_int, v)),
-    "keys": lambda v: type(v) is bytes and len(v) % 16 == 0 and len(v) <= MAX_KEYS * 16,
-}
-
-
-def expected_code(msg: dict[Any, Any]) -> str | None:
-    """The code a decodable map must get; None when it passes the schema (the op decides)."""
-    if not is_int(msg.get("id", 0)):
-        return "bad_request"
-    if type(msg.get("v")) is not int or msg["v"] != 1:
-        return "bad_version"
-    op = msg.get("op")
-    if type(op) is not str:
-        return "bad_request"
-    if op not in SCHEMAS:
-        return "unknown_op"
-    schema = SCHEMAS[op]
-    if set(msg) - {"v", "op", "id"} - set(schema):
-        return "bad_request"
-    for name, (kind, required) in schema.items():
-        if (name not in msg and required) or (name in msg and not KIND_OK[kind](msg[name])):
-            return "bad_request"
-    return None
-
+# ----- frames and their expected replies (the validation order: tests.request_model) -----
 
 def reply_id(msg: dict[Any, Any]) -> int:
     return msg["id"] if type(msg.get("id")) is int else 0

@@ -17,10 +17,9 @@ from hypothesis import strategies as st
 
 from kvstore.client import Client, KVStoreError
 from tests.conftest import GEOM, DaemonProc, hashes, spec
+from tests.request_model import MAX_INT, MAX_KEYS, expected_code, kind_ok
 
 MAX_FRAME = 1 << 20          # server.max_frame_bytes, default
-MAX_KEYS = 1024              # server.max_keys_per_request, default
-MAX_INT = (1 << 63) - 1
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # The wire contract, written out here (not imported) so that a change to it shows up as a failing test.
@@ -103,46 +102,6 @@ def assert_serving(d: DaemonProc) -> None:
         assert c.ping()["pong"] is True
 
 
-# ----- an independent statement of the validation order, for maps of any content -----
-
-def _is_int(v: Any) -> bool:
-    return type(v) is int and 0 <= v <= MAX_INT
-
-
-def _kind_ok(kind: str, v: Any) -> bool:
-    if kind == "int":
-        return _is_int(v)
-    if kind == "bool":
-        return type(v) is bool
-    if kind == "str":
-        return type(v) is str and len(v) <= 256
-    if kind == "map":
-        return type(v) is dict
-    if kind == "ints":
-        return type(v) is list and len(v) <= MAX_KEYS and all(map(_is_int, v))
-    return type(v) is bytes and len(v) % 16 == 0 and len(v) <= MAX_KEYS * 16
-
-
-def expected_code(msg: dict[Any, Any]) -> str | None:
-    """The error code a map must get; None when it passes the schema (the op itself then decides)."""
-    if not _is_int(msg.get("id", 0)):
-        return "bad_request"
-    if type(msg.get("v")) is not int or msg["v"] != 1:
-        return "bad_version"
-    op = msg.get("op")
-    if type(op) is not str:
-        return "bad_request"
-    if op not in SCHEMAS:
-        return "unknown_op"
-    schema = SCHEMAS[op]
-    if set(msg) - {"v", "op", "id"} - set(schema):
-        return "bad_request"
-    for name, (kind, required) in schema.items():
-        if (name not in msg and required) or (name in msg and not _kind_ok(kind, msg[name])):
-            return "bad_request"
-    return None
-
-
 def _no_ext(code: int, data: bytes) -> Any:
     raise ValueError(code)
 
@@ -161,7 +120,7 @@ ops = st.one_of(st.sampled_from(sorted(SCHEMAS)), st.text(max_size=12))
 
 def wrong(kind: str) -> st.SearchStrategy[Any]:
     """Values a field of this kind must refuse."""
-    return values.filter(lambda v: not _kind_ok(kind, v)) | {
+    return values.filter(lambda v: not kind_ok(kind, v)) | {
         "int": st.one_of(st.integers(-(1 << 63), -1), st.integers(MAX_INT + 1, (1 << 64) - 1), st.booleans()),
         "bool": st.integers(0, 1),
         "str": st.text(min_size=257, max_size=300),
