@@ -79,6 +79,17 @@ class DaemonProc:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def ssd_daemon(started: list[DaemonProc], capacity: str = "16MiB", segment: str = "1MiB",
+               ssd_capacity: str = "64MiB", **env: str) -> DaemonProc:
+    """A started daemon with an SSD tier: in `KVSTORE_SSD_DIR` if given (a directory that restarts share), else in
+    the daemon's own directory. Appended to `started` (the `daemons` fixture), which kills it at teardown."""
+    d = DaemonProc(capacity, segment, env={"KVSTORE_SSD_CAPACITY": ssd_capacity, **env})
+    if "KVSTORE_SSD_DIR" not in env:
+        d.env["KVSTORE_SSD_DIR"] = os.path.join(d.dir, "ssd")
+    started.append(d)
+    return d.start()
+
+
 @pytest.fixture
 def start_daemon() -> Iterator[type[DaemonProc]]:
     """Factory: start_daemon(capacity=..., segment=...) → a running DaemonProc, killed at teardown."""

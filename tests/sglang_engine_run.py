@@ -16,6 +16,20 @@ import os
 import sys
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def engine_env(workdir: str) -> dict[str, str]:
+    """The environment a test runs this script in: SGLang spawns its scheduler, so the CPU workarounds go in by a
+    sitecustomize in `workdir`/site; the repository on the path."""
+    site = os.path.join(workdir, "site")
+    os.makedirs(site, exist_ok=True)
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write("import kvstore.connectors.sglang_patches as p\np.apply()\n")
+    return {**os.environ, "PYTHONPATH": f"{site}:{ROOT}", "SGLANG_USE_CPU_ENGINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+
+
 MODEL = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=2048)
 

@@ -71,7 +71,7 @@ class WriteThrough:
                 for _, _, _, ns, h in live:
                     self.index.pin(ns, h, self.holder)          # held for this write only
                 views = [self.pool.view(gid) for _, gid, _, _, _ in live]
-                self.writing = len(batch)
+                self.writing = len(live)
                 crcs = self.index.crcs_of([gid for _, gid, _, _, _ in live])   # the writers': checked by the tier
                 self.tier.announce([bid for bid, _, _, _, _ in live])    # a delete from now on cancels the write
             try:

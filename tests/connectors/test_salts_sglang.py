@@ -6,7 +6,6 @@ salt's pages in the daemon and does find its own salt's. Runs in .venv-sglang (t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine_guard import engine_missing
+from tests.sglang_engine_run import engine_env
 
 pytestmark = pytest.mark.sglang
 
@@ -30,11 +30,7 @@ HIT = 296
 
 
 def test_cache_salts_never_hit_each_other_through_the_daemon(daemon, tmp_path):
-    site = tmp_path / "site"           # SGLang spawns its scheduler: the CPU workarounds go in by sitecustomize
-    site.mkdir()
-    (site / "sitecustomize.py").write_text("import kvstore.connectors.sglang_patches as p\np.apply()\n")
-    env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}", "SGLANG_USE_CPU_ENGINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    env = engine_env(str(tmp_path))
     model = str(tmp_path / "llama")
     subprocess.run([sys.executable, BUILD, "build", model], env=env, check=True, capture_output=True, timeout=120)
 

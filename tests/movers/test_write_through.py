@@ -6,17 +6,14 @@ import signal
 import time
 
 from kvstore.tiers.ssd.record import HEADER_BYTES, record_bytes
-from tests.conftest import GEOM, DaemonProc, spec, ssd_settled
+from tests.conftest import GEOM, DaemonProc, spec, ssd_daemon, ssd_settled
 from tests.workers import content, key
 
 RECORD = record_bytes(GEOM.full_bytes)
 
 
 def start(tmp_path, started: list[DaemonProc], **env: str) -> DaemonProc:
-    d = DaemonProc(capacity="1MiB", segment="1MiB",
-                   env={"KVSTORE_SSD_DIR": str(tmp_path / "ssd"), "KVSTORE_SSD_CAPACITY": "64MiB", **env})
-    started.append(d)
-    return d.start()
+    return ssd_daemon(started, "1MiB", KVSTORE_SSD_DIR=str(tmp_path / "ssd"), **env)
 
 
 def test_stored_blocks_are_on_ssd_at_once_and_survive_kill_9(tmp_path, daemons):
@@ -87,11 +84,8 @@ def test_write_through_never_refuses_a_store_while_the_ssd_has_room(tmp_path, da
     block evicted before its turn goes down by demotion instead."""
     import threading
 
-    d = DaemonProc(capacity="2MiB", segment="1MiB",
-                   env={"KVSTORE_SSD_DIR": str(tmp_path / "ssd"), "KVSTORE_SSD_CAPACITY": "256MiB",
-                        "KVSTORE_SSD_WRITE_THROUGH": "true", "KVSTORE_SLOW_DEVICE": "ssd:2MB:5"})
-    daemons.append(d)
-    d.start()
+    d = start(tmp_path, daemons, KVSTORE_POOL_CAPACITY="2MiB", KVSTORE_SSD_CAPACITY="256MiB",
+              KVSTORE_SSD_WRITE_THROUGH="true", KVSTORE_SLOW_DEVICE="ssd:2MB:5")
     results: dict[int, list[int]] = {}
 
     def writer(w: int) -> None:
