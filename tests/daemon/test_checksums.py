@@ -7,10 +7,11 @@ import struct
 import zlib
 
 import numpy as np
+import pytest
 
 from kvstore.checksum import crc32c
 from kvstore.client import Namespace
-from kvstore.tiers.ssd.record import HEADER_BYTES, Header, check_record
+from kvstore.tiers.ssd.record import HEADER_BYTES, BadRecord, Header, check_record
 from tests.conftest import GEOM, DaemonProc, block, hashes, spec, ssd_daemon, ssd_settled
 
 
@@ -101,3 +102,8 @@ def test_version_1_records_are_read_as_blocks_without_a_writers_crc() -> None:
     assert header.seq == 9 and header.writer_crc is None
     current = Header(ns, h, len(body), crc32c(body), 9, writer=True).pack()
     assert check_record(current, body, ns + h, len(body)).writer_crc == crc32c(body)
+    future = bytearray(current)
+    future[8:12] = struct.pack("<I", 3)                     # a format this daemon does not know: a miss
+    with pytest.raises(BadRecord) as e:
+        check_record(bytes(future), body, ns + h, len(body))
+    assert e.value.reason == "version"

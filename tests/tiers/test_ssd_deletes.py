@@ -107,3 +107,4 @@ def test_a_block_twice_in_one_batch_is_stored_once(ssd_dir: str) -> None:
     s = SsdStore(ssd_dir, 64 * RECORD).open()
     assert read(s, 1) == payload(1) and len(s.index) == 2 and not s.counters["bad.superseded"]
     s.close()
+
