@@ -3,15 +3,19 @@
 Both connectors hold one (`vllm_connector.py` per role, `sglang_backend.py` per backend). It connects lazily and
 opens namespaces on first use, by adapter (`spec_for(adapter)` gives the NamespaceSpec; an engine without adapters
 asks for ""). Every daemon call is bounded by the client's socket timeout. When the daemon does not answer (or the
-connection breaks), the connector calls `failed(exc)`: the client is closed, one warning is logged for the whole
-outage, and nothing is tried again for `retry_s` (a restarted daemon is found again, with fresh namespaces and
-segment mappings); the first namespace opened afterwards logs the way back. Meanwhile `namespace()` returns None,
-which the connectors turn into misses. A namespace the daemon refuses is not an outage: one warning, and that
-adapter is asked again `retry_s` later.
+connection breaks), the connector calls `failed(exc)`: the client is closed and one warning is logged for the whole
+outage; the first namespace opened afterwards logs the way back. Meanwhile `namespace()` returns None, which the
+connectors turn into misses. When to try again depends on what failed:
+- the connection broke, or no daemon listens at the socket (a daemon stopping, killed, or restarting under the
+  engine): at the next use. Finding out costs one connect() (microseconds when nobody listens), and a restarted
+  daemon is used from its first answer on, with fresh namespaces and segment mappings (a new client);
+- the daemon did not answer within `timeout_s` (hung, or swamped), or another OS error: `retry_s` later, so that a
+  daemon that cannot answer costs the engine one timeout per `retry_s`, not one per request.
+A namespace the daemon refuses is not an outage: one warning, and that adapter is asked again `retry_s` later.
 
 A Client is not thread-safe. `per_thread=False` (vLLM: each role calls from one thread) keeps one connection;
 `per_thread=True` (SGLang's prefetch and backup threads call at once) keeps one per calling thread, with one shared
-view of the daemon's health: an outage seen by one thread holds back all of them until `retry_s` has passed.
+view of the daemon's health: a daemon that did not answer one thread is not asked by any of them before `retry_s`.
 
 Imports only the client: no engine, no daemon.
 """
@@ -126,20 +130,23 @@ class DaemonLink:
                 self._down_since = None
 
     def failed(self, exc: BaseException) -> None:
-        """A daemon call of this thread failed (or could not connect): drop its client, retry later, log once."""
+        """A daemon call of this thread failed (or could not connect): drop its client, log once, and try again at
+        the next use if the daemon is gone (a broken connection, nobody listening), else `retry_s` later."""
         conn, self._held.conn = self._held.conn, None
         if conn is not None:
             with self._lock:
                 if conn.client in self._clients:
                     self._clients.remove(conn.client)
             _close(conn.client)
+        gone = isinstance(exc, ConnectionError)        # not a TimeoutError: that is a daemon that did not answer
         with self._lock:
-            self._retry_at = time.monotonic() + self.retry_s
+            self._retry_at = time.monotonic() + (0.0 if gone else self.retry_s)
             if self._down_since is None:
                 self._down_since = time.monotonic()
                 self.outages += 1
-                self.log.warning("%s: daemon unavailable (%s: %s); %s, retrying every %.1f s", self.tag,
-                                 type(exc).__name__, exc, self.without, self.retry_s)
+                when = "trying again at each use" if gone else f"trying again every {self.retry_s:.1f} s"
+                self.log.warning("%s: daemon unavailable (%s: %s); %s, %s", self.tag, type(exc).__name__, exc,
+                                 self.without, when)
 
     def close(self) -> None:
         """Close every connection of the link (of every thread); a later call connects again."""

@@ -14,14 +14,19 @@ Lease whose `read_layer(i, dsts)` loads layer i of the prefix, and `release()` u
 
 A Client is not thread-safe: use one per thread (they are cheap), or the asyncio flavour.
 
-Reconnects: the daemon closes a connection that idles past its server.idle_timeout_s (holding no pinned block).
-Before a request, when nothing is in flight and the connection has been quiet a while, the client checks whether the
-daemon closed it and if so connects again, says hello to its namespaces again (a Namespace's id follows) and keeps
-its segment mappings (dropped if the daemon restarted). A request whose connection breaks while it is in flight is
-sent again on a new connection only if it is idempotent (`REPLAYABLE`: lookups, reads of the books, acquire and
-reserve, whose old pins and reservations went with the old connection); any other raises ConnectionError. Pipelined
-requests (`send`) and leases or reservations made before the break are not carried over: their release or commit
-gets a refusal (not_found).
+Reconnects: the daemon closes a connection that idles past its server.idle_timeout_s (holding no pinned block), and
+a restarted daemon (graceful or kill -9, on the same socket) has closed every connection of the old one. Before a
+request, when nothing is in flight and the connection has been quiet a while, the client checks whether the daemon
+closed it and if so connects again and says hello to its namespaces again (a Namespace's id follows; a request built
+with an id of the connection before is sent with the new one). It keeps a segment mapping only if the daemon hands
+back the same memory for its id (the same memfd): a restarted daemon numbers its segments from 1 again, and may have
+the same pid (pid 1 in a container), so neither the id nor the pid tells. A request whose connection breaks while it
+is in flight is sent again on a new connection only if it is idempotent (`REPLAYABLE`: lookups, reads of the books,
+acquire and reserve, whose old pins and reservations went with the old connection); any other raises
+ConnectionError. Pipelined requests (`send`) and leases or reservations made before the break are not carried over:
+their release or commit gets a refusal (not_found), and their views are of the old memory (copies into or out of
+it are harmless and reach no daemon). No daemon at the socket is `NoDaemon` (a ConnectionError), found out by one
+failed connect; the client tries again at its next request.
 
 Tenants: `Client(tenant=..., secret=...)` (else KVSTORE_TENANT / KVSTORE_TENANT_SECRET, else none) names the
 tenant the connection speaks for; the daemon checks it at the first hello (sent at connect when a tenant is named)
@@ -54,6 +59,10 @@ QUIET_S = 0.05         # a connection quiet this long is checked for a close by 
 REPLAYABLE = frozenset({"ping", "hello", "stats", "list", "segments", "lookup", "acquire", "reserve", "prefetch"})
 
 
+class NoDaemon(ConnectionError):
+    """Nothing listens at the socket (no socket file, or a daemon that died left it): found out by one connect()."""
+
+
 class KVStoreError(Exception):
     """The daemon refused a request: `code` is one of kvstore.protocol.Code, `message` says why."""
 
@@ -64,11 +73,15 @@ class KVStoreError(Exception):
 
 
 class _Mapped:
-    __slots__ = ("arr", "mm", "nslots", "slot_bytes")
+    """One mapped segment; `ident` (device, inode) names its memfd: what tells a restarted daemon's segment of the
+    same id from this one."""
+
+    __slots__ = ("arr", "ident", "mm", "nslots", "slot_bytes")
 
     def __init__(self, fd: int, slot_bytes: int, nslots: int) -> None:
         self.mm = mmap.mmap(fd, slot_bytes * nslots, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.arr = np.frombuffer(self.mm, dtype=np.uint8)
+        self.ident = _ident(fd)
         self.slot_bytes = slot_bytes
         self.nslots = nslots
 
@@ -78,6 +91,11 @@ class _Mapped:
             self.mm.close()
         except BufferError:
             pass  # a caller still holds a view; the daemon already returned the pages
+
+
+def _ident(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 class Client:
@@ -92,7 +110,9 @@ class Client:
         self._reconnecting = False
         self._broken = False                  # a request failed on a broken connection: the next one reconnects
         self._refused = False                 # over the daemon's connection cap: never connected again by itself
-        self._renamed: dict[int, int] = {}    # namespace ids of earlier connections → the current ones
+        self._closed = False
+        self._epoch = 0                       # connections made again so far
+        self._renames: dict[int, dict[int, int]] = {}   # epoch → its namespace ids: the connection before's → its own
         self.reconnects = 0                   # connections made again after the daemon closed one
         self._spaces: weakref.WeakSet[Namespace] = weakref.WeakSet()   # said hello to: again after a reconnect
         self.daemon_pid: int | None = None
@@ -120,8 +140,11 @@ class Client:
             sock.connect(self.path)
         except (FileNotFoundError, ConnectionRefusedError) as e:
             sock.close()
-            raise ConnectionError(f"no kvstore daemon at {self.path} ({e.strerror}); start one with "
-                                  f"`kvstore serve` or `make serve`") from None
+            raise NoDaemon(f"no kvstore daemon at {self.path} ({e.strerror}); start one with "
+                           f"`kvstore serve` or `make serve`") from None
+        except BaseException:
+            sock.close()
+            raise
         return sock
 
     def _credentials(self) -> dict[str, str]:
@@ -142,10 +165,11 @@ class Client:
     def send(self, op: str, **fields: Any) -> None:
         """Send a request without waiting: its reply is read (and a refusal raised) by the next `call` or `flush`.
         The daemon answers in order, so a client can keep the daemon busy while it copies."""
+        since = self._epoch
         if not self._unanswered:
             self._reopen_if_closed()
         try:
-            self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields)}))
+            self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields, since)}))
         except ConnectionError:
             self._broken = True
             raise
@@ -168,29 +192,34 @@ class Client:
         self._reopen_if_closed()
 
     def _roundtrip(self, op: str, fields: dict[str, Any], want_fds: bool) -> tuple[dict[str, Any], list[int]]:
+        since = self._epoch                               # the connection the fields' namespace id belongs to
         self.flush()
         try:
-            self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields)}))
+            self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields, since)}))
             return self._reply(*self._recv_frame(want_fds))
         except ConnectionError:
             if op not in REPLAYABLE or self._reconnecting or self._refused:
                 self._broken = True
                 raise                                     # it may have run: the caller decides
             self._reconnect()
-        self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields)}))
+        self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields, since)}))
         return self._reply(*self._recv_frame(want_fds))
 
-    def _current(self, fields: dict[str, Any]) -> dict[str, Any]:
-        """The fields with a namespace id of an earlier connection replaced by the current one."""
+    def _current(self, fields: dict[str, Any], since: int) -> dict[str, Any]:
+        """The fields, built while connection `since` was current, with its namespace id renamed through every
+        reconnect since. Only through those: a restarted daemon numbers namespaces from 1 again, so an id of the
+        current connection may be another namespace's id on an earlier one."""
         nid = fields.get("ns")
-        if self._renamed and nid in self._renamed:
-            return {**fields, "ns": self._renamed[nid]}
-        return fields
+        if nid is None or since == self._epoch:
+            return fields
+        for epoch in range(since + 1, self._epoch + 1):
+            nid = self._renames.get(epoch, {}).get(nid, nid)
+        return {**fields, "ns": nid}
 
     def _reopen_if_closed(self) -> None:
         """If the connection broke, or has been quiet a while and the daemon closed it (an end of stream waits to
         be read), connect again. One poll() when quiet, nothing otherwise."""
-        if self._reconnecting or self._refused or self.sock.fileno() < 0:
+        if self._reconnecting or self._refused or self._closed:
             return
         if self._broken:
             self._reconnect()
@@ -210,9 +239,10 @@ class Client:
 
     def _reconnect(self) -> None:
         """A new connection in place of one the daemon closed: the same tenant, hello again to every namespace
-        (their ids follow, and requests built with an old id are sent with the new one), segment mappings kept
-        unless the daemon is another process."""
+        (their ids follow), segment mappings kept only where the daemon still has the same memory. If no daemon
+        answers, the client stays broken and its next request tries again."""
         self._reconnecting = True
+        self._broken = True
         try:
             self.sock.close()
             self.sock = self._connect()
@@ -220,20 +250,39 @@ class Client:
             self._frames = FrameReader()
             self._unanswered = 0
             pid = self.call("hello", **self._credentials())["pid"]
-            if self.daemon_pid is not None and pid != self.daemon_pid:
-                for sid in list(self._segments):          # a restarted daemon: those segments are gone
-                    self._unmap(sid)
-                self.generation = -1
+            self._keep_same_segments(same_daemon=self.daemon_pid in (None, pid))
             self.daemon_pid = pid
             renamed = {}
             for ns in list(self._spaces):
                 new = self.call("hello", namespace=ns.spec.to_dict(), client=f"pid {os.getpid()}",
                                 **self._credentials())["ns"]
                 renamed[ns.id], ns.id = new, new
-            self._renamed = {old: renamed.get(cur, cur) for old, cur in self._renamed.items()} | renamed
+            self._epoch += 1
+            self._renames[self._epoch] = renamed
+            self._renames.pop(self._epoch - 8, None)      # a call spans two reconnects at most
             self.reconnects += 1
         finally:
             self._reconnecting = False
+
+    def _keep_same_segments(self, same_daemon: bool) -> None:
+        """Unmap every segment the daemon does not hand back as the same memfd (released by a shrink, or another
+        daemon's: a restarted one numbers its segments from 1 again, with memory of its own). `same_daemon`
+        false (another pid) drops them all without asking."""
+        keep: set[int] = set()
+        ids = sorted(self._segments) if same_daemon else []
+        for start in range(0, len(ids), 200):
+            reply, fds = self._roundtrip("segments", {"ids": ids[start:start + 200]}, want_fds=True)
+            try:
+                for (sid, _, _), fd in zip(reply["segments"], fds):
+                    if _ident(fd) == self._segments[sid].ident:
+                        keep.add(sid)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        for sid in set(self._segments) - keep:
+            self._unmap(sid)
+        if not keep:
+            self.generation = -1
 
     def _reply(self, body: bytes, fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         reply = decode(body)
@@ -334,6 +383,16 @@ class Client:
             fields["ns"] = ns
         return self.call("evict", **fields)
 
+    def flush_durable(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Wait until every block of this connection's tenant stored before now is on disk and synced in the
+        daemon's SSD tier (blocks only in the host pool are written first in line), or until the deadline (the
+        daemon's ssd.durable_timeout_s if None). The daemon's answer: {durability, blocks, pending, failed}
+        (kvstore.client.blocks). Not `flush`, which reads the replies of pipelined requests."""
+        if timeout_s is not None and self.timeout is not None and not 0 <= timeout_s < self.timeout:
+            raise ValueError(f"timeout_s ({timeout_s} s) must be 0 or more and below the socket timeout "
+                             f"({self.timeout} s)")
+        return self.call("flush", **({} if timeout_s is None else {"timeout_ms": int(timeout_s * 1000)}))
+
     def _unmap(self, sid: int) -> None:
         seg = self._segments.pop(sid)
         if seg.arr is not None:
@@ -342,6 +401,7 @@ class Client:
         seg.close()
 
     def close(self) -> None:
+        self._closed = True
         for sid in list(self._segments):
             self._unmap(sid)
         self.copier.close()
