@@ -1,5 +1,9 @@
 """The operator's ops: stats (and the snapshot Prometheus serves), list, resize and evict. Like every op they run
-under the state lock; a lower tier's resize, which may wait for a write in flight, runs without it.
+under the state lock; a lower tier's resize, which may wait for a write in flight, runs without it. `list` of a
+namespace's keys and `evict` walk in chunks (at most CHUNK_BLOCKS blocks and CHUNK_SLOTS slots each) and let go of
+the lock between chunks, so that other clients' requests are served meanwhile (counter `admin_chunks`); the
+evicted blocks' demotion copies are made there too. What a chunked op reports is what it saw: blocks stored or
+removed by others meanwhile may or may not be in it.
 
 Resize, evict and `list` of a namespace the connection did not say hello to need the admin role
 (server.admin_uids, kvstore.daemon.tenants): others get `forbidden`. `list` without it shows only the connection's
@@ -12,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import __version__, workers
 from kvstore.daemon import process
+from kvstore.daemon.pauses import pause_point
 from kvstore.daemon.tenants import Conn, forbidden, tenant_of
+from kvstore.index import NamespaceEntry
 from kvstore.protocol import Code, ProtocolError
 
 if TYPE_CHECKING:
@@ -20,7 +26,10 @@ if TYPE_CHECKING:
 
 COUNTERS = ("lookups", "hits", "misses", "puts", "gets", "evictions", "deletes", "aborts", "demotions", "dropped",
             "promotions", "prefetched", "prefetch_skipped", "prefetch_busy", "prefetch_cancelled", "written_through",
-            "write_through_skipped", "held_cap", "reservations_expired", "idle_closed")
+            "write_through_skipped", "held_cap", "reservations_expired", "idle_closed", "segment_moves",
+            "segment_moves_inline", "admin_chunks")
+CHUNK_BLOCKS = 256          # blocks evicted or listed per hold of the state lock
+CHUNK_SLOTS = 8192          # slots of a namespace's class looked at per hold
 
 
 def op_stats(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
@@ -56,9 +65,23 @@ def op_list(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         ns = st.index.namespaces.get(m["ns"])
         if ns is None:
             raise ProtocolError(Code.UNKNOWN_NAMESPACE, f"list: no namespace {m['ns']}")
-        limit = min(m.get("limit", 100), 10000)
-        reply["keys"] = [[k, gid] for k, gid in st.index.keys_of(ns, limit)]
+        reply["keys"] = _keys(st, ns, min(m.get("limit", 100), 10000))
     return reply
+
+
+def _keys(st: State, ns: NamespaceEntry, limit: int) -> list[list[Any]]:
+    """Up to `limit` of the namespace's keys and slots, a chunk at a time."""
+    walk = st.index.walk(ns)
+    keys: list[list[Any]] = []
+    if limit <= 0:
+        return keys
+    while True:
+        keys += ([k, gid] for k, gid in st.index.keys_some(walk, CHUNK_SLOTS, min(CHUNK_BLOCKS, limit - len(keys))))
+        if walk.done or len(keys) >= limit:
+            return keys
+        _between_chunks(st)
+        if st.index.namespaces.get(ns.id) is not ns:
+            return keys                         # forgotten meanwhile: no block of it is left
 
 
 def op_resize(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
@@ -102,8 +125,23 @@ def op_evict(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError(Code.BAD_REQUEST, "evict: give 'bytes' (how much to free) or 'all': true")
     if "ns" in m and st.index.namespaces.get(m["ns"]) is None:
         raise ProtocolError(Code.UNKNOWN_NAMESPACE, f"evict: no namespace {m['ns']}")
-    blocks, freed = st.index.evict(m.get("ns"), m.get("bytes", 0), bool(m.get("all")))
-    return {"blocks": blocks, "bytes": freed}
+    plan = st.index.evict_plan(m.get("ns"), m.get("bytes", 0), bool(m.get("all")))
+    while not st.index.evict_some(plan, CHUNK_BLOCKS):
+        _between_chunks(st)
+    return {"blocks": plan.blocks, "bytes": plan.freed}
+
+
+def _between_chunks(st: State) -> None:
+    """(Called under the state lock, which it lets go of and takes again.) Other requests run now; the demotion
+    copies of the blocks the last chunk evicted are made meanwhile, and their slots let go of."""
+    st.counters["admin_chunks"] += 1
+    st.lock.release()
+    try:
+        st.copy_deferred(done=False)
+        time.sleep(0)                       # a thread waiting for the lock takes it now, not after the next chunk
+        pause_point("between_chunks")
+    finally:
+        st.lock.acquire()
 
 
 def snapshot(st: State) -> dict[str, Any]:
@@ -114,7 +152,7 @@ def snapshot(st: State) -> dict[str, Any]:
                 "free": sum(len(s.free) for s in c.segments.values())} for c in pool.classes.values()]
     host = {"tier": "host", "capacity_bytes": pool.capacity, "mapped_bytes": pool.mapped_bytes,
             "used_bytes": pool.used_bytes, "resident_bytes": pool.resident_bytes(), "blocks": len(idx.table),
-            "reaping_bytes": pool.reaping_bytes,
+            "reaping_bytes": pool.reaping_bytes, "retiring_bytes": pool.retiring_bytes,
             "segments": len(pool.segments), "segment_bytes": pool.segment_bytes, "classes": classes}
     counters = {k: st.counters[k] for k in COUNTERS}
     counters["refused_connections"] = st.metrics.refused_connections

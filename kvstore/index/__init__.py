@@ -4,12 +4,14 @@ exist, and — as decisions handed to movers — which blocks leave the host poo
 - `books.Index`: reads, two-phase stores, promotion books, pins; `capacity`: allocation, eviction, resize.
 - `namespaces`: the registry (index keys are namespace id + block hash, 20 bytes) and each connection's holdings.
 - `keytable`: the key → slot table with intrusive LRU lists (native, with a pure-Python fallback).
+- `sweep`: walks over one namespace's slots, a chunk at a time (an operator's `list` and `evict`).
 - `errors`: what the books refuse; the daemon turns each into a protocol status.
 """
 from kvstore.index.books import Index
-from kvstore.index.capacity import Eviction, EvictionSink, ResizeResult
+from kvstore.index.capacity import Eviction, EvictionSink, EvictPlan, ResizeResult
 from kvstore.index.errors import InvalidRequest, NotHeld, OverLimit, Refused, TooLarge, UnknownNamespace
 from kvstore.index.namespaces import Holdings, NamespaceEntry
+from kvstore.index.sweep import SlotCursor
 
-__all__ = ["Eviction", "EvictionSink", "Holdings", "Index", "InvalidRequest", "NamespaceEntry", "NotHeld",
-           "OverLimit", "Refused", "ResizeResult", "TooLarge", "UnknownNamespace"]
+__all__ = ["EvictPlan", "Eviction", "EvictionSink", "Holdings", "Index", "InvalidRequest", "NamespaceEntry",
+           "NotHeld", "OverLimit", "Refused", "ResizeResult", "SlotCursor", "TooLarge", "UnknownNamespace"]

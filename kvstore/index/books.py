@@ -18,7 +18,8 @@ Guarantees
   lower tier, the caller reads them in without the state lock, and `finish_promotion` publishes them, unless a
   delete came in between.
 
-Every method runs under the daemon's state lock. A request the books cannot honour raises a `Refused`
+Every method runs under the daemon's state lock; the operator's walks (`keys_some`, `evict_some`) are made a chunk at
+a time, and the caller may let go of the lock between chunks. A request the books cannot honour raises a `Refused`
 (kvstore.index.errors) and changes nothing.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvstore.index.capacity import CapacityBooks, EvictionSink
 from kvstore.index.errors import InvalidRequest, NotHeld
 from kvstore.index.keytable import KeyTable
 from kvstore.index.namespaces import Holdings, NamespaceEntry, Namespaces
+from kvstore.index.sweep import SlotCursor
 from kvstore.policy import make_policy
 from kvstore.protocol import ReserveStatus
 from kvstore.protocol.keys import NamespaceSpec
@@ -378,11 +380,11 @@ class Index(CapacityBooks):
         for key, gid in self.table.items():
             yield self.namespaces.owner(key), key[4:], gid
 
-    def keys_of(self, ns: NamespaceEntry, limit: int) -> Iterator[tuple[bytes, int]]:
-        n = 0
-        for key, gid in self.table.items():
-            if n >= limit:
-                return
-            if key[:4] == ns.prefix:
-                yield key[4:], gid
-                n += 1
+    def walk(self, ns: NamespaceEntry) -> SlotCursor:
+        """A walk over the namespace's blocks, for `keys_some` (kvstore.index.sweep)."""
+        return SlotCursor(ns.slot_key, ns.prefix)
+
+    def keys_some(self, cursor: SlotCursor, max_slots: int, limit: int) -> list[tuple[bytes, int]]:
+        """Up to `limit` more of a namespace's blocks (block hash, gid) along its walk, looking at most
+        `max_slots` slots; the caller may let go of the state lock between two calls."""
+        return [(key[4:], gid) for key, gid in cursor.chunk(self.pool, self.table, max_slots, limit)]

@@ -3,11 +3,20 @@ segments go when the pool shrinks. Decisions only: the pool (kvstore.tiers.host)
 (kvstore.policy) ranks the candidates, and each evicted block is handed, as an `Eviction`, to the sink the daemon
 gave (the demotion mover), which may hold its slot until it has copied the bytes.
 
-- Allocation never exceeds the pool's cap: a full size class evicts the policy's victim and takes its slot, or
-  retires an idle segment of another block size whose victim is staler (memory follows use), or reclaims an idle
-  segment of another size, or answers "no space".
+- Allocation never charges more than the pool's cap: a full size class evicts the policy's victim and takes its
+  slot, or retires an idle segment of another class (block size or tenant) whose victim is staler (memory follows
+  use), or reclaims an idle segment of another class, or answers "no space".
+- Memory that moves to another class does not wait for the retiring segment: the segment is lent
+  (kvstore.tiers.host: at most one at a time, so the memory really held is at most the cap plus one segment, until
+  its punch), its blocks leave the index at once (booked in the lower tier, whose readers wait for their copy), and
+  the sink copies them after the state lock is left, holding their slots meanwhile; the segment is released when
+  the last copy is done and punched by the reaper. While one segment is lent, a second move is made the old way:
+  its blocks copied (`Eviction.copy_now`) and its pages punched under the lock, the cap exact (counted:
+  `segment_moves_inline`).
 - A pinned block is never evicted; a segment chosen for release drains: it allocates nothing and goes when its
   last pin or reservation does. Shrinking costs the blocks in the released segments, never the pool's size.
+- An operator's eviction is made in chunks (`evict_plan`, `evict_some`): the caller may let go of the state lock
+  between them. A namespace's eviction walks its class's slots (kvstore.index.sweep), not the key table.
 """
 from __future__ import annotations
 
@@ -17,7 +26,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvstore.index.keytable import KeyTable
-from kvstore.index.namespaces import Namespaces, SlotKey
+from kvstore.index.namespaces import NamespaceEntry, Namespaces, SlotKey
+from kvstore.index.sweep import SlotCursor
 from kvstore.policy import EvictionPolicy
 from kvstore.tiers.host import HostPool, Segment, gid_of, split_gid
 
@@ -29,13 +39,31 @@ class Eviction:
     gid: int                # the slot it occupied
     nbytes: int
     handed_over: bool       # the slot goes to the evicting caller, who writes it only after the sink copied it
-    draining: bool          # the slot's segment is being released: a copy must be made now
+    draining: bool          # the slot's segment is being released
+    copy_now: bool = False  # ... under the lock, for an allocation that waits for it: no copy may be deferred
 
 
 class EvictionSink(Protocol):
     def __call__(self, e: Eviction) -> bool:
         """(Under the state lock.) Take note of an eviction; True to hold the slot (pinned) until `let_go`."""
         ...
+
+
+@dataclass(slots=True)
+class EvictPlan:
+    """An operator's eviction, made a chunk at a time (`CapacityBooks.evict_some`): of one namespace (a walk over
+    its slots) or in the policy's order per class; until `nbytes` are freed or, with `everything`, all of them."""
+    nbytes: int
+    everything: bool
+    ns: NamespaceEntry | None = None
+    cursor: SlotCursor | None = None
+    left: int = 0               # policy order: at most the blocks there were at the start (writers go on meanwhile)
+    blocks: int = 0
+    freed: int = 0
+    done: bool = False
+
+    def wants(self) -> bool:
+        return self.everything or self.freed < self.nbytes
 
 
 @dataclass(slots=True)
@@ -62,29 +90,58 @@ class CapacityBooks:
 
     # ----- operator eviction and resize -----
     def evict(self, nid: int | None = None, nbytes: int = 0, everything: bool = False) -> tuple[int, int]:
-        """Evict unpinned blocks until `nbytes` are freed or, with `everything`, all of them: by the policy's
-        order per size class, or for one namespace in table order (an operator's clean-up, not a hot path).
-        Returns (blocks, bytes)."""
-        blocks = freed = 0
-        if nid is not None:
-            ns = self.namespaces.by_id[nid]
-            for key, gid in [(k, g) for k, g in self.table.items() if k[:4] == ns.prefix]:
-                if (everything or freed < nbytes) and self.pins[gid] == 0 and self._remove(key, evicted=True):
-                    blocks, freed = blocks + 1, freed + ns.slot_bytes
-            return blocks, freed
+        """Evict unpinned blocks until `nbytes` are freed or, with `everything`, all of them, in one go (see
+        `evict_plan` for the order). Returns (blocks, bytes)."""
+        plan = self.evict_plan(nid, nbytes, everything)
+        while not self.evict_some(plan, 1 << 62):
+            pass
+        return plan.blocks, plan.freed
+
+    def evict_plan(self, nid: int | None = None, nbytes: int = 0, everything: bool = False) -> EvictPlan:
+        """An eviction to make with `evict_some`: by the policy's order per class, or for one namespace in slot
+        order (an operator's clean-up, not a hot path)."""
+        if nid is None:
+            return EvictPlan(nbytes, everything, left=len(self.table))
+        ns = self.namespaces.by_id[nid]
+        return EvictPlan(nbytes, everything, ns, SlotCursor(ns.slot_key, ns.prefix))
+
+    def evict_some(self, plan: EvictPlan, budget: int) -> bool:
+        """Evict up to `budget` more blocks of the plan (a namespace's walk also looks at most 16 slots a block);
+        True when the plan is done. Between two calls the caller may let go of the state lock."""
+        if plan.ns is None:
+            self._evict_victims(plan, min(budget, plan.left))
+        elif self.namespaces.get(plan.ns.id) is not plan.ns:
+            plan.done = True                            # forgotten meanwhile: none of its blocks is left
+        else:
+            self._evict_walk(plan, budget)
+        return plan.done
+
+    def _evict_walk(self, plan: EvictPlan, budget: int) -> None:
+        assert plan.ns is not None and plan.cursor is not None
+        for key, gid in plan.cursor.chunk(self.pool, self.table, 16 * budget, budget):
+            if not plan.wants():
+                break
+            if self.pins[gid] == 0 and self._remove(key, evicted=True):
+                plan.blocks, plan.freed = plan.blocks + 1, plan.freed + plan.ns.slot_bytes
+        plan.done = plan.cursor.done or not plan.wants()
+
+    def _evict_victims(self, plan: EvictPlan, budget: int) -> None:
+        n = 0
         for (_, slot_bytes), cls in list(self.namespaces.classes.items()):
-            while everything or freed < nbytes:
+            while plan.wants() and n < budget:
                 victim = self.policy.victim(cls)
                 if victim is None:
                     break
                 self._remove(victim, evicted=True)
-                blocks, freed = blocks + 1, freed + slot_bytes
-        return blocks, freed
+                plan.blocks, plan.freed, n = plan.blocks + 1, plan.freed + slot_bytes, n + 1
+        plan.left -= n
+        plan.done = n < budget or plan.left <= 0 or not plan.wants()
 
     def resize(self, capacity: int) -> ResizeResult:
         """Grow: raise the cap (segments come when needed). Shrink: release whole segments — idle ones with the
-        fewest blocks first, evicting only their unpinned blocks; segments with pins drain and go at the last
-        release. Cost: the blocks in the released segments, never the pool's size."""
+        fewest blocks first, evicting only their unpinned blocks (released once those are copied down, before
+        the reply); segments with pins drain and go at the last release. Cost: the blocks in the released
+        segments, never the pool's size."""
         t0 = time.perf_counter()
         self.pool.capacity = capacity
         released = evicted = 0
@@ -97,8 +154,9 @@ class CapacityBooks:
                     continue
                 evicted += self._retire(seg)
                 over -= seg.size
-                released += seg.id not in self.pool.segments
-        return ResizeResult(capacity, released, evicted, self._draining_bytes(), time.perf_counter() - t0)
+                released += seg.id not in self.pool.segments or seg.busy == seg.copying
+        held = sum(s.size for s in self.pool.segments.values() if s.draining and s.busy > s.copying)
+        return ResizeResult(capacity, released, evicted, held, time.perf_counter() - t0)
 
     def _draining_bytes(self) -> int:
         return sum(s.size for s in self.pool.segments.values() if s.draining)
@@ -114,7 +172,7 @@ class CapacityBooks:
             key = self.policy.victim(cls)
             stale = self._staler_segment(slot, key) if len(self.pool.classes) > 1 else None
             if stale is not None:
-                self._retire(stale, inline=True)   # memory moves to this block size: a new segment fits
+                self._retire(stale, for_room=True)   # memory moves to this class: a new segment fits
             elif key is not None:
                 gid = self._evict_for_slot(key)
                 if gid:
@@ -156,18 +214,23 @@ class CapacityBooks:
         while idle and not self.pool.fits(slot[1]):
             seg = min(idle, key=lambda s: s.live)
             idle.remove(seg)
-            self._retire(seg, inline=True)
+            self._retire(seg, for_room=True)
         return self.pool.fits(slot[1])
 
     # ----- leaving the pool -----
-    def _retire(self, seg: Segment, inline: bool = False) -> int:
+    def _retire(self, seg: Segment, for_room: bool = False) -> int:
         """Drain a segment and evict its unpinned blocks; it is released now if nothing holds it, else at the
-        last release or commit. Returns the blocks evicted."""
-        self.pool.drain(seg)
-        seg.urgent = inline
+        last release, commit or demotion copy. `for_room`: an allocation waits for its memory, so it is lent if
+        none is (the copies and the punch come after the lock), else copied and punched here (the module
+        docstring). Returns the blocks evicted."""
+        lend = for_room and self.pool.may_lend()
+        self.pool.drain(seg, lend)
+        seg.urgent = for_room and not lend
+        if for_room:
+            self.counters["segment_moves" if lend else "segment_moves_inline"] += 1
         n = self._empty(seg)
         if seg.live == 0 and seg.id in self.pool.segments:
-            self.pool.release(seg, inline)
+            self.pool.release(seg, seg.urgent)
         return n
 
     def _empty(self, seg: Segment) -> int:
@@ -204,10 +267,11 @@ class CapacityBooks:
             self.counters["evictions"] += 1
             if self.on_evict is not None:
                 seg = self.pool.segment_of(gid)
-                e = Eviction(ns.block_id(key[4:]), gid, ns.slot_bytes, keep, seg.draining)
+                e = Eviction(ns.block_id(key[4:]), gid, ns.slot_bytes, keep, seg.draining, seg.urgent)
                 if self.on_evict(e) and not keep:
                     self.pins[gid] += 1                 # held for the sink's copy, keeping its segment alive:
                     seg.busy += 1                       # `let_go` frees it
+                    seg.copying += 1
         if self.pins[gid]:
             self.zombies[gid] = key
         elif keep:
@@ -222,6 +286,7 @@ class CapacityBooks:
     def let_go(self, gids: list[int]) -> None:
         """The eviction sink is done with the slots it held: they are freed (or their segments released)."""
         for gid in gids:
+            self.pool.segment_of(gid).copying -= 1
             self._unpin(gid)
 
     def _free(self, gid: int) -> None:

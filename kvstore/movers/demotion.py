@@ -5,7 +5,10 @@ once (present for lookups from then on) and hands out a buffer; the copy of the 
 block) is made after the state lock is left, by the thread that evicted it: a request thread copies before it
 replies (`deferring` ... `copy_deferred`), so no client writes the slot first. Until then the slot is held (pinned
 by the index for us) — or, when the slot was handed to the evicting caller, written by nobody before the copy.
-A slot whose segment is being released, or an eviction outside a request, is copied at once, under the lock.
+A retiring segment's blocks are copied the same way (their held slots keep it alive; it is released, and punched by
+the pool's reaper, once the last copy is done), except when an allocation waits for that very memory under the lock
+(`Eviction.copy_now`: a second move while one is still in flight). Those, and evictions outside a request, are
+copied at once, under the lock.
 The tier writes staged blocks to its medium on its own schedule, in the background lane, after checking them against
 the writer's CRC-32C that the slot carried (booked with the block when it is staged).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+from kvstore.daemon.pauses import pause_point
 from kvstore.index import Eviction
 from kvstore.tiers import LowerTier, StagingBuffer
 from kvstore.tiers.host import HostPool, split_gid
@@ -37,10 +41,12 @@ class Demotion:
         self.counters["dropped" if buf is False else "demotions"] += 1
         if isinstance(buf, bool):
             return False
-        if pending is None or e.draining:
+        if pending is None or e.copy_now:
             with self.pool.view(e.gid) as data:
                 self.tier.fill(e.block_id, buf, data)
             return False
+        if e.draining:
+            self._local.draining = True       # one of them is from a retiring segment (a test's pause point)
         pending.append((self.pool.view(e.gid), buf, e.block_id, 0 if e.handed_over else e.gid))
         return not e.handed_over
 
@@ -58,6 +64,9 @@ class Demotion:
             self._local.pending = None
         if not pending:
             return []
+        if getattr(self._local, "draining", False):
+            self._local.draining = False
+            pause_point("draining_copy")
         held = []
         for view, buf, block_id, gid in pending:
             with view:

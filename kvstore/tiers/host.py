@@ -13,6 +13,12 @@ connection given the fds of its own tenant's segments can map no other tenant's 
 - releasing a segment hands it to a reaper thread that punches its pages out of the memfd (so the memory returns
   to the system even while a client still maps it: that client then reads zeros, never a fault) and closes it;
   until then its bytes still count against the cap.
+- moving memory to another class (block size or tenant) does not wait for the retiring segment: it is *lent*
+  (`drain(seg, lend=True)`): its bytes move to `retiring_bytes`, which `fits` lets the pool exceed the cap by, so
+  the allocation that retired it gets its new segment at once, while the retiring segment's blocks are copied
+  down and its pages punched after the state lock is left (by the evicting thread and the reaper). At most one
+  segment is lent at a time (`may_lend`): the memory really held is at most the cap plus one segment, and only
+  until that punch is done; the bytes charged (mapped + reaping - retiring) never exceed the cap.
 
 A slot's global id (gid) is `segment_id << 32 | slot_index`; segment ids are never reused.
 """
@@ -62,7 +68,9 @@ class Segment:
     busy: int = 0                 # slots reserved or pinned: they keep the segment alive
     draining: bool = False        # chosen for release: allocates nothing, released when busy reaches 0
     mm: mmap.mmap | None = None   # the daemon's own mapping, made when it first moves bytes (SSD tier)
-    urgent: bool = False          # released for an allocation that waits: punched inline, not by the reaper
+    urgent: bool = False          # released for an allocation that waits: copied and punched under the lock
+    lent: bool = False            # retired for an allocation that did not wait: its bytes are in retiring_bytes
+    copying: int = 0              # slots held only until their demotion copy is made (part of `busy`)
     tenant: str = ""              # whose blocks it holds (only that tenant's connections get its fd)
 
     @property
@@ -92,6 +100,7 @@ class HostPool:
         self.used_bytes = 0
         self.generation = 0          # bumps when a segment is created or released
         self.reaping_bytes = 0       # released segments not yet punched out of memory
+        self.retiring_bytes = 0      # lent segments (retired for another class) not yet punched: over the cap
         self._reap_lock = threading.Lock()
         self._to_reap: queue.SimpleQueue[Segment | None] = queue.SimpleQueue()
         self._reaper: threading.Thread | None = None
@@ -105,7 +114,15 @@ class HostPool:
         return self.slots_per_segment(slot_bytes) * slot_bytes
 
     def fits(self, slot_bytes: int) -> bool:
-        return self.mapped_bytes + self.reaping_bytes + self.segment_size(slot_bytes) <= self.capacity
+        """Whether a new segment of this size stays within the cap; a lent segment's bytes are not charged."""
+        with self._reap_lock:                  # the reaper changes both at once
+            held = self.mapped_bytes + self.reaping_bytes - self.retiring_bytes
+        return held + self.segment_size(slot_bytes) <= self.capacity
+
+    def may_lend(self) -> bool:
+        """Whether a segment may be lent now: none is lent already (the overshoot is at most one segment)."""
+        with self._reap_lock:
+            return self.retiring_bytes == 0
 
     # ----- slots -----
     def allocate(self, slot_bytes: int, tenant: str = "") -> int | None:
@@ -171,10 +188,15 @@ class HostPool:
         self.generation += 1
         return seg
 
-    def drain(self, seg: Segment) -> None:
-        """Stop allocating from a segment chosen for release."""
+    def drain(self, seg: Segment, lend: bool = False) -> None:
+        """Stop allocating from a segment chosen for release; with `lend`, its bytes stop counting against the cap
+        at once (see the module docstring; the caller checked `may_lend`)."""
         seg.draining = True
         self.classes[seg.slot_key].with_free.pop(seg.id, None)
+        if lend and not seg.lent:
+            seg.lent = True
+            with self._reap_lock:
+                self.retiring_bytes += seg.size
 
     def release(self, seg: Segment, inline: bool = False) -> None:
         """Return an empty segment's memory to the system (the caller has emptied it): in the background, or
@@ -190,6 +212,7 @@ class HostPool:
         self.generation += 1
         if inline:
             _punch_and_close(seg)
+            self._punched(seg, reaped=False)
             return
         with self._reap_lock:
             self.reaping_bytes += seg.size
@@ -207,8 +230,14 @@ class HostPool:
             if seg is None:
                 return
             _punch_and_close(seg)
-            with self._reap_lock:
+            self._punched(seg, reaped=True)
+
+    def _punched(self, seg: Segment, reaped: bool) -> None:
+        with self._reap_lock:
+            if reaped:
                 self.reaping_bytes -= seg.size
+            if seg.lent:
+                self.retiring_bytes -= seg.size
 
     def close(self) -> None:
         if self._reaper is not None:
