@@ -3,6 +3,7 @@ the restart scan runs wins over a copy the scan has not reached yet. (Durability
 tests/daemon/test_kill9.py and tests/tiers/test_power_loss.py.)"""
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -47,29 +48,50 @@ def test_a_superseded_copy_never_brings_a_deleted_key_back(ssd_dir: str) -> None
     s.close()
 
 
-def test_a_delete_during_the_scan_beats_the_copy_the_scan_finds_later(ssd_dir: str,
+def _gate_restart(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The restart's header reads (a full scan's, or a map's validation) wait for the returned event."""
+    gate = threading.Event()
+    for name in ("_scan_chunk", "_check_chunk"):
+        real = getattr(scan.RestartScan, name)
+
+        def gated(self: scan.RestartScan, cf: object, start: int, end: int, real=real) -> None:  # type: ignore
+            assert gate.wait(30)
+            real(self, cf, start, end)
+
+        monkeypatch.setattr(scan.RestartScan, name, gated)
+    return gate
+
+
+@pytest.mark.parametrize("maps", [False, True], ids=["full-scan", "record-map"])
+def test_a_delete_during_the_scan_beats_the_copy_the_scan_finds_later(ssd_dir: str, maps: bool,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a record map (a directory written before them) a delete during the scan waits for it, so that the
+    copy the scan has not reached is wiped before the delete is reported. With the map every copy is known from
+    the start: the delete wipes them at once and does not wait for the validation of the headers."""
     s = SsdStore(ssd_dir, 256 * RECORD, sync="always").open()
     assert s.put_many([(NS, h(i), payload(i)) for i in range(8)]) == 8
     s.close()
-    gate = threading.Event()                       # the scan reads nothing until the gate opens
-    real = scan.RestartScan._scan_chunk
-
-    def gated(self: scan.RestartScan, cf: object, start: int, end: int) -> None:
-        assert gate.wait(30)
-        real(self, cf, start, end)                 # type: ignore[arg-type]
-
-    monkeypatch.setattr(scan.RestartScan, "_scan_chunk", gated)
+    if not maps:
+        for name in os.listdir(ssd_dir):
+            if name.endswith(".map"):
+                os.unlink(os.path.join(ssd_dir, name))
+    gate = _gate_restart(monkeypatch)
     s = SsdStore(ssd_dir, 256 * RECORD, sync="always").open(wait=False)
+    assert s.scan.state == ("validating" if maps else "scanning")
     assert s.put_many([(NS, h(5), payload(5, 1))]) == 1      # written during the scan: a newer copy of 5
     deleting = threading.Thread(target=s.delete, args=(NS, h(5)))
     deleting.start()
-    deleting.join(0.3)
-    assert deleting.is_alive(), "the delete returned before the scan had wiped the copy it has not reached"
+    deleting.join(0.3 if not maps else 30)
+    if maps:
+        assert not deleting.is_alive(), "with a record map a delete need not wait for the validation"
+    else:
+        assert deleting.is_alive(), "the delete returned before the scan had wiped the copy it has not reached"
     gate.set()
     deleting.join(30)
+    s.scanner.wait()
     assert not deleting.is_alive() and s.scan.state == "ready"
-    assert read(s, 5) is None and s.counters["bad.deleted"] == 1     # the scanned old copy, wiped as deleted
+    # the old copy: found by the scan and wiped as deleted, or known from the map and wiped as superseded
+    assert read(s, 5) is None and s.counters["bad.deleted" if not maps else "bad.superseded"] == 0 + (not maps)
     assert [read(s, i) == payload(i) for i in range(8)] == [i != 5 for i in range(8)]
     s.close()
     s = SsdStore(ssd_dir, 256 * RECORD).open()

@@ -151,9 +151,13 @@ def test_a_get_escalates_the_queued_prefetch_it_waits_for(tmp_path, daemons):
 
 
 def test_the_restart_scan_runs_while_the_daemon_serves(tmp_path, daemons):
+    """A directory without record maps (written before them): its headers are scanned while the daemon serves; a
+    block not scanned yet is a miss, and the scan writes the maps for the next start."""
     d = start(tmp_path, daemons)
     on_ssd(d, range(300))                              # two scan chunks of headers
     d.stop()
+    for m in (tmp_path / "ssd").glob("*.map"):
+        m.unlink()
     d = start(tmp_path, daemons, slow="ssd:500KB:7", scanned=False)   # a chunk of headers takes ~2 s
     with d.client() as c:
         scan = c.stats()["tiers"][1]["scan"]
@@ -172,6 +176,34 @@ def test_the_restart_scan_runs_while_the_daemon_serves(tmp_path, daemons):
         ns = c.namespace(spec())
         assert ns.lookup([key(i) for i in range(300)]) == 300
         assert c.resize(32 << 20, tier="ssd")["tier"] == "ssd"         # refused only while scanning
+    d.stop()
+    d = start(tmp_path, daemons, slow="ssd:500KB:7", scanned=False)   # the maps written by that scan
+    with d.client() as c:
+        assert c.stats()["tiers"][1]["scan"]["from_maps"] >= 300      # (and the block stored meanwhile)
+        assert c.namespace(spec()).lookup([key(i) for i in range(300)]) == 300
+
+
+def test_blocks_on_disk_are_hits_from_the_first_request_after_a_restart(tmp_path, daemons):
+    """With the record maps, a restarted daemon knows every block on disk before it serves: hits at once, byte
+    exact, while the headers are still being validated in the background."""
+    d = start(tmp_path, daemons)
+    on_ssd(d, range(300))
+    d.stop()
+    d = start(tmp_path, daemons, slow="ssd:500KB:7", scanned=False)   # validating a chunk of headers takes ~2 s
+    with d.client() as c:
+        scan = c.stats()["tiers"][1]["scan"]
+        assert scan["state"] == "validating" and scan["from_maps"] == 300 and scan["scanned"] < scan["records"]
+        ns = c.namespace(spec())
+        hs = [key(i) for i in range(300)]
+        assert ns.lookup(hs) == 300
+        outs = [bytearray(GEOM.full_bytes) for _ in range(4)]
+        assert ns.get(hs[296:], outs) == 4 and [bytes(o) for o in outs] == [content(h) for h in hs[296:]]
+        assert c.stats()["tiers"][1]["scan"]["state"] == "validating"   # all of it before the validation ended
+    d.wait_ready(timeout=60)
+    with d.client() as c:
+        ssd = c.stats()["tiers"][1]
+        assert ssd["scan"]["state"] == "ready" and ssd["blocks"] == 300
+        assert not any(k.startswith("bad.") for k in ssd["counters"])
 
 
 def test_promoted_blocks_carry_their_checksum_to_the_reader(tmp_path, daemons):

@@ -8,6 +8,9 @@
   fsync of the directory, so that it survives a power cut with the records later synced in it (growth needs none:
   the fdatasync of the records written there carries the new size). `record_file_payload` names the files found
   at start that are ours (a name that is not, or a symlink, is skipped); a torn tail (not a whole record) is cut.
+- Beside each record file, its record map `blocks-<payload bytes>.map` (recmap.py): a copy of every live record's
+  header fields, opened and created with it (a new record file gets an empty, complete map), so that a restart
+  knows what is on disk before it serves. `is_map_name` tells the scan not to take it for a foreign file.
 - `allocate` reserves records at the end of a file for real (posix_fallocate), so a full disk shows there as a
   refusal, never as a failed write later; a refusal leaves the file exactly as it was. `add_records` then books
   the new records as free: `free` lists the records of a file that hold nothing (the writer takes from its end).
@@ -34,10 +37,12 @@ import numpy as np
 
 from kvstore.private_dir import ensure_private_dir
 from kvstore.tiers.ssd import diskio
+from kvstore.tiers.ssd.recmap import RecordMap
 from kvstore.tiers.ssd.record import ALIGN, HEADER_BYTES, record_bytes
 
 log = logging.getLogger("kvstore")
 FILE_RE = re.compile(r"^blocks-(\d+)\.kvs$")
+MAP_RE = re.compile(r"^blocks-(\d+)\.map$")
 LOCK_NAME = "LOCK"
 IO_MODES = ("auto", "io_uring", "threads")      # the values of ssd.io
 
@@ -103,6 +108,8 @@ class ClassFile:
     direct: bool
     nrecords: int = 0
     free: list[int] = field(default_factory=list)
+    map: RecordMap | None = None                      # its record map (recmap.py)
+    unverified: dict[int, bytes] = field(default_factory=dict)   # record → key: booked from the map, header unread
     spare: queue.SimpleQueue[mmap.mmap] = field(default_factory=queue.SimpleQueue)   # record buffers for I/O
 
     def take(self) -> mmap.mmap:
@@ -121,8 +128,8 @@ class ClassFile:
 
 
 def open_class_file(directory: str, payload: int, path: str | None = None) -> ClassFile:
-    """Open the record file for `payload`-byte blocks, O_DIRECT where it is taken; one that does not exist yet is
-    created empty and the directory synced."""
+    """Open the record file for `payload`-byte blocks, O_DIRECT where it is taken, and its record map; a record
+    file that does not exist yet is created empty with an empty, complete map, and the directory synced."""
     path = path or os.path.join(directory, f"blocks-{payload}.kvs")
     try:
         fd, direct = _open(path, os.O_CREAT | os.O_EXCL)
@@ -131,9 +138,14 @@ def open_class_file(directory: str, payload: int, path: str | None = None) -> Cl
         fd, direct = _open(path, 0)
         created = False
     diskio.opened(fd, path, created)
+    try:
+        rmap = RecordMap.open(path, payload, os.fstat(fd).st_ino, fresh=created)
+    except OSError:
+        os.close(fd)
+        raise
     if created:
         diskio.fsync_dir(directory)
-    return ClassFile(payload, path, fd, direct)
+    return ClassFile(payload, path, fd, direct, map=rmap)
 
 
 def _open(path: str, create: int) -> tuple[int, bool]:
@@ -145,6 +157,11 @@ def _open(path: str, create: int) -> tuple[int, bool]:
             raise
     # no O_DIRECT here (tmpfs and friends): buffered; the refused open may have created the file already
     return os.open(path, flags | (create & ~os.O_EXCL), 0o600), False
+
+
+def is_map_name(name: str) -> bool:
+    """A record map's name (recmap.py): opened with its record file, never on its own."""
+    return MAP_RE.match(name) is not None
 
 
 def record_file_payload(directory: str, name: str) -> int | None:

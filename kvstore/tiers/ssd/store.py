@@ -13,9 +13,11 @@
 - Reads check every header field against the key asked and the payload's checksum against its bytes: a record that
   fails is a miss, quarantined (its header zeroed, its space reused) and counted by reason. No wrong byte is served
   (reads.py).
-- `open` starts a scan of every record header that rebuilds the index and the accounting while the daemon already
-  serves (a block not scanned yet is a miss); files that are not ours (foreign names, temporaries, symlinks) are
-  skipped. `wait=True` (tools, tests) returns only when the scan is done (scan.py).
+- `open` books what each record file's map (recmap.py) names before it returns, so every block on disk is a hit
+  from the first request, then validates those records' headers in the background; a file without a trusted map
+  has every header scanned while the daemon already serves (a block not scanned yet is a miss), and its map
+  rebuilt. Files that are not ours (foreign names, temporaries, symlinks) are skipped. `wait=True` (tools, tests)
+  returns only when the scan is done (scan.py).
 
 This module keeps the books, under `lock`: `index` (namespace digest + block hash → (payload bytes, record, seq));
 `policy` (a kvstore.policy TierPolicy: the order in which the cap evicts, per block size); `files` (payload bytes →
@@ -24,8 +26,8 @@ ClassFile, whose free records are booked there too); bytes used and blocks per n
 
 Deletes are durable before they return: the record leaves the books at once and `delete` returns only once its
 header is zeroed on disk and synced (zeroing.py; concurrent deletes share the writes and syncs), after any write of
-the key in flight has finished (it publishes nothing) and, during the restart scan, after the scan (a copy it had
-not reached yet is zeroed too). Under sync policy never nothing is durable, deletes included: they return at once.
+the key in flight has finished (it publishes nothing) and, during a full restart scan (no trusted map), after the
+scan (a copy it had not reached yet is zeroed too); with a map every copy is in the books from the start. Under sync policy never nothing is durable, deletes included: they return at once.
 A record that leaves the books otherwise (superseded by a newer copy, quarantined) is zeroed before its space is
 reused, so no block comes back after a crash, and no key comes back with an older copy's bytes.
 """
@@ -45,6 +47,7 @@ from kvstore.policy import make_tier_policy
 from kvstore.tiers.ssd import diskio
 from kvstore.tiers.ssd.files import ClassFile, StoreLocked, choose_io, lock_directory, open_class_file
 from kvstore.tiers.ssd.reads import Reader
+from kvstore.tiers.ssd.recmap import ENTRY_BYTES, FILE_HEADER
 from kvstore.tiers.ssd.scan import RestartScan, Scan
 from kvstore.tiers.ssd.writes import SYNC_POLICIES, Item, Writer
 from kvstore.tiers.ssd.zeroing import Zeroing, run_unlocked
@@ -109,6 +112,12 @@ class SsdStore:
         if self._own_path:
             self.path.close()
         for cf in self.files.values():
+            if cf.map is not None:
+                try:
+                    cf.map.sync()        # entries zeroed lazily since the last batch
+                except OSError as e:
+                    log.error("ssd: syncing the record map %s failed (%s)", cf.map.path, e)
+                cf.map.close()
             os.close(cf.fd)
         self.files.clear()
         if self._lock_fd >= 0:
@@ -215,6 +224,8 @@ class SsdStore:
                 diskio.ftruncate(cf.fd, size)
                 if self.sync != "never":
                     diskio.fsync(cf.fd)          # the cut survives a power cut: the files stay under the cap
+                if cf.map is not None:
+                    cf.map.cut(cf.nrecords)
             return evicted
 
     def _cut_largest_locked(self, capacity: int, cut: set[ClassFile]) -> int:
@@ -240,12 +251,16 @@ class SsdStore:
     def file_bytes(self) -> int:
         return sum(cf.size() for cf in self.files.values())
 
+    def map_bytes(self) -> int:
+        """The record maps' size on disk (outside the capacity: 128 bytes a record, 1/64 of the smallest)."""
+        return sum(cf.nrecords * ENTRY_BYTES + FILE_HEADER for cf in self.files.values())
+
     def used_bytes(self) -> int:
         return self.used
 
     def scan_status(self) -> dict[str, Any]:
         s = self.scan
-        return {"state": s.state, "records": s.total, "scanned": s.done,
+        return {"state": s.state, "records": s.total, "scanned": s.done, "from_maps": s.from_maps,
                 "seconds": s.seconds if s.state == "ready" else time.monotonic() - s.started}
 
     # ----- the books' primitives, for scan.py, writes.py and reads.py -----
@@ -272,7 +287,9 @@ class SsdStore:
         """Take `key` out of the books; its record is the caller's to free or zero."""
         where = self.index.pop(key)
         self.policy.removed(key)
-        self.used -= self.files[where[0]].record
+        cf = self.files[where[0]]
+        cf.unverified.pop(where[1], None)
+        self.used -= cf.record
         self.per_ns[key[:16]] -= 1
         return where
 

@@ -35,6 +35,7 @@ from kvstore.checksum import crc32c
 from kvstore.daemon.crash import crash_point
 from kvstore.tiers.ssd import diskio
 from kvstore.tiers.ssd.files import ZERO_BUF, ClassFile, add_records, aligned, aligned_for_io, allocate
+from kvstore.tiers.ssd.recmap import entry_of
 from kvstore.tiers.ssd.record import HEADER_BYTES, Header, padded
 from kvstore.tiers.ssd.zeroing import run_unlocked
 from kvstore.traffic import Busy, Lane
@@ -191,9 +192,11 @@ class Writer:
         return writes
 
     def _make_durable(self, headers: list[Written], lane: Lane) -> None:
-        """Sync the payloads, write the headers, sync again: each a transfer in `lane`, waited for."""
+        """Write the records' map entries, sync them and the payloads, write the headers, sync again: each a
+        transfer in `lane`, waited for. A header is written only once its map entry is synced (recmap.py)."""
         cfs = {cf for cf, _, _ in headers}
         path = self.store.path
+        path.submit(lane, 0, lambda: self._write_map(headers)).result()
         path.submit(lane, 0, lambda: self._sync(cfs, "always", "batch")).result()
         crash_point("after_payload")
         path.submit(lane, len(headers) * HEADER_BYTES, lambda: self._write_headers(headers)).result()
@@ -243,12 +246,20 @@ class Writer:
                 if i == len(headers) // 2:
                     crash_point("mid_header")
 
+    def _write_map(self, headers: list[Written]) -> None:
+        """(A path worker.) Each record's map entry (buffered writes; synced with the payloads)."""
+        for cf, rec, header in headers:
+            assert cf.map is not None
+            cf.map.put([(rec, entry_of(header))])
+
     def _sync(self, cfs: set[ClassFile], *policies: str) -> None:
-        """(A path worker.) fdatasync the files when the sync policy is one of `policies`."""
+        """(A path worker.) fdatasync the files and their maps when the sync policy is one of `policies`."""
         if self.sync in policies:
             self.store.path.checkpoint()          # a flush of the device's cache would stall a critical read
             for cf in cfs:
                 diskio.fdatasync(cf.fd)
+                if cf.map is not None:
+                    cf.map.sync()
 
 
 def _checked(payload: Any, writer_crc: int | None) -> int:

@@ -94,6 +94,7 @@ class Zeroing:
             return
         done = [(cf, rec) for cf, rec in todo if self._zero(cf, rec)]
         synced = self._sync({cf for cf, _ in done})
+        self._clear_entries([(cf, rec) for cf, rec in done if cf in synced])
         with s.lock:
             for cf, rec in done:
                 if cf in synced and rec < cf.nrecords:
@@ -106,6 +107,17 @@ class Zeroing:
         except OSError as e:
             self._failed(cf, f"zeroing the header of record {rec}", e)
             return False
+
+    def _clear_entries(self, done: list[tuple[ClassFile, int]]) -> None:
+        """Zero the map entries of records whose zeroed headers are synced (the header first: an entry never
+        goes before its header, recmap.py). Durable with the map's next sync; until then the entry is a miss."""
+        for cf, rec in done:
+            if cf.map is None:
+                continue
+            try:
+                cf.map.clear([rec])
+            except OSError as e:
+                self._failed(cf, f"clearing the map entry of record {rec}", e)
 
     def _sync(self, cfs: set[ClassFile]) -> set[ClassFile]:
         """The files synced (all of them under policy never, which syncs nothing)."""

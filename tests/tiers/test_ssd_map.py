@@ -1,0 +1,206 @@
+"""The record maps (kvstore/tiers/ssd/recmap.py): after a restart every block on disk is a hit from the first
+request, the map is trusted only where it can be, and a header it does not name is never adopted."""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvstore.tiers.ssd import scan
+from kvstore.tiers.ssd.recmap import ENTRY_BYTES, FILE_HEADER
+from kvstore.tiers.ssd.record import HEADER_BYTES, padded
+from kvstore.tiers.ssd.store import SsdStore
+
+NS = bytes(range(16))
+PAYLOAD = 8192
+RECORD = HEADER_BYTES + padded(PAYLOAD)
+N = 40
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def payload(i: int, version: int = 0) -> bytes:
+    return bytes([i % 256, version]) * (PAYLOAD // 2)
+
+
+def read(s: SsdStore, i: int) -> bytes | None:
+    out = bytearray(PAYLOAD)
+    return bytes(out) if s.get(NS, h(i), out) else None
+
+
+@pytest.fixture
+def ssd_dir(tmp_path: Path) -> str:
+    return str(tmp_path / "ssd")
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The restart's header reads (full scan and validation) wait until the test sets this."""
+    ev = threading.Event()
+    for name in ("_scan_chunk", "_check_chunk"):
+        real = getattr(scan.RestartScan, name)
+
+        def gated(self: scan.RestartScan, cf: object, start: int, end: int, real=real) -> None:  # type: ignore
+            assert ev.wait(30)
+            real(self, cf, start, end)
+
+        monkeypatch.setattr(scan.RestartScan, name, gated)
+    return ev
+
+
+def stored(ssd_dir: str, n: int = N) -> list[int]:
+    """A store with blocks 0..n-1 written and closed; the records they landed in, by block."""
+    s = SsdStore(ssd_dir, 256 * RECORD, sync="always").open()
+    assert s.put_many([(NS, h(i), payload(i)) for i in range(n)]) == n
+    recs = [s.index[NS + h(i)][1] for i in range(n)]
+    s.close()
+    return recs
+
+
+def files(ssd_dir: str) -> tuple[str, str]:
+    return os.path.join(ssd_dir, f"blocks-{PAYLOAD}.kvs"), os.path.join(ssd_dir, f"blocks-{PAYLOAD}.map")
+
+
+def patch(path: str, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_every_block_is_a_hit_before_any_header_is_read(ssd_dir: str, gate: threading.Event) -> None:
+    stored(ssd_dir)
+    s = SsdStore(ssd_dir, 256 * RECORD).open(wait=False)
+    try:
+        assert s.scan.state == "validating" and s.scan.from_maps == N and s.scan.done == 0
+        assert all(s.has(NS + h(i)) for i in range(N))
+        assert [read(s, i) for i in range(N)] == [payload(i) for i in range(N)]     # each read checks its header
+        gate.set()
+        s.scanner.wait()
+        assert s.scan.state == "ready" and not any(k.startswith("bad.") for k in s.counters)
+        assert not s.files[PAYLOAD].unverified
+    finally:
+        gate.set()
+        s.close()
+
+
+def test_a_stale_entry_is_a_miss_and_the_validation_drops_it(ssd_dir: str, gate: threading.Event) -> None:
+    """Entries whose headers are gone (as after a crash between a header's zeroing and its entry's): a read is a
+    miss, never wrong bytes; the validation pass finds the others and frees their records."""
+    recs = stored(ssd_dir)
+    kvs, _ = files(ssd_dir)
+    for i in (3, 7):
+        patch(kvs, recs[i] * RECORD, bytes(HEADER_BYTES))
+    s = SsdStore(ssd_dir, 256 * RECORD).open(wait=False)
+    try:
+        assert s.has(NS + h(3)) and s.has(NS + h(7))            # named by the map, not read yet
+        assert read(s, 3) is None and s.counters["bad.key_mismatch"] == 1 and not s.has(NS + h(3))
+        gate.set()
+        s.scanner.wait()
+        assert s.counters["bad.stale_map"] == 1 and not s.has(NS + h(7))
+        assert [read(s, i) for i in range(N)] == [None if i in (3, 7) else payload(i) for i in range(N)]
+        assert len(s.index) == N - 2
+    finally:
+        gate.set()
+        s.close()
+
+
+def test_a_header_the_map_does_not_name_is_never_adopted(ssd_dir: str) -> None:
+    """A record whose entry was cleared holds nothing, whatever its header says (the map is authoritative): its
+    block is a miss and its record is reused, so a deleted block cannot come back through it."""
+    recs = stored(ssd_dir)
+    _, rmap = files(ssd_dir)
+    patch(rmap, FILE_HEADER + recs[5] * ENTRY_BYTES, bytes(ENTRY_BYTES))
+    s = SsdStore(ssd_dir, 256 * RECORD).open()
+    try:
+        assert read(s, 5) is None and len(s.index) == N - 1
+        assert recs[5] in s.files[PAYLOAD].free
+        assert not any(k.startswith("bad.") for k in s.counters)
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "building", "another-file"])
+def test_a_map_that_cannot_be_trusted_is_rebuilt_by_a_full_scan(ssd_dir: str, damage: str,
+                                                                gate: threading.Event) -> None:
+    recs = stored(ssd_dir)
+    kvs, rmap = files(ssd_dir)
+    if damage == "missing":
+        os.unlink(rmap)
+    elif damage == "corrupt":
+        patch(rmap, 20, b"\xff\xff")                          # the file header's fields fail their CRC
+    elif damage == "building":
+        patch(rmap, 12, (0).to_bytes(4, "little"))            # state: a rebuild cut short (and a bad CRC)
+    else:
+        shutil.copy(kvs, kvs + ".new")                        # the record file replaced: another inode
+        os.replace(kvs + ".new", kvs)
+    s = SsdStore(ssd_dir, 256 * RECORD).open(wait=False)
+    try:
+        assert s.scan.state == "scanning" and s.scan.from_maps == 0 and not s.has(NS + h(0))
+        gate.set()
+        s.scanner.wait()
+        assert [read(s, i) for i in range(N)] == [payload(i) for i in range(N)]
+    finally:
+        gate.set()
+        s.close()
+    s = SsdStore(ssd_dir, 256 * RECORD).open(wait=False)      # the rebuilt map is complete: no scan needed
+    try:
+        assert s.scan.from_maps == N and s.scan.state == "validating"
+        assert [s.index[NS + h(i)][1] for i in range(N)] == recs
+    finally:
+        s.close()
+
+
+def test_an_older_copy_left_by_a_crash_loses_to_the_newer(ssd_dir: str) -> None:
+    """Two entries for one key (a crash before the older copy's zeroing): the newest wins, the other is wiped."""
+    s = SsdStore(ssd_dir, 256 * RECORD, sync="always").open()
+    assert s.put_many([(NS, h(1), payload(1, 0))]) == 1
+    old_rec = s.index[NS + h(1)][1]
+    kvs, rmap = files(ssd_dir)
+    with open(kvs, "rb") as f:
+        f.seek(old_rec * RECORD)
+        old_record = f.read(RECORD)
+    with open(rmap, "rb") as f:
+        f.seek(FILE_HEADER + old_rec * ENTRY_BYTES)
+        old_entry = f.read(ENTRY_BYTES)
+    assert s.put_many([(NS, h(1), payload(1, 1))]) == 1      # the newer copy; the older record is wiped
+    s.close()
+    patch(kvs, old_rec * RECORD, old_record)                  # as if the crash came before the wipe
+    patch(rmap, FILE_HEADER + old_rec * ENTRY_BYTES, old_entry)
+    s = SsdStore(ssd_dir, 256 * RECORD).open()
+    try:
+        assert read(s, 1) == payload(1, 1) and s.counters["bad.superseded"] == 1 and len(s.index) == 1
+    finally:
+        s.close()
+    s = SsdStore(ssd_dir, 256 * RECORD).open()
+    try:
+        assert read(s, 1) == payload(1, 1) and not any(k.startswith("bad.") for k in s.counters)
+    finally:
+        s.close()
+
+
+def test_deletes_and_rewrites_during_the_validation_keep_the_map_exact(ssd_dir: str, gate: threading.Event) -> None:
+    stored(ssd_dir)
+    s = SsdStore(ssd_dir, 256 * RECORD, sync="always").open(wait=False)
+    try:
+        assert [s.delete(NS, h(i)) for i in range(0, N, 4)] == [True] * (N // 4)    # no wait for the validation
+        assert s.put_many([(NS, h(i), payload(i, 2)) for i in range(1, N, 4)]) == N // 4
+        assert s.put_many([(NS, h(N + i), payload(N + i)) for i in range(8)]) == 8
+        gate.set()
+        s.scanner.wait()
+        assert not any(k.startswith("bad.") for k in s.counters)
+    finally:
+        gate.set()
+        s.close()
+    expect = {i: None if i % 4 == 0 else payload(i, 2) if i % 4 == 1 else payload(i) for i in range(N)}
+    expect.update({N + i: payload(N + i) for i in range(8)})
+    s = SsdStore(ssd_dir, 256 * RECORD).open()
+    try:
+        assert s.scan.from_maps == len(s.index) == N - N // 4 + 8
+        assert {i: read(s, i) for i in expect} == expect
+    finally:
+        s.close()
