@@ -22,5 +22,6 @@ setup(
     packages=packages(),
     ext_modules=[
         Extension("kvstore._kvindex", ["native/kvindex.c"], extra_compile_args=["-O2"], optional=True),
+        Extension("kvstore._kvcopy", ["native/kvcopy.c"], extra_compile_args=["-O2"], optional=True),
     ],
 )

@@ -8,11 +8,19 @@ and releases the GIL, so a checksum runs beside a copy on another thread.
 A block's CRC is that of its writer (the client that committed it): a tier checks it before it writes the block
 and a reader checks its own copy against it; none recomputes it from bytes that a client could have altered since.
 A block committed without one is never reported as verified.
+
+`copy_crc32c` copies a buffer and returns the CRC-32C of the bytes copied. Where the native `kvstore._kvcopy` loads
+and the CPU has the instruction (`FUSED`), it is one pass: each word is loaded once, stored and checksummed, so the
+CRC costs no second read of the bytes (a copy then a CRC read them twice: put/get with checksums ran at 0.52-0.86x
+memcpy). Otherwise (no compiler at install, another CPU, or `KVSTORE_NO_NATIVE=1`) it is numpy's copy and then the
+CRC of the destination; both give the same value, and both are the CRC of the destination as written.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import numpy as np
 from crc32c import crc32c as _crc32c
 
 CRC_BITS = 32
@@ -21,3 +29,51 @@ CRC_BITS = 32
 def crc32c(buf: Any) -> int:
     """CRC-32C of a contiguous buffer (bytes, bytearray, memoryview, mmap, numpy array)."""
     return int(_crc32c(buf))
+
+
+def _native() -> Any:
+    """The native copy_crc32c where it is built, enabled and backed by the CPU; else None."""
+    if os.environ.get("KVSTORE_NO_NATIVE", "") not in ("", "0"):
+        return None
+    try:
+        import kvstore._kvcopy as _kvcopy
+    except ImportError:
+        return None
+    return _kvcopy.copy_crc32c if _kvcopy.HARDWARE else None
+
+
+_fused = _native()
+FUSED = _fused is not None
+
+
+def copy_crc32c(dst: Any, src: Any, stream: bool = False) -> int:
+    """Copy `src` into `dst` (contiguous buffers of the same length, `dst` writable, not overlapping) and return the
+    CRC-32C of the bytes copied. `stream`: the copy is large and not read again soon, so the one-pass copy may write
+    around the caches (non-temporal stores); it changes no result. Releases the GIL for large buffers."""
+    if _fused is not None:
+        return int(_fused(dst, src, stream=stream))
+    return copy_then_crc32c(dst, src)
+
+
+def copy_then_crc32c(dst: Any, src: Any) -> int:
+    """The two-pass `copy_crc32c`: numpy's copy, then the CRC of the destination (the fallback, and a baseline)."""
+    d, s = _flat(dst, "dst"), _flat(src, "src")
+    if not d.flags.writeable:
+        raise ValueError("copy_crc32c: dst is read-only")
+    if d.nbytes != s.nbytes:
+        raise ValueError(f"copy_crc32c: dst is {d.nbytes} bytes, src {s.nbytes}: they must be the same length")
+    if d.nbytes and np.shares_memory(d, s):
+        raise ValueError("copy_crc32c: dst and src overlap")
+    np.copyto(d, s)
+    return crc32c(d)
+
+
+def _flat(buf: Any, name: str) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous buffer; the same errors as the native copy."""
+    try:
+        arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    except TypeError:
+        raise TypeError(f"copy_crc32c: {name} must support the buffer protocol, got {type(buf).__name__}") from None
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"copy_crc32c: {name} is not C-contiguous (the copy never reorders bytes)")
+    return arr.reshape(-1).view(np.uint8)

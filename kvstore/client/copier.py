@@ -3,11 +3,13 @@
 numpy's copy releases the GIL, so two threads really copy in parallel; below ~1 MiB per batch a second thread costs
 more than it gives, so small batches stay on the calling thread.
 
-`copy_checked` also returns the CRC-32C of each destination (kvstore.checksum). With one copy thread, the checksum
-of a group of blocks runs on a checksum thread while the next group is copied, reading bytes the copy has just left
-in the cache; with more, each copy thread checksums the whole blocks it copies right after copying each (the copy
-threads then cover the checksums' CPU time, and two already saturate the memory bus here). The CRC, like numpy's
-copy, releases the GIL.
+`copy_checked` also returns the CRC-32C of each destination (kvstore.checksum). Where the one-pass copy is built
+(`checksum.FUSED`), each block is copied and checksummed in the same pass, by the copy threads splitting the blocks
+between them; a transfer of STREAM_BYTES or more asks it to write around the caches (it is bigger than they are).
+Otherwise, with one copy thread, the checksum of a group of blocks runs on a checksum thread while the next group
+is copied, reading bytes the copy has just left in the cache; with more, each copy thread checksums the whole blocks
+it copies right after copying each (the copy threads then cover the checksums' CPU time, and two already saturate
+the memory bus here). The CRC, like numpy's copy and the one-pass copy, releases the GIL.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.checksum import crc32c
+from kvstore.checksum import FUSED, copy_crc32c, crc32c
 
 PARALLEL_MIN_BYTES = 1 << 20
+STREAM_BYTES = 8 << 20      # a checked copy this large streams its stores (non-temporal): a quarter of the L3 here
 GROUP_BYTES = 1 << 20       # per copy thread: the bytes copied before their checksum is handed to the checksum thread
 
 
@@ -37,10 +40,12 @@ def as_bytes(buf: Any, writable: bool = False) -> np.ndarray:
 
 
 class Copier:
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, fused: bool = FUSED) -> None:
+        """`fused`: checked copies in one pass (kvstore.checksum.copy_crc32c); the default where it is native."""
         if threads not in (1, 2, 3, 4):
             raise ValueError(f"copy_threads must be 1..4, got {threads}")
         self.threads = threads
+        self.fused = fused
         self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvstore-copy") if threads > 1 else None
         self._checker: ThreadPoolExecutor | None = None
 
@@ -66,6 +71,9 @@ class Copier:
         before it asks for these (no pipeline drain between parts)."""
         crcs = [0] * len(pairs)
         total = sum(src.nbytes for _, src in pairs)
+        if self.fused:
+            self._fused(pairs, crcs, total)
+            return lambda: crcs
         if total < PARALLEL_MIN_BYTES or len(pairs) < 2:
             for i, (dst, src) in enumerate(pairs):
                 np.copyto(dst, src)
@@ -90,6 +98,19 @@ class Copier:
                 f.result()
             return crcs
         return finish
+
+    def _fused(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]], crcs: list[int], total: int) -> None:
+        """One pass per block; blocks dealt round-robin to the copy threads (a block is never split: its CRC is
+        one stream)."""
+        stream = total >= STREAM_BYTES
+        if self._pool is None or total < PARALLEL_MIN_BYTES or len(pairs) < 2:
+            _copy_crc(pairs, range(len(pairs)), crcs, stream)
+            return
+        shares = [range(i, len(pairs), self.threads) for i in range(self.threads)]
+        jobs = [self._pool.submit(_copy_crc, pairs, s, crcs, stream) for s in shares[1:]]
+        _copy_crc(pairs, shares[0], crcs, stream)
+        for j in jobs:
+            j.result()
 
     def close(self) -> None:
         for pool in (self._pool, self._checker):
@@ -133,6 +154,12 @@ def _copy_and_check(pairs: Sequence[tuple[np.ndarray, np.ndarray]], which: list[
         dst, src = pairs[i]
         np.copyto(dst, src)
         crcs[i] = crc32c(dst)
+
+
+def _copy_crc(pairs: Sequence[tuple[np.ndarray, np.ndarray]], which: range, crcs: list[int], stream: bool) -> None:
+    for i in which:
+        dst, src = pairs[i]
+        crcs[i] = copy_crc32c(dst, src, stream)
 
 
 def _checksums(crcs: list[int], items: list[tuple[int, np.ndarray]]) -> None:
