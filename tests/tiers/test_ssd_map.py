@@ -193,6 +193,8 @@ def test_deletes_and_rewrites_during_the_validation_keep_the_map_exact(ssd_dir: 
         gate.set()
         s.scanner.wait()
         assert not any(k.startswith("bad.") for k in s.counters)
+        cf = s.files[PAYLOAD]                 # the record → key books agree with the index
+        assert {k: rec for rec, k in enumerate(cf.keys) if k} == {k: w[1] for k, w in s.index.items()}
     finally:
         gate.set()
         s.close()

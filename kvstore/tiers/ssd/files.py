@@ -110,6 +110,7 @@ class ClassFile:
     free: list[int] = field(default_factory=list)
     map: RecordMap | None = None                      # its record map (recmap.py)
     unverified: dict[int, bytes] = field(default_factory=dict)   # record → key: booked from the map, header unread
+    keys: list[bytes | None] = field(default_factory=list)        # record → the key booked there (the store's)
     spare: queue.SimpleQueue[mmap.mmap] = field(default_factory=queue.SimpleQueue)   # record buffers for I/O
 
     def take(self) -> mmap.mmap:

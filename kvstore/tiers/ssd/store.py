@@ -234,9 +234,10 @@ class SsdStore:
         cf = max(self.files.values(), key=lambda f: f.size())
         n = min(cf.nrecords, -(-(self.file_bytes() - capacity) // cf.record))
         first = cf.nrecords - n
-        victims = [key for key, (payload, rec, _) in self.index.items() if payload == cf.payload and rec >= first]
+        victims = [key for key in cf.keys[first:] if key is not None]     # the cut records only, not the index
         for key in victims:
             self.drop_locked(key)
+        del cf.keys[first:]
         cf.free = [r for r in cf.free if r < first]
         cf.nrecords = first
         cut.add(cf)
@@ -279,6 +280,9 @@ class SsdStore:
     def add_locked(self, key: bytes, cf: ClassFile, rec: int, seq: int) -> None:
         """Book `key` in record `rec` of `cf`, as the most recently used."""
         self.index[key] = (cf.payload, rec, seq)
+        if rec >= len(cf.keys):
+            cf.keys.extend([None] * (rec + 1 - len(cf.keys)))
+        cf.keys[rec] = key
         self.policy.added(key, cf.payload)
         self.used += cf.record
         self.per_ns[key[:16]] += 1
@@ -289,6 +293,7 @@ class SsdStore:
         self.policy.removed(key)
         cf = self.files[where[0]]
         cf.unverified.pop(where[1], None)
+        cf.keys[where[1]] = None
         self.used -= cf.record
         self.per_ns[key[:16]] -= 1
         return where
