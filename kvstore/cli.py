@@ -1,4 +1,4 @@
-"""`kvstore serve | stats | top | ls | resize | evict | ping | verify`: human tables by default, `--json` for
+"""`kvstore serve | stats | top | ls | resize | evict | flush | ping | verify`: human tables by default, `--json` for
 scripts."""
 from __future__ import annotations
 
@@ -71,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--ns", type=int, help="only this namespace")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_evict)
+    c = sub.add_parser("flush", help="wait until every block your tenant stored is on disk (SSD tier, synced)")
+    c.add_argument("--timeout", type=float, help="seconds to wait at most (default: the daemon's "
+                                                 "ssd.durable_timeout_s)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_flush)
     c = sub.add_parser("verify", help="check every record of an SSD directory offline (the daemon stopped)")
     c.add_argument("--dir", required=True, help="the SSD tier's directory")
     c.add_argument("--fix", action="store_true", help="quarantine the bad records")
@@ -150,10 +155,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
             sc = t["scan"]
             text += (f"\nssd scan: {sc['state']}, {sc['scanned']} of {sc['records']} records in "
                      f"{sc['seconds']:.1f} s")
+    if s.get("write_through"):
+        text += "\n" + _durable_line(s["write_through"])
     if s.get("traffic"):
         text += "\n\n" + _traffic_table(s["traffic"])
     _out(args, s, f"{text}\n\n{counters}\n\n{lat}")
     return 0
+
+
+def _durable_line(wt: dict[str, Any]) -> str:
+    """The durable path in one line: write-through on or off, blocks on their way, the oldest one's age, the lag
+    from commit to synced."""
+    lag = wt.get("lag") or {}
+    return (f"write-through: {'on' if wt.get('enabled') else 'off (durable puts and flushes only)'}, "
+            f"{wt.get('pending', 0)} block(s) on their way to disk, oldest {wt.get('oldest_pending_s', 0.0):.2f} s; "
+            f"lag commit→synced p50 {_us(lag.get('p50'))}, p99 {_us(lag.get('p99'))}, "
+            f"max {wt.get('max_lag_s', 0.0) * 1e3:.1f} ms over {lag.get('count', 0)} block(s)")
 
 
 def _traffic_table(paths: list[dict[str, Any]]) -> str:
@@ -262,6 +279,21 @@ def cmd_evict(args: argparse.Namespace) -> int:
         r = c.evict(parse_size(args.bytes) if args.bytes else 0, args.all, args.ns)
     _out(args, r, f"evicted {r['blocks']} block(s), {format_size(r['bytes'])}")
     return 0
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    """Exit status 0 when everything is durable (or written, under ssd.sync never), 1 otherwise."""
+    t0 = time.perf_counter()
+    with _client(args) as c:
+        r = c.flush_durable(args.timeout)
+    took = time.perf_counter() - t0
+    says = {"durable": "on disk and synced", "unsynced": "written, not synced (ssd.sync is never)",
+            "timeout": f"not all on disk by the deadline: {r['pending']} still on their way",
+            "failed": f"{r['failed']} could not be written (see the daemon's log)",
+            "no_ssd_tier": "this daemon has no SSD tier (set ssd.dir): nothing can be made durable"}
+    _out(args, {**r, "seconds": took}, f"{r['durability']}: {r['blocks']} block(s) {says.get(r['durability'], '')} "
+                                       f"in {took:.2f} s")
+    return 0 if r["durability"] in ("durable", "unsynced") else 1
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 from kvstore.client import Client, Namespace, PutResult
@@ -48,6 +49,10 @@ class AsyncClient:
     async def resize(self, nbytes: int) -> dict[str, Any]:
         return await self._run(self.client.resize, nbytes)
 
+    async def flush_durable(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Wait until every block of this client's tenant stored before now is on disk (Client.flush_durable)."""
+        return await self._run(self.client.flush_durable, timeout_s)
+
     async def close(self) -> None:
         if self._client is not None:
             await self._run(self._client.close)
@@ -70,8 +75,15 @@ class AsyncNamespace:
     async def lookup(self, hashes: Sequence[bytes]) -> int:
         return await self._owner._run(self.sync.lookup, hashes)
 
-    async def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32) -> PutResult:
-        return await self._owner._run(self.sync.put, hashes, blocks, batch)
+    async def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32, durable: bool = False,
+                  durable_timeout_s: float | None = None) -> PutResult:
+        """Namespace.put; with `durable`, the awaitable completes once the blocks are on disk (or at the
+        deadline), without blocking the event loop meanwhile."""
+        return await self._owner._run(partial(self.sync.put, hashes, blocks, batch, durable=durable,
+                                              durable_timeout_s=durable_timeout_s))
+
+    async def wait_durable(self, hashes: Sequence[bytes], timeout_s: float | None = None) -> dict[str, Any]:
+        return await self._owner._run(self.sync.wait_durable, hashes, timeout_s)
 
     async def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32) -> int:
         return await self._owner._run(self.sync.get, hashes, outs, batch)

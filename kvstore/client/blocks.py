@@ -7,9 +7,17 @@ by `kvstore.protocol.keys.block_key`; a batched request carries them packed in i
 
 Checksums are on by default, end to end: a writer commits each block with the CRC-32C of its bytes
 (kvstore.checksum), every tier keeps that CRC with the block, and `get` checks its own copy against it — a block
-that fails, or was committed without one, ends the prefix there (a miss, never a wrong byte)."""
+that fails, or was committed without one, ends the prefix there (a miss, never a wrong byte).
+
+Durability: `put(..., durable=True)`, `Reservation.commit(durable=True)` and `Namespace.wait_durable` return once
+the blocks are on disk and synced in the daemon's SSD tier, or at a deadline (`durable_timeout_s`; the daemon's
+ssd.durable_timeout_s when not given, capped by its ssd.durable_timeout_max_s), with the daemon's answer
+(`durability`): durable, unsynced (written; ssd.sync is never), timeout (stored, not all on disk yet), failed (some
+could not be written) or no_ssd_tier. Without it a put returns before any disk write (write-through, where on, is
+asynchronous)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -82,22 +90,51 @@ class Namespace:
         return keys
 
     def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32,
-            checksum: bool = True) -> PutResult:
+            checksum: bool = True, durable: bool = False, durable_timeout_s: float | None = None) -> PutResult:
         """Store whole blocks: reserve → copy → commit, `batch` blocks per reserve; with `checksum`, each block's
-        CRC-32C goes with its commit (a block committed without one is never served as verified).
+        CRC-32C goes with its commit (a block committed without one is never served as verified). With `durable`,
+        return once the blocks are on disk (or at the deadline): `result.durability` is the daemon's answer.
 
         Commits are pipelined: a batch is copied in parts and each part's commit is sent without waiting, so the
         daemon books part i while this process copies part i+1; the replies are read before the next reserve.
+        A durable put's commits only queue their blocks for the disk, first in line; it waits once, at the end.
         """
         if len(hashes) != len(blocks):
             raise ValueError(f"{len(hashes)} hashes but {len(blocks)} blocks")
+        deadline = self._durable_deadline(durable_timeout_s) if durable else None
         result = PutResult()
         for i in reversed(range(0, len(hashes), batch)):     # tail first: see Reservation.write_and_commit
             with self.reserve(hashes[i:i + batch]) as r:
-                r.write_and_commit(blocks[i:i + batch], checksum=checksum)
+                r.write_and_commit(blocks[i:i + batch], checksum=checksum, durable=durable)
             result.add(r)
         self.client.flush()
+        if durable:
+            answer = self.wait_durable(hashes, deadline)
+            result.durability, result.not_durable = answer["durability"], answer["pending"] + answer["failed"]
         return result
+
+    def wait_durable(self, hashes: Sequence[bytes], timeout_s: float | None = None) -> dict[str, Any]:
+        """Wait until these blocks (those stored: a block stored nowhere has nothing to persist) are on disk and
+        synced in the daemon's SSD tier — those in the host pool only are written first in line — or until the
+        deadline. The daemon's answer: {durability, blocks, pending, failed} (see the module docstring)."""
+        answers = []
+        timeout_s = self._durable_deadline(timeout_s)
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        for blob in self._batches(hashes):
+            extra = {} if end is None else {"timeout_ms": max(0, int((end - time.monotonic()) * 1000))}
+            answers.append(self.client.call("flush", ns=self.id, keys=blob, **extra))
+        return merge_answers(answers)
+
+    def _durable_deadline(self, timeout_s: float | None) -> float | None:
+        """A durable wait's deadline, checked against the client's socket timeout (which would end it first)."""
+        if timeout_s is None:
+            return None
+        if timeout_s < 0:
+            raise ValueError(f"durable_timeout_s must not be negative, got {timeout_s}")
+        if self.client.timeout is not None and timeout_s >= self.client.timeout:
+            raise ValueError(f"durable_timeout_s ({timeout_s} s) must be below the client's socket timeout "
+                             f"({self.client.timeout} s)")
+        return timeout_s
 
     def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32, lane: str = "critical",
             verify: bool = True) -> int:
@@ -148,14 +185,27 @@ class Namespace:
         return arrs
 
 
+ANSWER_ORDER = ("no_ssd_tier", "failed", "timeout", "unsynced", "durable")     # the worst first
+
+
+def merge_answers(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One answer for several durable requests: the worst of their answers, their counts added."""
+    if not answers:
+        return {"durability": "durable", "blocks": 0, "pending": 0, "failed": 0}
+    worst = min((a["durability"] for a in answers), key=ANSWER_ORDER.index)
+    return {"durability": worst, **{k: sum(a.get(k, 0) for a in answers) for k in ("blocks", "pending", "failed")}}
+
+
 @dataclass
 class PutResult:
     """What a put did, in blocks: stored now, stored already, being stored by another writer (`busy`), or refused
-    for want of space."""
+    for want of space; for a durable put, the daemon's answer (`durability`) and the blocks not durable by then."""
     stored: int = 0
     existed: int = 0
     busy: int = 0
     no_space: int = 0
+    durability: str | None = None
+    not_durable: int = 0
 
     def add(self, r: Reservation) -> None:
         for s in r.status:
@@ -182,6 +232,8 @@ class Reservation:
         self.views = ns.client._views([g for g in gids if g])
         self.done = False
         self._uncommitted = len(self.reserved)   # write_and_commit commits from the end: positions before this
+        self.durability: dict[str, Any] | None = None   # a durable commit's answer
+        self._durable = False                            # write_and_commit's commits queue their blocks for disk
 
     @property
     def reserved(self) -> list[int]:
@@ -196,11 +248,14 @@ class Reservation:
         srcs = self.ns._check([blocks[i] for i in self.reserved], self.ns.block_bytes, "block", False)
         self.ns.client.copier.copy(list(zip(self.views, srcs)))
 
-    def write_and_commit(self, blocks: Sequence[Any], part: int = 8, checksum: bool = True) -> None:
+    def write_and_commit(self, blocks: Sequence[Any], part: int = 8, checksum: bool = True,
+                         durable: bool = False) -> None:
         """Copy whole blocks and commit them `part` at a time without waiting for the replies (read by the
         client's next call or `flush`). A block is visible once its part's commit is booked. With `checksum`,
         each block's CRC-32C (of the slot as copied, computed beside the copy) goes with its commit, so that
-        readers and lower tiers can verify it."""
+        readers and lower tiers can verify it. With `durable`, each commit queues its blocks for the disk first in
+        line, without waiting for it (Namespace.wait_durable waits)."""
+        self._durable = durable
         pos = self.reserved
         srcs = self.ns._check([blocks[i] for i in pos], self.ns.block_bytes, "block", False)
         # The last part first: the daemon links each commit's blocks as the most recent, so the head of a prefix
@@ -224,7 +279,9 @@ class Reservation:
 
     def _commit_part(self, pos: list[int], start: int, part: int, crcs: list[int] | None) -> None:
         """Send the commit of the reserved positions pos[start:start + part] without waiting for its reply."""
-        extra = {"crcs": crcs} if crcs is not None else {}
+        extra: dict[str, Any] = {"crcs": crcs} if crcs is not None else {}
+        if self._durable:
+            extra.update(durable=True, timeout_ms=0)      # queued for the disk; the put waits once, at its end
         self.ns.client.send("commit", ns=self.ns.id, keys=self._keys_at(pos[start:start + part]), **extra)
         self._uncommitted = start
 
@@ -238,17 +295,30 @@ class Reservation:
         """CRC-32C of each reserved slot as it is now (all layers written): what `commit(crcs=...)` takes."""
         return [crc32c(v) for v in self.views]
 
-    def commit(self, crcs: Sequence[int] | None = None, checksum: bool = True) -> int:
+    def commit(self, crcs: Sequence[int] | None = None, checksum: bool = True, durable: bool = False,
+               durable_timeout_s: float | None = None) -> int:
         """Publish the reserved blocks with their CRC-32C (one per reserved block): `crcs` as given, else, with
-        `checksum`, computed from the slots now. Without either, readers can never verify them."""
+        `checksum`, computed from the slots now. Without either, readers can never verify them. With `durable`,
+        the reply comes once they are on disk and synced, or at the deadline (`durable_timeout_s`, 0: queue them
+        for the disk first in line and reply at once): the daemon's answer is in `self.durability`."""
         self.done = True
         pos = self.reserved
         if not pos:
+            if durable:
+                self.durability = merge_answers([])
             return 0
         if crcs is None and checksum:
             crcs = self.checksums()
-        extra = {"crcs": list(crcs)} if crcs is not None else {}
-        return int(self.ns.client.call("commit", ns=self.ns.id, keys=self._keys_at(pos), **extra)["n"])
+        extra: dict[str, Any] = {"crcs": list(crcs)} if crcs is not None else {}
+        if durable:
+            extra["durable"] = True
+            timeout = self.ns._durable_deadline(durable_timeout_s)
+            if timeout is not None:
+                extra["timeout_ms"] = int(timeout * 1000)
+        reply = self.ns.client.call("commit", ns=self.ns.id, keys=self._keys_at(pos), **extra)
+        if durable:
+            self.durability = {k: reply[k] for k in ("durability", "blocks", "pending", "failed")}
+        return int(reply["n"])
 
     def abort(self) -> None:
         self.done = True

@@ -68,6 +68,8 @@ class SsdConfig:
     io: str = "auto"                    # auto | io_uring | threads: how record payloads reach the disk
     persist_on_stop: bool = True        # a graceful stop writes the host pool's blocks to SSD first
     eviction: str = "lru"               # which record makes room at the cap (kvstore.policy)
+    durable_timeout_s: float = 5.0      # a durable commit or flush naming no deadline waits at most this long
+    durable_timeout_max_s: float = 20.0  # ... and one naming a longer deadline this long (below clients' timeouts)
 
 
 @dataclass(slots=True)
@@ -309,6 +311,12 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"ssd.sync: must be one of {', '.join(SYNC_POLICIES)}, got {d.sync!r}")
     if d.dir and d.capacity < 1 << 20:
         errors.append(f"ssd.capacity: must be at least 1MiB, got {d.capacity}")
+    if not 0 < d.durable_timeout_max_s <= 3600:
+        errors.append(f"ssd.durable_timeout_max_s: must be above 0 and at most 3600 seconds, got "
+                      f"{d.durable_timeout_max_s}")
+    if not 0 <= d.durable_timeout_s <= d.durable_timeout_max_s:
+        errors.append(f"ssd.durable_timeout_s: must be 0..ssd.durable_timeout_max_s ({d.durable_timeout_max_s}) "
+                      f"seconds, got {d.durable_timeout_s}")
     errors += _check_traffic(cfg.traffic)
     if cfg.log.level not in LOG_LEVELS:
         errors.append(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}")

@@ -4,7 +4,8 @@ The operator's ops (stats, list, resize, evict) are in `admin`.
 
 Each op gets the connection (`Conn`: its holdings, peer and role). `hello` fixes the connection's tenant
 (kvstore.daemon.tenants) and refuses geometries below server.min_block_bytes; `segments` hands out only the
-connection's own tenant's segments; `reserve` gives each reservation a lease (server.reservation_lease_s)."""
+connection's own tenant's segments; `reserve` gives each reservation a lease (server.reservation_lease_s). A durable
+`commit` and `flush` wait for the disk without the state lock (kvstore.movers.durability)."""
 from __future__ import annotations
 
 import os
@@ -19,6 +20,7 @@ from kvstore.daemon.state import State
 from kvstore.daemon.stream import Stream
 from kvstore.daemon.tenants import Conn, resolve, tenant_of
 from kvstore.index import Holdings
+from kvstore.movers.durability import NO_SSD_TIER, Ticket
 from kvstore.movers.prefetch import LaneFull
 from kvstore.protocol import HASH_BYTES, Code, ProtocolError, split_keys
 from kvstore.protocol.geometry import GeometryError
@@ -111,12 +113,56 @@ def op_reserve(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_commit(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    """Publish reserved blocks. With `durable`, they go to the write-through path at once (first in line) and the
+    reply waits until they are on disk and synced, or until the deadline (`timeout_ms`, else
+    ssd.durable_timeout_s; at most ssd.durable_timeout_max_s): see `_wait_durable` for the answers."""
     ns = st.index.namespace(m["ns"], h)
     hashes = split_keys(m["keys"])
     n = st.index.commit(ns, hashes, h, m.get("crcs"))
-    if st.write_through is not None:
-        st.write_through.committed(ns, hashes)
-    return {"n": n}
+    if not m.get("durable"):
+        if st.write_through is not None:
+            st.write_through.committed(ns, hashes)
+        return {"n": n}
+    if st.write_through is None:
+        return {"n": n, "durability": NO_SSD_TIER, "blocks": n, "pending": n, "failed": 0}
+    ticket = st.write_through.committed(ns, hashes, durable=True)
+    assert ticket is not None
+    return {"n": n, **_wait_durable(st, ticket, m)}
+
+
+def op_flush(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    """Wait until blocks stored before this request are on disk and synced (same deadline and answers as a
+    durable commit): with `ns` and `keys`, those blocks; without, every block of the connection's tenant — those on
+    their way already, the host pool's that the lower tier lacks (queued first in line, write_through or not) and
+    those being demoted (flagged urgent)."""
+    if "keys" in m and "ns" not in m:
+        raise ProtocolError(Code.BAD_REQUEST, "flush: field 'keys' needs field 'ns' (the namespace of the keys)")
+    if "ns" in m:
+        ns = st.index.namespace(m["ns"], h)
+    if st.write_through is None:
+        return {"durability": NO_SSD_TIER, "blocks": 0, "pending": 0, "failed": 0}
+    if "keys" in m:
+        ticket = st.write_through.flush_blocks(ns, split_keys(m["keys"]))
+    else:
+        tenant = tenant_of(st.config, h)
+        ticket = st.write_through.flush_tenant(tenant, [n for n in st.index.namespaces.values()
+                                                        if n.tenant == tenant and ("ns" not in m or n is ns)])
+    return _wait_durable(st, ticket, m)
+
+
+def _wait_durable(st: State, ticket: Ticket, m: dict[str, Any]) -> dict[str, Any]:
+    """Wait, without the state lock, for the ticket's blocks to reach the disk; the answer (`durability`):
+    durable (all on disk and synced, or deleted meanwhile), unsynced (written, but ssd.sync is never), timeout
+    (stored, not all on disk yet: `pending`), failed (`failed` of them could not be written; counted in the
+    stats), and how many blocks the request covered (`blocks`)."""
+    cfg = st.config.ssd
+    timeout = min(m["timeout_ms"] / 1000 if "timeout_ms" in m else cfg.durable_timeout_s, cfg.durable_timeout_max_s)
+    assert st.write_through is not None
+    st.lock.release()
+    try:
+        return st.write_through.wait(ticket, timeout)
+    finally:
+        st.lock.acquire()
 
 
 def op_abort(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
@@ -190,6 +236,8 @@ def op_delete(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     if st.prefetcher is not None:
         st.prefetcher.cancel(ns, hashes)
     in_host = st.index.delete(ns, hashes)
+    if st.write_through is not None:
+        st.write_through.forget(ns, hashes)          # waiters for their durability: nothing to persist
     below = [False] * len(hashes)
     if st.lower:
         keys = [ns.key(b) for b in hashes]
@@ -210,5 +258,5 @@ HANDLERS: dict[str, Handler] = {
     "ping": op_ping, "hello": op_hello, "segments": op_segments, "lookup": op_lookup, "reserve": op_reserve,
     "commit": op_commit, "abort": op_abort, "acquire": op_acquire, "release": op_release, "delete": op_delete,
     "prefetch": op_prefetch, "stats": admin.op_stats, "list": admin.op_list, "resize": admin.op_resize,
-    "evict": admin.op_evict,
+    "evict": admin.op_evict, "flush": op_flush,
 }

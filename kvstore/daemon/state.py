@@ -1,7 +1,8 @@
 """The daemon's state, built whole from the configuration at start: the host pool and its index, the lower tiers,
 the traffic manager, and the movers — each mover given only the parts it uses. Nothing is filled in later; a part
 that the configuration leaves out (no lower tier: no demotion, promotion reads, prefetch or write-through) is None
-from the start.
+from the start. The write-through mover exists wherever the first lower tier can say when a block is on disk: it
+writes every committed block with ssd.write_through, and the blocks of durable commits and flushes always.
 
 `lock` guards the books (index, pool, connection count); `changed` (on it) is notified when a promotion or a
 prefetch finishes or a mover has work. Ops run under `lock`; block copies never do (see movers.demotion).
@@ -20,7 +21,7 @@ from kvstore.index import Index
 from kvstore.movers.demotion import Demotion
 from kvstore.movers.prefetch import Prefetcher
 from kvstore.movers.promotion import Promotion
-from kvstore.movers.writethrough import WriteThrough
+from kvstore.movers.writethrough import DurableTier, WriteThrough
 from kvstore.tiers import LowerTiers
 from kvstore.tiers.host import HostPool
 from kvstore.tiers.registry import open_lower_tiers
@@ -80,8 +81,9 @@ def build_state(config: Config) -> State:
     promotion = Promotion(index, pool, lower, lock, changed, partial(copy_deferred, demotion, index, lock, False),
                           prefetcher.escalate if prefetcher is not None else _no_flight)
     write_through = None
-    if lower and config.ssd.write_through:
-        write_through = WriteThrough(index, pool, lower.first, changed, counters, config.ssd.staging_bytes)
+    if lower and isinstance(lower.first, DurableTier):     # durable commits and flushes, even without write_through
+        write_through = WriteThrough(index, pool, lower.first, changed, counters, config.ssd.staging_bytes,
+                                     enabled=config.ssd.write_through, synced=config.ssd.sync != "never")
     return State(config, lock, changed, counters, pool, index, traffic, lower, promotion, demotion, prefetcher,
                  write_through)
 

@@ -1,21 +1,33 @@
 """Write-through: blocks that engines store are also written to the first lower tier at once, in the store lane, so
 they survive a daemon restart and their later eviction costs no write (DualPath persists each full block as soon as
-it fills). Off by default (`ssd.write_through`): it spends write bandwidth on blocks that may never be evicted.
+it fills). For every committed block with `ssd.write_through` (off by default: it spends write bandwidth on blocks
+that may never be evicted), and for the blocks of a durable commit or a flush whatever that setting.
 
 No copy: the tier's write reads straight from the committed slot, pinned only while its batch is written (BATCH
 blocks at a time), so write-through never holds the pool's room: a block queued but not written yet can be evicted
-like any other, and then goes down the write-back way (demotion's staged copy), which the write-through skips. The
-queue is bounded (`ssd.staging_bytes` of blocks): beyond it a block is skipped (counted) and goes down on eviction.
-A block deleted meanwhile is not published (the tier drops a write whose block was deleted after `announce`).
+like any other, and then goes down by demotion — flagged urgent in the tier (`want`), so its staged copy is written
+next, in the store lane, never behind background demotions. The plain queue is bounded (`ssd.staging_bytes` of
+blocks): beyond it a block is skipped (write_through_skipped) and goes down on eviction, in the background. Blocks a
+request waits for (durable commits, flushes) have their own queue, written first and never skipped: they are bounded
+by the requests in flight (a request names at most server.max_keys_per_request blocks).
+
+Every queued block is booked in the durability books (durability.py) until its fate is known — written, deleted,
+or lost to the durable path — and the requests waiting for it are told there: that is how a durable commit or a
+flush learns its answer, and where `kvstore stats` finds the lag from commit to synced and the oldest block still
+on its way. A block deleted meanwhile is not published (the tier drops a write whose block was deleted after
+`announce`) and counts as done: nothing to persist.
 """
 from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from threading import Condition
+from typing import Protocol, runtime_checkable
 
 from kvstore.daemon.crash import fault_point
 from kvstore.index import Holdings, Index, NamespaceEntry
+from kvstore.movers.durability import Books, Entry, Ticket
 from kvstore.tiers import LowerTier
 from kvstore.tiers.host import HostPool
 from kvstore.traffic import Lane
@@ -25,72 +37,222 @@ log = logging.getLogger("kvstore")
 BATCH = 32
 
 
+@runtime_checkable
+class DurableTier(LowerTier, Protocol):
+    """A lower tier that can say when a block is on its medium (the SSD tier's write-through hooks)."""
+
+    def want(self, bids: Sequence[bytes]) -> None: ...
+
+    def unwant(self, bids: Sequence[bytes]) -> None: ...
+
+    def when_written(self, bids: Sequence[bytes], done: Callable[[bytes], None]) -> None: ...
+
+    def staged_keys(self, digests: set[bytes]) -> list[bytes]: ...
+
+    def on_disk(self, bid: bytes) -> bool: ...
+
+
 class WriteThrough:
-    def __init__(self, index: Index, pool: HostPool, tier: LowerTier, changed: Condition, counters: Counter[str],
-                 max_bytes: int) -> None:
+    def __init__(self, index: Index, pool: HostPool, tier: DurableTier, changed: Condition, counters: Counter[str],
+                 max_bytes: int, enabled: bool = True, synced: bool = True) -> None:
         self.index = index
         self.pool = pool
         self.tier = tier
         self.changed = changed                  # on the state lock: notified when there is work
         self.counters = counters
         self.max_bytes = max_bytes
+        self.enabled = enabled                  # ssd.write_through: every commit, not only durable ones
+        self.books = Books(synced)
         self.holder = Holdings()
-        self.queue: deque[tuple[bytes, int, int, NamespaceEntry, bytes]] = deque()   # block id, gid, size, ns, hash
+        self.urgent: deque[Entry] = deque()     # blocks a request waits for: written first
+        self.queue: deque[Entry] = deque()      # the plain write-through, bounded by max_bytes
         self.queued_bytes = 0
         self.writing = 0                        # blocks of the batch being written
         self._stop = False
         self._worker = Worker("kvstore-writethrough", self._run).start()   # restarted if it ever raises
 
-    def committed(self, ns: NamespaceEntry, hashes: list[bytes]) -> None:
-        """(Under the state lock.) Queue the writes of blocks just committed (nothing pinned yet)."""
-        for h in hashes:
-            gid = self.index.slot(ns, h)
-            if gid is None or self.tier.has(ns.block_id(h)):
-                continue                            # gone already, or held by the tier already (stored again)
-            if self.queued_bytes + ns.slot_bytes > self.max_bytes:
-                self.counters["write_through_skipped"] += 1
-                continue
-            self.queued_bytes += ns.slot_bytes
-            self.queue.append((ns.block_id(h), gid, ns.slot_bytes, ns, h))
-        self.changed.notify_all()
+    # ----- what gets queued (under the state lock) -----
+    def committed(self, ns: NamespaceEntry, hashes: list[bytes], durable: bool = False) -> Ticket | None:
+        """Queue the writes of blocks just committed (nothing pinned yet): all of them with ssd.write_through,
+        else only a durable commit's. A durable commit gets the ticket it waits on."""
+        if not durable and not self.enabled:
+            return None
+        ticket = Ticket() if durable else None
+        self._queue_all([(ns, h) for h in hashes], ticket, urgent=durable, committed=True)
+        return ticket
 
+    def flush_blocks(self, ns: NamespaceEntry, hashes: list[bytes]) -> Ticket:
+        """A ticket on these blocks reaching the disk: those in the host pool only are queued first in line,
+        those being demoted are flagged urgent."""
+        ticket = Ticket()
+        self._queue_all([(ns, h) for h in hashes], ticket, urgent=True, committed=False)
+        return ticket
+
+    def flush_tenant(self, tenant: str, namespaces: list[NamespaceEntry]) -> Ticket:
+        """A ticket on every block of these namespaces (a tenant's) stored before now reaching the disk: those
+        on their way already, the host pool's that the tier lacks (queued first in line) and the staged ones."""
+        ticket = Ticket()
+        with self.books.cond:
+            for e in self.books.of_tenant(tenant):
+                self.books.attach(e, ticket)
+        mine = {n.id for n in namespaces}
+        self._queue_all([(ns, h) for ns, h, _ in self.index.blocks() if ns.id in mine], ticket, urgent=True,
+                        committed=False)
+        by_digest = {n.digest: n for n in namespaces}
+        staged = [bid for bid in self.tier.staged_keys(set(by_digest))]
+        self._queue_all([(by_digest[bid[:16]], bid[16:]) for bid in staged], ticket, urgent=True, committed=False)
+        return ticket
+
+    def forget(self, ns: NamespaceEntry, hashes: list[bytes]) -> None:
+        """The blocks are being deleted: nothing to persist, their waiters count them as done."""
+        bids = [ns.block_id(h) for h in hashes]
+        with self.books.cond:
+            for bid in bids:
+                e = self.books.entries.get(bid)
+                if e is not None:
+                    self.books.settle(e, True, "deleted")
+        self.tier.unwant(bids)
+
+    def wait(self, ticket: Ticket, timeout: float) -> dict[str, object]:
+        """(Without the state lock.) The answer once the ticket's blocks are settled, or at the deadline."""
+        return self.books.wait(ticket, timeout)
+
+    def _queue_all(self, blocks: list[tuple[NamespaceEntry, bytes]], ticket: Ticket | None, urgent: bool,
+                   committed: bool) -> None:
+        wanted, watched = [], []
+        with self.books.cond:
+            for ns, h in blocks:
+                where = self._queue_one(ns, h, ticket, urgent, committed)
+                if where == "slot":
+                    wanted.append(ns.block_id(h))
+                elif where == "staged":
+                    watched.append(ns.block_id(h))
+        if wanted:
+            self.tier.want(wanted)
+            self.changed.notify_all()
+        if watched:
+            self.tier.when_written(watched, self._demoted)
+
+    def _queue_one(self, ns: NamespaceEntry, h: bytes, ticket: Ticket | None, urgent: bool,
+                   committed: bool) -> str:
+        """(Under the books' lock.) Book one block: queued from its slot ("slot"), watched in the tier's staging
+        ("staged"), or nothing to do ("" : on disk already, on its way already, stored nowhere, or skipped)."""
+        bid = ns.block_id(h)
+        e = self.books.entries.get(bid)
+        if e is not None:
+            self.books.attach(e, ticket)
+            return ""
+        if self.tier.on_disk(bid):
+            return ""
+        gid = self.index.slot(ns, h)
+        if self.tier.has(bid):                               # evicted: on its way down by demotion
+            self.books.add(bid, ns, h, gid or 0, committed, ticket)
+            return "staged"
+        if gid is None:
+            return ""                                        # deleted, or never stored: nothing to persist
+        if not urgent and self.queued_bytes + ns.slot_bytes > self.max_bytes:
+            self.counters["write_through_skipped"] += 1
+            return ""
+        e = self.books.add(bid, ns, h, gid, committed, ticket)
+        assert e is not None
+        if urgent:
+            self.urgent.append(e)
+        else:
+            self.queue.append(e)
+            self.queued_bytes += ns.slot_bytes
+        return "slot"
+
+    def _demoted(self, bid: bytes) -> None:
+        """(The tier's callback, without the state lock.) A watched block left the tier's staging."""
+        with self.books.cond:
+            e = self.books.entries.get(bid)
+            if e is not None:
+                on_disk = self.tier.on_disk(bid)
+                self.books.settle(e, on_disk, "written" if on_disk else "lost")
+        self.tier.unwant([bid])
+
+    # ----- the writer -----
     def _run(self) -> None:
         while True:
             with self.changed:
-                while not self.queue and not self._stop:
+                while not self.urgent and not self.queue and not self._stop:
                     self.changed.wait()
-                if not self.queue:
+                if not self.urgent and not self.queue:
                     return
                 fault_point("write_through_loop")
-                batch = [self.queue.popleft() for _ in range(min(BATCH, len(self.queue)))]
-                self.queued_bytes -= sum(n for _, _, n, _, _ in batch)
-                # Still in its slot (not deleted, nor evicted: then demotion took it down) and not in the tier yet;
-                # once per block (a block deleted and stored again into the same slot is queued twice).
-                live = list({b[0]: b for b in batch
-                             if self.index.slot(b[3], b[4]) == b[1] and not self.tier.has(b[0])}.values())
-                for _, _, _, ns, h in live:
-                    self.index.pin(ns, h, self.holder)          # held for this write only
-                views = [self.pool.view(gid) for _, gid, _, _, _ in live]
+                live, watched = self._sort(self._take(BATCH))
+                for e in live:
+                    self.index.pin(e.ns, e.block_hash, self.holder)      # held for this write only
+                views = [self.pool.view(e.gid) for e in live]
                 self.writing = len(live)
-                crcs = self.index.crcs_of([gid for _, gid, _, _, _ in live])   # the writers': checked by the tier
-                self.tier.announce([bid for bid, _, _, _, _ in live])    # a delete from now on cancels the write
+                crcs = self.index.crcs_of([e.gid for e in live])         # the writers': checked by the tier
+                self.tier.announce([e.bid for e in live])                # a delete from now on cancels the write
+                if watched:
+                    self.tier.when_written(watched, self._demoted)
             try:
-                stored = self.tier.write([(b[0], v, crc) for b, v, crc in zip(live, views, crcs)], Lane.STORE)
+                stored = self.tier.write([(e.bid, v, crc) for e, v, crc in zip(live, views, crcs)], Lane.STORE)
             except Exception:
                 log.exception("%s: a write-through batch of %d blocks failed; they stay in the host pool",
-                              self.tier.name, len(batch))
+                              self.tier.name, len(live))
                 stored = 0
             finally:
                 for v in views:
                     v.release()
             with self.changed:
                 self.counters["written_through"] += stored
-                self.index.release([gid for _, gid, _, _, _ in live], self.holder)
+                self.index.release([e.gid for e in live], self.holder)
                 self.writing = 0
+                self._written(live)
 
-    def stats(self) -> dict[str, int]:
-        """(Under the state lock.) Blocks waiting for their write, and blocks being written (pinned)."""
-        return {"queued": len(self.queue), "writing": self.writing, "restarts": self._worker.restarts}
+    def _take(self, n: int) -> list[Entry]:
+        """(Under the state lock.) Up to `n` entries still to settle, those a request waits for first."""
+        out: list[Entry] = []
+        while len(out) < n and (self.urgent or self.queue):
+            if self.urgent:
+                e = self.urgent.popleft()
+            else:
+                e = self.queue.popleft()
+                self.queued_bytes -= e.ns.slot_bytes
+            if not e.done:
+                out.append(e)
+        return out
+
+    def _sort(self, batch: list[Entry]) -> tuple[list[Entry], list[bytes]]:
+        """(Under the state lock.) Blocks still in their slot and not in the tier (written now); blocks evicted
+        meanwhile and staged (watched: demotion writes them, urgently); the others are settled here: on disk
+        already, or evicted and dropped (lost to the durable path)."""
+        live, watched, lost = [], [], []
+        with self.books.cond:
+            for e in batch:
+                if self.tier.on_disk(e.bid):
+                    self.books.settle(e, True, "on_disk")
+                elif self.index.slot(e.ns, e.block_hash) == e.gid and not self.tier.has(e.bid):
+                    live.append(e)
+                elif self.tier.has(e.bid):
+                    watched.append(e.bid)
+                else:
+                    self.books.settle(e, False, "lost")
+                    lost.append(e.bid)
+        if lost:
+            self.tier.unwant(lost)
+        return live, watched
+
+    def _written(self, live: list[Entry]) -> None:
+        """(Under the state lock.) A batch's writes are over: each block on disk now, or not (deleted meanwhile:
+        settled by `forget` already; or its write failed)."""
+        with self.books.cond:
+            for e in live:
+                ok = self.tier.on_disk(e.bid)
+                self.books.settle(e, ok, "written" if ok else "write_failed")
+        self.tier.unwant([e.bid for e in live])
+
+    def stats(self) -> dict[str, object]:
+        """(Under the state lock.) Blocks waiting for their write, blocks being written (pinned), and the
+        durable path: blocks on their way, the oldest one's age, the lag from commit to synced."""
+        with self.books.cond:
+            books = self.books.stats()
+        return {"enabled": self.enabled, "queued": len(self.urgent) + len(self.queue), "writing": self.writing,
+                "restarts": self._worker.restarts, **books}
 
     def close(self) -> None:
         """Write what is queued (a graceful stop keeps it), then stop."""

@@ -21,7 +21,7 @@ SCHEMAS: dict[str, Schema] = {
     "segments": {"ids": ("ints", True)},
     "lookup": _KEYS,
     "reserve": _KEYS,
-    "commit": {**_KEYS, "crcs": ("ints", False)},
+    "commit": {**_KEYS, "crcs": ("ints", False), "durable": ("bool", False), "timeout_ms": ("int", False)},
     "abort": _KEYS,
     "acquire": {**_KEYS, "lane": ("str", False), "stream": ("bool", False)},
     "release": {"slots": ("ints", True)},
@@ -31,6 +31,7 @@ SCHEMAS: dict[str, Schema] = {
     "resize": {"bytes": ("int", True), "tier": ("str", False)},
     "evict": {"ns": ("int", False), "bytes": ("int", False), "all": ("bool", False)},
     "prefetch": {"ns": ("int", True), "keys": ("keys", True), "wait": ("bool", False)},
+    "flush": {"ns": ("int", False), "keys": ("keys", False), "timeout_ms": ("int", False)},
 }
 _COMMON = {"v", "op", "id"}
 

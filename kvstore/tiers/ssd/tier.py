@@ -14,6 +14,11 @@ lookups from then on) and hands out its buffer, and the evicting thread, once it
 `fill` copy the slot into it and publish it; readers of a block still being copied wait for it, and the writer
 skips it until then.
 
+Write-through hooks (kvstore.movers.durability): a block waiting for its write-through is `want`ed; should it be
+evicted before that write, its staged copy is flagged urgent, and the writer takes urgent blocks first, in the store
+lane, never behind background demotions. `when_written` flags staged blocks urgent the same way and calls back once
+each has left staging (written and synced, or dropped, or deleted): `on_disk` then says which.
+
 Blocks are addressed by block id (kvstore.tiers): the namespace digest + the block hash (32 bytes), stable across
 restarts, unlike namespace ids. This is a `LowerTier`; `open_tier` builds it from the configuration.
 Thread safety: `lock` guards the staging area and is held only for dict updates and copies; the store keeps its
@@ -77,6 +82,9 @@ class SsdTier:
         self._inflight: Counter[bytes] = Counter()    # keys in a write batch now (demotion or write-through)
         self._killed: set[bytes] = set()               # ... deleted meanwhile: the batch must not publish them
         self._spare: dict[int, list[mmap.mmap]] = {}     # staging buffers written to disk, ready for reuse
+        self._wanted: set[bytes] = set()                 # keys a write-through waits for: urgent if staged
+        self._urgent: dict[bytes, None] = {}             # staged keys written next, in the store lane (in order)
+        self._watchers: dict[bytes, list[Callable[[bytes], None]]] = {}   # called once the key leaves staging
         self._writer = Worker("kvstore-demote", self._run)     # restarted if it ever raises
 
     def open(self, wait: bool = False) -> "SsdTier":
@@ -118,6 +126,8 @@ class SsdTier:
             buf = self._buffer(nbytes)
             self.staging[key] = Pending(buf)
             self.staged_crcs[key] = crc
+            if key in self._wanted:
+                self._urgent[key] = None
             return buf
 
     def fill(self, key: bytes, buf: StagingBuffer, data: memoryview) -> None:
@@ -149,7 +159,7 @@ class SsdTier:
         while True:
             with self.lock:
                 while True:
-                    batch = [(k, v) for k, v in self.staging.items() if not isinstance(v, Pending)][:WRITE_BATCH]
+                    batch, lane = self._next_batch()
                     if batch or (self._stop and not self.staging):
                         break
                     self.lock.wait()
@@ -159,7 +169,7 @@ class SsdTier:
                 self._begin([k for k, _ in batch])
                 items = [(k, v, self.staged_crcs.get(k)) for k, v in batch]
             try:
-                self.write(items, Lane.BACKGROUND)
+                self.write(items, lane)
             except Exception:
                 log.exception("ssd: a demotion batch of %d blocks failed; they are dropped", len(batch))
             with self.lock:
@@ -170,6 +180,75 @@ class SsdTier:
                         self.staged_bytes -= len(v)
                         if isinstance(v, mmap.mmap):       # no one else holds it: reuse it, faulted in already
                             self._spare.setdefault(len(v), []).append(v)
+                gone = self._unstaged_locked([k for k, _ in batch])
+            _call(gone)
+
+    def _next_batch(self) -> tuple[list[tuple[bytes, bytes | bytearray | mmap.mmap]], Lane]:
+        """(Under `lock`.) The next demotion batch: urgent blocks first (a write-through or a durability wait is
+        behind them), in the store lane; else any staged blocks, in the background lane. Blocks still being
+        copied in are left for later."""
+        urgent = [(k, v) for k in self._urgent
+                  if (v := self.staging.get(k)) is not None and not isinstance(v, Pending)][:WRITE_BATCH]
+        if urgent:
+            return urgent, Lane.STORE
+        return [(k, v) for k, v in self.staging.items() if not isinstance(v, Pending)][:WRITE_BATCH], Lane.BACKGROUND
+
+    # ----- write-through hooks -----
+    def want(self, keys: Sequence[bytes]) -> None:
+        """These blocks wait for their write-through: should one be staged (evicted first), it is urgent."""
+        with self.lock:
+            self._wanted.update(keys)
+            self._flag_locked(keys)
+
+    def unwant(self, keys: Sequence[bytes]) -> None:
+        """The write-throughs of these blocks are over (written, or no longer to be written)."""
+        with self.lock:
+            self._wanted.difference_update(keys)
+
+    def when_written(self, keys: Sequence[bytes], done: Callable[[bytes], None]) -> None:
+        """Call `done(key)` for each of `keys` once it is not staged any more (written and synced, dropped or
+        deleted: `on_disk` says which); staged ones are flagged urgent. Keys not staged are reported at once, by
+        this thread; the others by the thread that writes or drops them, outside the tier's lock."""
+        now = []
+        with self.lock:
+            for k in keys:
+                if k in self.staging:
+                    self._watchers.setdefault(k, []).append(done)
+                else:
+                    now.append(k)
+            self._flag_locked(keys)
+        for k in now:
+            done(k)
+
+    def staged_keys(self, digests: set[bytes]) -> list[bytes]:
+        """Staged blocks of these namespaces (by digest): what a flush waits for besides the host pool's."""
+        with self.lock:
+            return [k for k in self.staging if k[:16] in digests]
+
+    def on_disk(self, key: bytes) -> bool:
+        """The block's record is written (and synced, unless ssd.sync is never)."""
+        return self.store.has(key)
+
+    def _flag_locked(self, keys: Sequence[bytes]) -> None:
+        flagged = False
+        for k in keys:
+            if k in self.staging and k not in self._urgent:
+                self._urgent[k] = None
+                flagged = True
+        if flagged:
+            self.lock.notify_all()
+
+    def _unstaged_locked(self, keys: Sequence[bytes]) -> list[tuple[bytes, list[Callable[[bytes], None]]]]:
+        """(Under `lock`.) Keys that may have left staging: no longer urgent; their watchers, to call after the
+        lock is let go."""
+        gone = []
+        for k in keys:
+            if k in self.staging:
+                continue
+            self._urgent.pop(k, None)
+            if k in self._watchers:
+                gone.append((k, self._watchers.pop(k)))
+        return gone
 
     def announce(self, keys: list[bytes]) -> None:
         """Announce the keys of a write batch before their bytes are taken (a delete from then on cancels them)."""
@@ -266,6 +345,8 @@ class SsdTier:
                 staged = self.staging.pop(key)
                 self.staged_crcs.pop(key)
                 self.staged_bytes -= len(staged)
+            gone = self._unstaged_locked([key])
+        _call(gone)
         log.warning("ssd: a staged block does not match its writer's CRC-32C (its slot was written after commit): "
                     "served as a miss and dropped")
         return False
@@ -287,6 +368,9 @@ class SsdTier:
                 staged_found.append(staged is not None)
                 if key in self._inflight:
                     self._killed.add(key)
+            gone = self._unstaged_locked(keys)
+        _call(gone)
+        with self.lock:
             while any(k in self._inflight for k in keys):
                 self.lock.wait()
         found = self.store.delete_many(keys)
@@ -309,10 +393,11 @@ class SsdTier:
         with s.lock:
             counters, blocks, used, files = dict(s.counters), len(s.index), s.used_bytes(), s.file_bytes()
         with self.lock:
-            staged_blocks, staged_bytes = len(self.staging), self.staged_bytes
+            staged_blocks, staged_bytes, urgent = len(self.staging), self.staged_bytes, len(self._urgent)
         return {"tier": "ssd", "capacity_bytes": self.cfg.capacity, "mapped_bytes": files, "used_bytes": used,
                 "resident_bytes": files, "blocks": blocks, "segments": len(s.files), "staged_blocks": staged_blocks,
-                "staged_bytes": staged_bytes, "dropped": self.dropped, "rewrites_saved": self.rewrites_saved,
+                "staged_bytes": staged_bytes, "staged_urgent": urgent, "dropped": self.dropped,
+                "rewrites_saved": self.rewrites_saved,
                 "staged_crc_mismatch": self.crc_mismatch, "writer_restarts": self._writer.restarts,
                 "counters": counters, "scan": s.scan_status(), "io": s.io,
                 "namespaces": {d.hex(): n for d, n in s.by_namespace().items()}}
@@ -324,6 +409,13 @@ class SsdTier:
             self.lock.notify()
         self._writer.join()
         self.store.close()
+
+
+def _call(gone: list[tuple[bytes, list[Callable[[bytes], None]]]]) -> None:
+    """Tell the watchers of keys that left staging (outside the tier's lock: they take their own)."""
+    for key, watchers in gone:
+        for done in watchers:
+            done(key)
 
 
 def open_tier(config: Config, traffic: TrafficManager) -> SsdTier | None:
