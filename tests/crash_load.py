@@ -2,7 +2,9 @@
 with its own connection, recording every request in the oracle (tests/oracle.py), plus a controller that now and
 then pauses them, waits for the SSD tier to settle (the blocks acknowledged so far are durable from then on) and
 resumes them. Each thread owns a set of keys (it alone puts and deletes them) and reads any key, checking every
-byte it is served."""
+byte it is served. Some puts ask for durability (put(..., durable=True)): one answered `durable` must survive; and a
+monitor polls the daemon's stats without pausing anyone, recording write-through watermarks (the oracle's
+`watermark`: puts older than the oldest write still pending are on disk)."""
 from __future__ import annotations
 
 import os
@@ -17,7 +19,7 @@ from kvstore.client import Client
 from kvstore.client.blocks import Namespace
 from kvstore.client.connection import KVStoreError
 from tests.conftest import GEOM, DaemonProc, spec, ssd_settled
-from tests.oracle import Oracle
+from tests.oracle import CHECK_BEFORE_SCAN, Oracle
 from tests.workers import content, key
 
 WORKERS = 3
@@ -28,12 +30,19 @@ UNIVERSE = [key(900_000 + i) for i in range(WORKERS * KEYS_PER_WORKER)]   # work
 # host pool smaller than the keys (evictions, demotions and promotions happen too) and an SSD tier large enough
 # that it never evicts (a durable block can only go by a delete).
 ENV = {"KVSTORE_SSD_CAPACITY": "64MiB", "KVSTORE_SSD_WRITE_THROUGH": "true", "KVSTORE_SSD_SYNC": "always"}
+DURABLE_SHARE = 0.25          # of the puts, those that ask for durability
+DURABLE_TIMEOUT_S = 2.0
+POLL_S = 0.05                 # the watermark monitor's period
 
 
 def start(ssd_dir: str, started: list[DaemonProc], **env: str) -> DaemonProc:
+    """A daemon on `ssd_dir`, answering: with CHECK_BEFORE_SCAN (tests/oracle.py) as soon as it answers, else once
+    its SSD scan is done."""
     d = DaemonProc(capacity="1MiB", segment="1MiB", env={"KVSTORE_SSD_DIR": ssd_dir, **ENV, **env})
     started.append(d)
-    return d.start()
+    d.start(wait=False)
+    d.wait_ready(scanned=not CHECK_BEFORE_SCAN)
+    return d
 
 
 class Gate:
@@ -107,7 +116,7 @@ class Load:
                     r = rng.random()
                     if r < 0.45:
                         last = rng.choice(mine)
-                        self._put(ns, last)
+                        self._put(ns, last, durable=rng.random() < DURABLE_SHARE)
                     elif r < 0.65:          # half the time the block just put: its write-through is in flight
                         self._delete(ns, last if rng.random() < 0.5 else rng.choice(mine))
                     else:
@@ -117,13 +126,13 @@ class Load:
         finally:
             self.gate.left()
 
-    def _put(self, ns: Namespace, k: bytes) -> None:
+    def _put(self, ns: Namespace, k: bytes, durable: bool = False) -> None:
         op = self.oracle.begin(k, "put", self.life)
         try:
-            r = ns.put([k], [content(k)])
+            r = ns.put([k], [content(k)], durable=durable, durable_timeout_s=DURABLE_TIMEOUT_S if durable else None)
         except KVStoreError:
             return                                  # refused: the key stays as it was (the oracle: either)
-        self.oracle.acked(op, stored=r.stored + r.existed == 1)
+        self.oracle.acked(op, stored=r.stored + r.existed == 1, durable=r.durability == "durable")
 
     def _delete(self, ns: Namespace, k: bytes) -> None:
         op = self.oracle.begin(k, "delete", self.life)
@@ -162,11 +171,30 @@ class Load:
         finally:
             self.gate.open()
 
+    def monitor(self, stop: threading.Event) -> None:
+        """Poll the stats until `stop` or the daemon's death; record a watermark whenever nothing has left the
+        durable path (no write-through skipped, lost or failed): every put acknowledged before the oldest pending
+        write-through's commit is on disk."""
+        try:
+            with self.d.client() as c:
+                while not stop.wait(POLL_S):
+                    asked = time.monotonic()
+                    s = c.stats()
+                    wt = s["write_through"]
+                    left = s["counters"]["write_through_skipped"] + sum(
+                        wt["settled"].get(k, 0) for k in ("lost", "write_failed"))
+                    if not left:
+                        self.oracle.watermark(self.life, asked - wt["oldest_pending_s"], time.monotonic())
+        except (ConnectionError, OSError):
+            pass                                    # the daemon is gone
+
     def run(self, seconds: float, checkpoints: int, then: Callable[[], None] | None = None) -> list[str]:
         """Run the threads for about `seconds` with `checkpoints` settles at random moments, then call `then`
         (e.g. the kill) and wait for the threads to end. The wrong bytes seen."""
         threads = [threading.Thread(target=self.worker, args=(w, self.rng.getrandbits(32)), daemon=True)
                    for w in range(WORKERS)]
+        stop = threading.Event()
+        threads.append(threading.Thread(target=self.monitor, args=(stop,), daemon=True))
         for t in threads:
             t.start()
         marks = sorted(self.rng.uniform(0, seconds) for _ in range(checkpoints))
@@ -179,6 +207,7 @@ class Load:
         time.sleep(max(0.0, begun + seconds - time.monotonic()))
         if then is not None:
             then()
+        stop.set()
         for t in threads:
             t.join(timeout=60)
         return self.wrong

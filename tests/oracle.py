@@ -8,6 +8,12 @@ processes of this machine). Of the requests sent before the cut, the last one de
 - an acknowledged delete (reply received before the cut): the block must be a miss, never served again;
 - a put acknowledged as stored, followed (same daemon life) by a moment the daemon's stats showed the SSD tier
   settled with write-through and sync=always (`settled`): the block is durable and must be served;
+- a put acknowledged `durable` (put(..., durable=True): the daemon answered once its record was synced): the block
+  must be served;
+- a put acknowledged as stored before a write-through watermark (`watermark`: a stats poll, answered before the
+  cut, whose oldest pending write-through was younger than the put, with nothing skipped, lost or failed on the
+  durable path so far): its write-through had settled, so it must be served — the write-through blocks older than
+  the lag the daemon itself measured, checked without pausing the clients;
 - anything else (a request in flight at the cut, a put refused, a put not settled yet): either is fine;
 - no request at all: a miss.
 """
@@ -19,6 +25,11 @@ from dataclasses import dataclass, field
 
 ABSENT, DELETED, PRESENT, EITHER = "absent", "deleted", "present", "either"   # DELETED: absent, by a delete
 
+# >>> THE LEAD'S SWITCH (issue 19 part 1): with False, a restarted daemon is checked once its SSD scan is done (a
+# block not scanned yet is a miss, and would fail a durable promise); set True once lookups see the disk from the
+# moment the daemon serves: every promise is then checked right after the restarted daemon answers.
+CHECK_BEFORE_SCAN = False
+
 
 @dataclass
 class Op:
@@ -27,12 +38,14 @@ class Op:
     start: float
     ack: float | None = None      # when its reply arrived; None: in flight when the daemon died, or failed
     stored: bool = False          # a put: the daemon holds the block (stored now or already)
+    durable: bool = False         # a put answered `durable` (on disk and synced when acknowledged)
 
 
 @dataclass
 class Oracle:
     ops: dict[bytes, list[Op]] = field(default_factory=dict)
     settles: list[tuple[int, float, float]] = field(default_factory=list)    # (life, start, end)
+    watermarks: list[tuple[int, float, float]] = field(default_factory=list)  # (life, settled before, seen at)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def begin(self, key: bytes, kind: str, life: int) -> Op:
@@ -42,9 +55,16 @@ class Oracle:
         return op
 
     @staticmethod
-    def acked(op: Op, stored: bool = False) -> None:
+    def acked(op: Op, stored: bool = False, durable: bool = False) -> None:
         op.stored = stored
+        op.durable = durable
         op.ack = time.monotonic()
+
+    def watermark(self, life: int, before: float, seen: float) -> None:
+        """Every put of `life` acknowledged before `before` had its write-through settled on disk (a stats poll
+        whose reply came at `seen`)."""
+        with self.lock:
+            self.watermarks.append((life, before, seen))
 
     def settled(self, life: int, start: float, end: float) -> None:
         """The SSD tier was seen settled between `start` and `end` (stats polled from `start` on)."""
@@ -62,7 +82,9 @@ class Oracle:
         if not done or not last.stored:
             return EITHER
         assert last.ack is not None
-        durable = any(life == last.life and start > last.ack and end < cut for life, start, end in self.settles)
+        durable = last.durable or \
+            any(life == last.life and start > last.ack and end < cut for life, start, end in self.settles) or \
+            any(life == last.life and last.ack < before and seen < cut for life, before, seen in self.watermarks)
         return PRESENT if durable else EITHER
 
     def check(self, key: bytes, served: bytes | None, want: bytes, cut: float) -> str | None:
@@ -79,11 +101,13 @@ class Oracle:
         return None
 
     def history(self, key: bytes, cut: float) -> str:
-        """The key's last requests sent before the cut: kind@life, `?` without a reply before it, `+` stored, and
-        when it was sent and answered (ms before the cut); then the settles of the last one's life."""
+        """The key's last requests sent before the cut: kind@life, `?` without a reply before it, `+` stored, `!`
+        answered durable, and when it was sent and answered (ms before the cut); then the settles of the last
+        one's life."""
         sent = [op for op in self.ops.get(key, []) if op.start < cut][-4:]
         ops = ", ".join(f"{op.kind}@{op.life}{'' if op.ack is not None and op.ack < cut else '?'}"
-                        f"{'+' if op.stored else ''} ({_ms(cut - op.start)}..{_ms(cut - (op.ack or cut))})"
+                        f"{'+' if op.stored else ''}{'!' if op.durable else ''} "
+                        f"({_ms(cut - op.start)}..{_ms(cut - (op.ack or cut))})"
                         for op in sent)
         settles = [f"{_ms(cut - a)}..{_ms(cut - b)}" for life, a, b in self.settles
                    if sent and life == sent[-1].life and a < cut]

@@ -1,7 +1,10 @@
 """kill -9 cycles against an oracle: a daemon with an SSD tier (write-through, sync=always) is killed at a random
 moment while clients put, delete and get blocks, restarted on the same directory, and read back whole. No block
 is ever served with bytes other than its own, no delete acknowledged before the kill comes back, and no block
-durable before the kill (acknowledged, then the SSD tier seen settled) goes missing (tests/oracle.py).
+durable before the kill goes missing (tests/oracle.py): acknowledged, then the SSD tier seen settled; or a put
+answered `durable`; or a write-through put older than a watermark the daemon's stats showed (its oldest pending
+write). Each restarted daemon is checked once its SSD scan is done, or as soon as it answers with the oracle's
+CHECK_BEFORE_SCAN switch (for when lookups see the disk during the scan).
 
 KVSTORE_KILL9_CYCLES sets the number of kills (20 here; `make stress` runs 1000)."""
 from __future__ import annotations
