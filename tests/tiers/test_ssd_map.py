@@ -206,3 +206,34 @@ def test_deletes_and_rewrites_during_the_validation_keep_the_map_exact(ssd_dir: 
         assert {i: read(s, i) for i in expect} == expect
     finally:
         s.close()
+
+
+def test_a_damaged_entry_never_loses_its_block_nor_brings_back_a_delete(ssd_dir: str, gate: threading.Event) -> None:
+    """A rotten or torn entry (not zero, not whole): its record is neither free nor a hit until the validation reads
+    the header, which then books the block (and rewrites the entry) unless it was deleted meanwhile; a delete
+    waits for that, so it is durable against the copy under the damaged entry."""
+    recs = stored(ssd_dir)
+    _, rmap = files(ssd_dir)
+    for i in (2, 9):
+        patch(rmap, FILE_HEADER + recs[i] * ENTRY_BYTES + 20, b"\xee")       # inside the key: the CRC fails
+    s = SsdStore(ssd_dir, 256 * RECORD, sync="always").open(wait=False)
+    try:
+        cf = s.files[PAYLOAD]
+        assert not s.has(NS + h(2)) and recs[2] not in cf.free and len(s.index) == N - 2
+        deleting = threading.Thread(target=s.delete, args=(NS, h(9)))
+        deleting.start()
+        deleting.join(0.3)
+        assert deleting.is_alive(), "a delete must wait while a damaged entry may hide a copy of the key"
+        gate.set()
+        deleting.join(30)
+        s.scanner.wait()
+        assert read(s, 2) == payload(2) and s.counters["map_repaired"] == 1
+        assert read(s, 9) is None and s.counters["bad.damaged_map"] == 1
+    finally:
+        gate.set()
+        s.close()
+    s = SsdStore(ssd_dir, 256 * RECORD).open()
+    try:
+        assert s.scan.from_maps == N - 1 and read(s, 2) == payload(2) and read(s, 9) is None
+    finally:
+        s.close()

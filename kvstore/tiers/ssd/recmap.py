@@ -16,7 +16,10 @@ true across any crash:
   on disk has its entry on disk, so every block that was durable before a crash is in the map after it.
 - A delete zeroes the header durably first, then the entry (lazily durable): an entry left naming a key whose
   header is gone is a miss, never a resurrection; a stale header under an entry for another key is never adopted.
-So a delete never waits for a scan, and nothing needs the scan to be found.
+So a delete never waits for a scan, and nothing needs the scan to be found. One exception is read, not trusted: an
+entry that is damaged (not zero, yet not a whole entry: torn by a power cut, or rotten) leaves its record neither
+free nor booked until the validation reads its header; a whole header of this file is then booked (so no durable
+block is lost to a damaged entry) and its entry rewritten, anything else wiped, and deletes wait for that.
 
 The file header says whether the map is complete: written by a daemon that kept it through every change since the
 record file was created or the map was rebuilt, and for this record file (its inode number). A map that is missing,
@@ -31,7 +34,6 @@ import struct
 from collections.abc import Iterable
 
 import numpy as np
-
 from crc32c import crc32c as _crc32c
 
 from kvstore.checksum import crc32c
@@ -131,10 +133,10 @@ class RecordMap:
         """Drop the entries of records past `nrecords` (the record file was cut to that)."""
         diskio.ftruncate(self.fd, min(os.fstat(self.fd).st_size, FILE_HEADER + nrecords * ENTRY_BYTES))
 
-    def load(self, nrecords: int) -> list[tuple[int, bytes, int]]:
-        """The entries naming a block, for records 0 .. nrecords-1, as (record, key, sequence number), oldest
-        first. Entries that are torn, corrupt or of another length are left out: those records hold nothing.
-        Vectorised but for each entry's CRC (500 k entries: about a second)."""
+    def load(self, nrecords: int) -> tuple[list[tuple[int, bytes, int]], list[int]]:
+        """The entries of records 0 .. nrecords-1: those naming a block, as (record, key, sequence number), oldest
+        first; and the records whose entry is damaged (not zero, yet not a whole entry of this file: torn, rotten).
+        The records of zero entries hold nothing. Vectorised but for each entry's CRC (500 k: about a second)."""
         size = nrecords * ENTRY_BYTES
         raw = os.pread(self.fd, size, FILE_HEADER) if size else b""
         raw = raw.ljust(-(-len(raw) // ENTRY_BYTES) * ENTRY_BYTES, b"\0")    # a short last entry: zeros after it
@@ -147,8 +149,10 @@ class RecordMap:
             at = rec * ENTRY_BYTES
             if _crc32c(view[at:at + FIELDS]) == int(e["hcrc"][rec]):
                 found.append((rec, raw[at + KEY_AT:at + KEY_AT + 32], int(e["seq"][rec])))
+        good = {rec for rec, _, _ in found}
+        written = np.flatnonzero(np.frombuffer(raw, np.uint8).reshape(-1, ENTRY_BYTES).any(axis=1)).tolist()
         found.sort(key=lambda f: f[2])
-        return found
+        return found, [rec for rec in written if rec not in good]
 
     def file_bytes(self) -> int:
         return os.fstat(self.fd).st_size

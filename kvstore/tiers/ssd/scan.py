@@ -71,6 +71,7 @@ class RestartScan:
         self.deleted: set[bytes] = set()            # keys deleted before the scan found them (under store.lock)
         self.found: dict[tuple[ClassFile, int], bytes] = {}   # (file, record) → its header's fields, booked by
         #                                                        a full scan: the entries of the map it rebuilds
+        self.damaged: dict[ClassFile, set[int]] = {}   # records whose map entry is damaged, header not read yet
         self._thread: threading.Thread | None = None
 
     def start(self, progress: Progress | None, wait: bool) -> None:
@@ -113,8 +114,13 @@ class RestartScan:
 
     def note_deleted_locked(self, key: bytes) -> None:
         """(Under store.lock.) A key not in the books was deleted: while scanning, a copy found later is stale."""
-        if self.progress.state == "scanning":
+        if self.unsure_locked():
             self.deleted.add(key)
+
+    def unsure_locked(self) -> bool:
+        """(Under store.lock.) Whether a copy of some key may still be found on disk that the books do not hold:
+        during a full scan, or while damaged map entries are unread. A delete then waits for the scan."""
+        return self.progress.state == "scanning" or (self.progress.state == "validating" and bool(self.damaged))
 
     # ----- the files -----
     def _open_files(self) -> None:
@@ -141,9 +147,13 @@ class RestartScan:
         nothing in are free. Returns the blocks booked."""
         s = self.store
         assert cf.map is not None
-        entries = cf.map.load(cf.nrecords)             # oldest first
-        named = set()
+        entries, damaged = cf.map.load(cf.nrecords)    # oldest first
+        named = set(damaged)                            # neither free nor booked until their headers are read
         with s.lock:
+            if damaged:
+                self.damaged[cf] = set(damaged)
+                log.warning("ssd: %d entries of %s are damaged: their records are checked before any is reused",
+                            len(damaged), cf.map.path)
             for rec, key, seq in entries:
                 old = s.index.get(key)
                 if old is not None:                     # an older copy whose zeroing a crash cut short
@@ -203,6 +213,7 @@ class RestartScan:
             progress.state = "stopped" if self.closing else "ready"
             progress.seconds = time.monotonic() - progress.started
             self.deleted.clear()
+            self.damaged.clear()          # (stopped early: their records stay unused until the next start)
             self.found = {}
         if report:
             report(progress.done, progress.total)
@@ -252,10 +263,17 @@ class RestartScan:
         the books while its header was read (deleted, evicted, rewritten) is not judged: it is no longer ours."""
         s = self.store
         with s.lock:
-            recs = [r for r in range(start, end) if r in cf.unverified]
+            damaged = self.damaged.get(cf, set())
+            recs = [r for r in range(start, end) if r in cf.unverified or r in damaged]
         raws = _read_headers(cf, recs)
+        repaired = []
         with s.lock:
             for rec, raw in raws:
+                if rec in damaged:
+                    damaged.discard(rec)
+                    if self._adopt_locked(cf, rec, raw):
+                        repaired.append((rec, bytes(raw[:HEADER_FIELDS]).ljust(ENTRY_BYTES, b"\0")))
+                    continue
                 key = cf.unverified.get(rec)
                 if key is None:
                     continue
@@ -266,6 +284,32 @@ class RestartScan:
                     s.drop_locked(key)
                     s.quarantine_locked(cf, rec, reason)
             self.progress.done += end - start
+            if not damaged:
+                self.damaged.pop(cf, None)
+        if repaired and cf.map is not None:
+            cf.map.put(repaired)              # synced with the next batch; until then the header is read again
+
+    def _adopt_locked(self, cf: ClassFile, rec: int, raw: bytes) -> bool:
+        """(Under store.lock.) A record whose map entry is damaged: book the block its header names (a torn or
+        rotten entry must not lose a durable block), unless the header is not whole, the key was deleted since the
+        start, or a newer copy is booked; else wipe it. Whether it was booked (its entry is then rewritten)."""
+        s = self.store
+        try:
+            h = parse_header(raw)
+        except BadRecord:
+            h = None
+        key = None if h is None else h.ns + h.hash
+        old = None if key is None else s.index.get(key)
+        if h is None or key is None or h.length != cf.payload or key in self.deleted or (old and old[2] >= h.seq):
+            s.quarantine_locked(cf, rec, "damaged_map")
+            return False
+        if old is not None:
+            s.drop_locked(key)
+            s.quarantine_locked(s.files[old[0]], old[1], "superseded")
+        s.add_locked(key, cf, rec, h.seq)
+        s.saw_seq_locked(h.seq)
+        s.counters["map_repaired"] += 1
+        return True
 
     def _book_header_locked(self, cf: ClassFile, rec: int, raw: bytes) -> None:
         """(Under store.lock.) Book one record from its header: free, quarantined, or the key's newest copy."""

@@ -27,7 +27,8 @@ ClassFile, whose free records are booked there too); bytes used and blocks per n
 Deletes are durable before they return: the record leaves the books at once and `delete` returns only once its
 header is zeroed on disk and synced (zeroing.py; concurrent deletes share the writes and syncs), after any write of
 the key in flight has finished (it publishes nothing) and, during a full restart scan (no trusted map), after the
-scan (a copy it had not reached yet is zeroed too); with a map every copy is in the books from the start. Under sync policy never nothing is durable, deletes included: they return at once.
+scan (a copy it had not reached yet is zeroed too); with a map every copy is in the books from the start. Under
+sync policy never nothing is durable, deletes included: they return at once.
 A record that leaves the books otherwise (superseded by a newer copy, quarantined) is zeroed before its space is
 reused, so no block comes back after a crash, and no key comes back with an older copy's bytes.
 """
@@ -188,7 +189,7 @@ class SsdStore:
                     self.drop_locked(key)
                     self.zeroing.add_locked(self.files[where[0]], where[1])
                 found.append(where is not None or writing)
-            scanning = self.scan.state == "scanning"
+            scanning = self.scanner.unsure_locked()
             if scanning:
                 for key in keys:
                     self.scanner.note_deleted_locked(key)     # an older copy the scan finds later is stale
