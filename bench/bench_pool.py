@@ -16,7 +16,10 @@ Targets: put and get ≥ 0.9× one-thread memcpy with one copy thread, ≥ 0.8×
 ≥ 0.85× memcpy with checksums on; lookup
 p50 ≤ 2× the raw round trip; resize at 8 GiB ≤ 1.2× resize at 1 GiB.
 
-    python bench/bench_pool.py [--quick] [--reps N] [--blocks N] [--profile]
+With checksums, the client copies and checksums each block in one pass where the native copy is built
+(`kvstore.checksum.FUSED`, in the JSON as `fused_copy_crc`); else a copy, then the CRC.
+
+    python bench/bench_pool.py [--quick] [--reps N] [--blocks N] [--profile] [--put-get-only]
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Daemon, Table, busy_cpus, progress, summary, warn_if_busy, write_json  # noqa: E402
 
+from kvstore.checksum import FUSED  # noqa: E402
 from kvstore.protocol.geometry import Geometry  # noqa: E402
 from kvstore.protocol.keys import NamespaceSpec  # noqa: E402
 
@@ -150,9 +154,10 @@ def timed(fn: Callable[[], Any], n: int) -> list[float]:
 
 
 # ----- put and get -----
-def put_get(d: Daemon, threads: int, blocks: int, reps: int, warm: int, profile: cProfile.Profile | None
-            ) -> dict[str, list[float]]:
-    """GB/s of memcpy, put and get of the same `blocks` blocks, in turns within each repetition."""
+def put_get(d: Daemon, threads: int, blocks: int, reps: int, warm: int, profile: cProfile.Profile | None,
+            fused: bool = FUSED) -> dict[str, list[float]]:
+    """GB/s of memcpy, put and get of the same `blocks` blocks, in turns within each repetition. `fused`: checked
+    copies in one pass (else a copy, then the CRC)."""
     rng = np.random.default_rng(threads)
     srcs = [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(blocks)]
     dsts = [np.ones(BLOCK, np.uint8) for _ in range(blocks)]           # touched: no page faults in the timing
@@ -163,6 +168,7 @@ def put_get(d: Daemon, threads: int, blocks: int, reps: int, warm: int, profile:
     gb = blocks * BLOCK / 1e9
     try:
         with d.client(copy_threads=threads) as c:
+            c.copier.fused = fused
             ns = c.namespace(spec())
             for rep in range(warm + reps):
                 hs = hashes(blocks, (threads * 1000 + rep) * blocks)
@@ -440,6 +446,9 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=128, help="blocks per put/get repetition (default 128)")
     p.add_argument("--profile", action="store_true", help="cProfile the client during timed put/get/lookup "
                                                            "(slows them; for finding hot spots, not for figures)")
+    p.add_argument("--put-get-only", action="store_true", help="only the put/get rows (no lookup, no resize)")
+    p.add_argument("--two-pass", action="store_true", help="checked copies as a copy, then the CRC, even where the "
+                                                            "one-pass copy is built (for comparison)")
     args = p.parse_args()
     reps = args.reps or (5 if args.quick else 40)
     rounds, per_round = (4, 500) if args.quick else (10, 1000)
@@ -453,12 +462,14 @@ def main() -> None:
     with Daemon("1GiB", "64MiB") as d:
         for threads in (1, 2):
             progress(f"put/get, {threads} copy thread{'s' * (threads > 1)}: {args.blocks} × 2 MiB, {reps} reps")
-            pg[threads] = put_get(d, threads, args.blocks, reps, 2, prof)
-        progress(f"lookup of 32 keys / daemon ping / raw socket: {rounds} × {per_round} each, in turns")
-        lk = lookups(d, rounds, per_round, prof)
-    progress(f"resize at {' and '.join(f'{s // GiB} GiB' for s in sizes)}: fill, then "
-             f"{rz_reps} reps of −256 MiB and back")
-    rz = resize(sizes, rz_reps)
+            pg[threads] = put_get(d, threads, args.blocks, reps, 2, prof, FUSED and not args.two_pass)
+        if not args.put_get_only:
+            progress(f"lookup of 32 keys / daemon ping / raw socket: {rounds} × {per_round} each, in turns")
+            lk = lookups(d, rounds, per_round, prof)
+    if not args.put_get_only:
+        progress(f"resize at {' and '.join(f'{s // GiB} GiB' for s in sizes)}: fill, then "
+                 f"{rz_reps} reps of −256 MiB and back")
+        rz = resize(sizes, rz_reps)
 
     t = Table(["figure", "kvstore: median (IQR)", "baseline: median (IQR)", "ratio", "target", "result"])
     verdicts: dict[str, dict[str, Any]] = {}
@@ -477,7 +488,7 @@ def main() -> None:
                           "unit": unit, "stat": key, "target": target, "pass": ok}
 
     res: dict[str, Any] = {"block_bytes": BLOCK, "batch": BATCH, "blocks_per_rep": args.blocks, "reps": reps,
-                           "quick": args.quick}
+                           "quick": args.quick, "fused_copy_crc": FUSED and not args.two_pass}
     for threads, limit in ((1, 0.9), (2, 0.8)):
         raw = pg[threads]
         o: dict[str, Any] = {k: summary(raw[k]) for k in ("memcpy", "put", "get", "put_crc", "get_crc")}
@@ -500,34 +511,35 @@ def main() -> None:
         spent = summary([x + y for x, y in zip(both[f"daemon_{a}"], both[f"daemon_{b}"])], 1e6)
         row(f"daemon time per {op} batch ({a}+{b}) vs memcpy 1t", spent, copy_batch, "µs",
             digits=0)
-    res["roundtrip_us"] = {}
-    for place, kinds in lk.items():
-        us = {k: summary(v, 1e6) for k, v in kinds.items()}
-        res["roundtrip_us"][place] = us
-        pinned = place != "as scheduled"
-        row(f"lookup 32 keys p50, {place}", us["lookup"], us["raw"], "µs",
-            "≤ 2× raw socket" if pinned else "(placement differs)",
-            us["lookup"]["median"] <= 2 * us["raw"]["median"] if pinned else None, digits=1)
-        row(f"lookup 32 keys p99, {place}", us["lookup"], us["raw"], "µs", key="p99", digits=1)
-        row(f"daemon ping p50, {place}", us["ping"], us["raw"], "µs", digits=1)
-    res["resize_ms"] = {}
-    for size in sizes:
-        o = rz[size]
-        res["resize_ms"][f"{size // GiB}GiB"] = {k: (summary(v, 1e3) if isinstance(v, list) else v)
-                                                 for k, v in o.items()}
-    r1 = res["resize_ms"]["1GiB"]
-    r8 = res["resize_ms"].get("8GiB")
-    big, base = (r8, r1) if r8 else (r1, None)
-    at = "8 GiB" if r8 else "1 GiB"
-    row(f"resize −256 MiB at {at}, daemon", big["shrink_daemon"], base and base["shrink_daemon"], "ms",
-        "≤ 1.2× at 1 GiB" if r8 else "(8 GiB skipped)",
-        big["shrink_daemon"]["median"] <= 1.2 * r1["shrink_daemon"]["median"] if r8 else None)
-    row(f"resize −256 MiB at {at}, client", big["shrink_client"], base and base["shrink_client"], "ms")
-    row(f"resize −256 MiB at {at}, daemon, vs kernel punch of 256 MiB", big["shrink_daemon"], big["kernel_punch"],
-        "ms")
-    row(f"resize +256 MiB at {at}, client", big["grow_client"], base and base["grow_client"], "ms", digits=3)
-    row(f"other client's longest lookup during the shrink, {at}", big["stall"], base and base["stall"], "ms")
-    row(f"refill 256 MiB after the grow, {at}", big["refill"], base and base["refill"], "ms")
+    if not args.put_get_only:
+        res["roundtrip_us"] = {}
+        for place, kinds in lk.items():
+            us = {k: summary(v, 1e6) for k, v in kinds.items()}
+            res["roundtrip_us"][place] = us
+            pinned = place != "as scheduled"
+            row(f"lookup 32 keys p50, {place}", us["lookup"], us["raw"], "µs",
+                "≤ 2× raw socket" if pinned else "(placement differs)",
+                us["lookup"]["median"] <= 2 * us["raw"]["median"] if pinned else None, digits=1)
+            row(f"lookup 32 keys p99, {place}", us["lookup"], us["raw"], "µs", key="p99", digits=1)
+            row(f"daemon ping p50, {place}", us["ping"], us["raw"], "µs", digits=1)
+        res["resize_ms"] = {}
+        for size in sizes:
+            o = rz[size]
+            res["resize_ms"][f"{size // GiB}GiB"] = {k: (summary(v, 1e3) if isinstance(v, list) else v)
+                                                     for k, v in o.items()}
+        r1 = res["resize_ms"]["1GiB"]
+        r8 = res["resize_ms"].get("8GiB")
+        big, base = (r8, r1) if r8 else (r1, None)
+        at = "8 GiB" if r8 else "1 GiB"
+        row(f"resize −256 MiB at {at}, daemon", big["shrink_daemon"], base and base["shrink_daemon"], "ms",
+            "≤ 1.2× at 1 GiB" if r8 else "(8 GiB skipped)",
+            big["shrink_daemon"]["median"] <= 1.2 * r1["shrink_daemon"]["median"] if r8 else None)
+        row(f"resize −256 MiB at {at}, client", big["shrink_client"], base and base["shrink_client"], "ms")
+        row(f"resize −256 MiB at {at}, daemon, vs kernel punch of 256 MiB", big["shrink_daemon"], big["kernel_punch"],
+            "ms")
+        row(f"resize +256 MiB at {at}, client", big["grow_client"], base and base["grow_client"], "ms", digits=3)
+        row(f"other client's longest lookup during the shrink, {at}", big["stall"], base and base["stall"], "ms")
+        row(f"refill 256 MiB after the grow, {at}", big["refill"], base and base["refill"], "ms")
     print(t)
     res["verdicts"] = verdicts
     res["load_average"] = {"before": load_before, "after": busy_cpus()}
