@@ -21,7 +21,15 @@ altered or could not be loaded is reported by `get_block_ids_with_load_errors`, 
 extra config: socket (default: $KVSTORE_SERVER_SOCKET or the daemon's default), model / group / salt (namespace
 overrides), retry_s (5), timeout_s (5), save (true), load (true), verify (true: blocks carry a CRC-32C, checked
 before they are loaded; false trades that proof for less CPU per block), copy_engine (auto: on a GPU one Triton
-kernel per layer where it proves byte-exact, else one copy_ per page run; kernel; copy).
+kernel per layer where it proves byte-exact, else one copy_ per page run; kernel; copy), durable (false: every
+save asks the daemon for durability), durable_wait_s (0; below timeout_s).
+
+Durability: a request's saves are durable commits when the configuration says `durable: true` or the request asks
+for it (`kv_transfer_params: {"kvstore_durable": true}`, e.g. vLLM's `extra_args` of SamplingParams): the daemon
+writes those blocks to its SSD tier at once, first in line in the store lane, whether or not its write-through is
+on. The worker's step waits for the disk at most `durable_wait_s` (by default it does not: a commit queues its
+blocks for the disk and the forward pass goes on; `kvstore flush` or a client's wait_durable is the durability
+point). With durable_wait_s > 0 an answer other than durable is logged.
 
 The GPU path: the pool's segments are registered as pinned memory once, loads of every layer are queued on the
 connector's stream at `start_load_kv` (each attention layer waits only for its own layer's event), saves are queued
@@ -65,6 +73,7 @@ class RequestBlocks:
     adapter: str
     hashes: list[bytes]
     block_ids: list[int]
+    durable: bool = False       # saves: committed durable (the configuration's `durable` or the request's ask)
 
 
 @dataclass
@@ -80,6 +89,25 @@ class _ReqState:
     stored_upto: int = 0          # blocks [0, stored_upto) are in the daemon or already handed to the worker
 
 
+def _asks_durable(request: Any) -> bool:
+    """Whether the request asks for durable saves: `kv_transfer_params: {"kvstore_durable": true}`."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and params.get("kvstore_durable") is True
+
+
+def _durable_wait(extra: dict[str, Any]) -> float:
+    """`durable_wait_s` of the extra config: 0..timeout_s (a wait the client's socket timeout would cut is
+    lowered below it, with a warning)."""
+    wait, limit = float(extra.get("durable_wait_s", 0.0)), float(extra.get("timeout_s", 5.0))
+    if wait < 0:
+        log.warning("kvstore: durable_wait_s %g is negative; using 0 (no wait)", wait)
+        return 0.0
+    if wait >= limit:
+        log.warning("kvstore: durable_wait_s %g is not below timeout_s %g; using %g", wait, limit, limit * 0.9)
+        return limit * 0.9
+    return wait
+
+
 def _adapter(request: Any) -> str:
     lora = getattr(request, "lora_request", None)
     return str(lora.lora_name) if lora is not None else ""
@@ -93,6 +121,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.load_enabled = bool(extra.get("load", True))
         self.save_enabled = bool(extra.get("save", True))
         self.verify = bool(extra.get("verify", True))
+        self.durable = bool(extra.get("durable", False))
+        self.durable_wait_s = _durable_wait(extra)
         who = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         self.disabled: str | None = None
         # scheduler state
@@ -111,7 +141,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.copy_engine = "auto"
         self._leases: list[tuple[RequestBlocks, Lease, set[int]]] = []
         self._reservations: list[tuple[RequestBlocks, Reservation, set[int]]] | None = None
-        self._to_commit: list[Reservation] = []
+        self._to_commit: list[tuple[Reservation, bool]] = []
         self._load_errors: set[int] = set()
         tp_rank = 0
         if role == KVConnectorRole.WORKER:
@@ -215,7 +245,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             if hi > state.stored_upto:
                 meta.saves.append(RequestBlocks(req_id, _adapter(state.request),
                                                 self._hashes(state.request, state.stored_upto, hi),
-                                                state.block_ids[state.stored_upto:hi]))
+                                                state.block_ids[state.stored_upto:hi],
+                                                self.durable or _asks_durable(state.request)))
                 state.stored_upto = hi
         self._loads.clear()     # loads of requests not scheduled after all are asked again when they are
         return meta
@@ -361,26 +392,32 @@ class KVStoreConnector(KVConnectorBase_V1):
                 done.add(li)
                 if len(done) == self.geometry.layers:
                     if self._cuda:
-                        self._to_commit.append(res)       # committed in wait_for_save, after one stream sync
+                        self._to_commit.append((res, t.durable))   # committed in wait_for_save, after a sync
                     else:
-                        self._commit(res)
+                        self._commit(res, t.durable)
             except Exception as e:  # noqa: BLE001
                 self._io_failed(e)
                 res.done = True
 
-    def _commit(self, res: Reservation) -> None:
+    def _commit(self, res: Reservation, durable: bool = False) -> None:
         try:
-            res.commit(crcs=res.checksums() if self.verify else None)   # readers can verify
+            res.commit(crcs=res.checksums() if self.verify else None,   # readers can verify
+                       durable=durable, durable_timeout_s=self.durable_wait_s if durable else None)
         except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
             self._io_failed(e)
             res.done = True
+            return
+        answer = res.durability
+        if durable and self.durable_wait_s > 0 and answer is not None and answer["durability"] != "durable":
+            log.info("kvstore: a durable save got %s (%d of %d block(s) pending, %d failed)", answer["durability"],
+                     answer["pending"], answer["blocks"], answer["failed"])
 
     def wait_for_save(self) -> None:
         if self._cuda and self._reservations:
             self._mover.sync()                # every queued copy into a slot is done before it is published or
         if self._to_commit:                   # aborted (an aborted slot goes to another writer at once)
-            for res in self._to_commit:
-                self._commit(res)
+            for res, durable in self._to_commit:
+                self._commit(res, durable)
             self._to_commit = []
         for _, res, _ in self._reservations or []:
             if not res.done:          # some layer never came: publish nothing half-written
