@@ -33,7 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(KVCOPY_PORTABLE)   /* -DKVCOPY_PORTABLE: build the other branch */
 #define KV_X86 1
 #include <immintrin.h>
 #else
