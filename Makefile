@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm
-SRC := pyproject.toml setup.py native/kvindex.c
+SRC := pyproject.toml setup.py native/kvindex.c native/kvcopy.c
 
 # The wheel (`pip wheel --no-deps .`) and a clean venv with it installed as a user would: .venv-wheel.
 WHEEL_DIR := build/wheel
