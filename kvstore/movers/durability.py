@@ -53,6 +53,7 @@ class Entry:
     committed: bool             # queued at its commit (its lag counts), not by a flush of an older block
     tickets: list[Ticket] = field(default_factory=list)
     done: bool = False
+    pinned: bool = False        # its slot is pinned by the write-through until written (a request waits for it)
 
 
 class Books:

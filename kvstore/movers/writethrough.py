@@ -4,12 +4,15 @@ it fills). For every committed block with `ssd.write_through` (off by default: i
 that may never be evicted), and for the blocks of a durable commit or a flush whatever that setting.
 
 No copy: the tier's write reads straight from the committed slot, pinned only while its batch is written (BATCH
-blocks at a time), so write-through never holds the pool's room: a block queued but not written yet can be evicted
-like any other, and then goes down by demotion — flagged urgent in the tier (`want`), so its staged copy is written
-next, in the store lane, never behind background demotions. The plain queue is bounded (`ssd.staging_bytes` of
-blocks): beyond it a block is skipped (write_through_skipped) and goes down on eviction, in the background. Blocks a
-request waits for (durable commits, flushes) have their own queue, written first and never skipped: they are bounded
-by the requests in flight (a request names at most server.max_keys_per_request blocks).
+blocks at a time), so the plain write-through never holds the pool's room: a block queued but not written yet can be
+evicted like any other, and then goes down by demotion — flagged urgent in the tier (`want`), so its staged copy is
+written next, in the store lane, never behind background demotions. The plain queue is bounded (`ssd.staging_bytes`
+of blocks): beyond it a block is skipped (write_through_skipped) and goes down on eviction, in the background.
+Blocks a request waits for (a durable commit, a flush of named blocks) have their own queue, written first and never
+skipped, and are pinned from the request until written: under load an evicted block may find the staging area full
+and be dropped, which would make the request's answer `failed`; they are bounded by the requests in flight (a
+request names at most server.max_keys_per_request blocks). A tenant-wide flush pins nothing (it may name the whole
+pool): its blocks may still be evicted, and then go down urgently by demotion, or are dropped (answer `failed`).
 
 Every queued block is booked in the durability books (durability.py) until its fate is known — written, deleted,
 or lost to the durable path — and the requests waiting for it are told there: that is how a durable commit or a
@@ -78,14 +81,14 @@ class WriteThrough:
         if not durable and not self.enabled:
             return None
         ticket = Ticket() if durable else None
-        self._queue_all([(ns, h) for h in hashes], ticket, urgent=durable, committed=True)
+        self._queue_all([(ns, h) for h in hashes], ticket, urgent=durable, committed=True, pin=durable)
         return ticket
 
     def flush_blocks(self, ns: NamespaceEntry, hashes: list[bytes]) -> Ticket:
         """A ticket on these blocks reaching the disk: those in the host pool only are queued first in line,
         those being demoted are flagged urgent."""
         ticket = Ticket()
-        self._queue_all([(ns, h) for h in hashes], ticket, urgent=True, committed=False)
+        self._queue_all([(ns, h) for h in hashes], ticket, urgent=True, committed=False, pin=True)
         return ticket
 
     def flush_tenant(self, tenant: str, namespaces: list[NamespaceEntry]) -> Ticket:
@@ -118,11 +121,11 @@ class WriteThrough:
         return self.books.wait(ticket, timeout)
 
     def _queue_all(self, blocks: list[tuple[NamespaceEntry, bytes]], ticket: Ticket | None, urgent: bool,
-                   committed: bool) -> None:
+                   committed: bool, pin: bool = False) -> None:
         wanted, watched = [], []
         with self.books.cond:
             for ns, h in blocks:
-                where = self._queue_one(ns, h, ticket, urgent, committed)
+                where = self._queue_one(ns, h, ticket, urgent, committed, pin)
                 if where == "slot":
                     wanted.append(ns.block_id(h))
                 elif where == "staged":
@@ -134,13 +137,17 @@ class WriteThrough:
             self.tier.when_written(watched, self._demoted)
 
     def _queue_one(self, ns: NamespaceEntry, h: bytes, ticket: Ticket | None, urgent: bool,
-                   committed: bool) -> str:
-        """(Under the books' lock.) Book one block: queued from its slot ("slot"), watched in the tier's staging
-        ("staged"), or nothing to do ("" : on disk already, on its way already, stored nowhere, or skipped)."""
+                   committed: bool, pin: bool) -> str:
+        """(Under the books' lock.) Book one block: queued from its slot ("slot", pinned there with `pin`),
+        watched in the tier's staging ("staged"), or nothing to do ("" : on disk already, on its way already,
+        stored nowhere, or skipped)."""
         bid = ns.block_id(h)
         e = self.books.entries.get(bid)
         if e is not None:
             self.books.attach(e, ticket)
+            if pin and not e.pinned and self.index.slot(ns, h) == e.gid:    # on its way, now waited for:
+                e.pinned = self.index.pin(ns, h, self.holder) == e.gid      # held and first in line
+                self.urgent.append(e)
             return ""
         if self.tier.on_disk(bid):
             return ""
@@ -155,6 +162,8 @@ class WriteThrough:
             return ""
         e = self.books.add(bid, ns, h, gid, committed, ticket)
         assert e is not None
+        if pin:
+            e.pinned = self.index.pin(ns, h, self.holder) == gid
         if urgent:
             self.urgent.append(e)
         else:
@@ -182,7 +191,8 @@ class WriteThrough:
                 fault_point("write_through_loop")
                 live, watched = self._sort(self._take(BATCH))
                 for e in live:
-                    self.index.pin(e.ns, e.block_hash, self.holder)      # held for this write only
+                    if not e.pinned:                                     # held for this write only
+                        e.pinned = self.index.pin(e.ns, e.block_hash, self.holder) == e.gid
                 views = [self.pool.view(e.gid) for e in live]
                 self.writing = len(live)
                 crcs = self.index.crcs_of([e.gid for e in live])         # the writers': checked by the tier
@@ -200,7 +210,7 @@ class WriteThrough:
                     v.release()
             with self.changed:
                 self.counters["written_through"] += stored
-                self.index.release([e.gid for e in live], self.holder)
+                self._unpin(live)
                 self.writing = 0
                 self._written(live)
 
@@ -213,9 +223,19 @@ class WriteThrough:
             else:
                 e = self.queue.popleft()
                 self.queued_bytes -= e.ns.slot_bytes
-            if not e.done:
+            if e.done:
+                self._unpin([e])                    # deleted meanwhile
+            elif not any(o is e for o in out):      # (in both queues: waited for once on its way)
                 out.append(e)
         return out
+
+    def _unpin(self, entries: list[Entry]) -> None:
+        """(Under the state lock.) Let go of the slots pinned for these entries."""
+        gids = [e.gid for e in entries if e.pinned]
+        for e in entries:
+            e.pinned = False
+        if gids:
+            self.index.release(gids, self.holder)
 
     def _sort(self, batch: list[Entry]) -> tuple[list[Entry], list[bytes]]:
         """(Under the state lock.) Blocks still in their slot and not in the tier (written now); blocks evicted
@@ -233,6 +253,7 @@ class WriteThrough:
                 else:
                     self.books.settle(e, False, "lost")
                     lost.append(e.bid)
+        self._unpin([e for e in batch if e not in live])
         if lost:
             self.tier.unwant(lost)
         return live, watched

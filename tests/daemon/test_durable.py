@@ -178,3 +178,22 @@ def test_write_through_blocks_evicted_before_their_write_go_down_in_the_store_la
         assert s["tiers"][1]["blocks"] == 40
         assert s["traffic"][0]["lanes"]["background"]["bytes"] == 0     # never behind background demotions
         assert s["write_through"]["lag"]["count"] == 40                  # each counted once, written or demoted
+
+
+def test_blocks_a_durable_put_waits_for_are_not_evicted_before_their_write(tmp_path, daemons):
+    """A flood of plain puts evicts everything it can while the durable blocks wait for a slow disk, and the
+    staging area is too small for the evicted blocks (dropped). Before: the durable blocks were evicted and dropped
+    like the others, and the answer was `failed`; now they stay in their slots until written."""
+    d = start(tmp_path, daemons, KVSTORE_SLOW_DEVICE=SLOW, KVSTORE_SSD_STAGING_BYTES="16KiB")
+    hs = [key(i) for i in range(16)]
+    flood = [key(1000 + i) for i in range(300)]                   # 2.3 MiB through a 1 MiB pool
+    with d.client() as c:
+        ns = c.namespace(spec())
+        assert ns.put(hs, [content(h) for h in hs], durable=True, durable_timeout_s=0).durability == "timeout"
+        for i in range(0, len(flood), 20):
+            ns.put(flood[i:i + 20], [content(h) for h in flood[i:i + 20]])
+        s = c.stats()
+        assert s["counters"]["evictions"] > 100 and s["counters"]["dropped"] > 0
+        answer = ns.wait_durable(hs, timeout_s=25)
+        assert (answer["durability"], answer["failed"]) == ("durable", 0)
+    assert get_all(d, hs) == [content(h) for h in hs]
