@@ -116,26 +116,43 @@ MIXES = {
 }
 
 
+# Seconds between a workflow's calls (tool runs, user think time) and a request's own service time, per family:
+# a request is sent when its workflow's previous call returned and the gap has passed, so the next request is the
+# one that became ready first, not a random live workflow's.
+GAPS = {"codegen": 4.0, "factcheck": 2.0, "pipeline": 1.0, "chat": 20.0}
+SERVICE_S = 0.5
+
+
 def mix(name: str, workflows: int, concurrency: int, seed: int = 11) -> list[Request]:
-    """`workflows` workflows of the mix's families, at most `concurrency` live at once, interleaved at random."""
+    """`workflows` workflows of the mix's families, at most `concurrency` live at once. Event driven: each live
+    workflow's next request is ready at its previous one's end plus an exponential gap (GAPS, mean per family);
+    the node serves them in order of readiness."""
     rng = random.Random(seed)
     systems = {f: _tokens(rng, rng.randint(800, 1500)) for f in FAMILIES}
     weights = MIXES[name]
     families = rng.choices(list(weights), weights=list(weights.values()), k=workflows)
-    pending = [FAMILIES[f](f"{name}-{i}", random.Random(rng.random()), systems[f]) for i, f in enumerate(families)]
+    pending = [(f, FAMILIES[f](f"{name}-{i}", random.Random(rng.random()), systems[f]))
+               for i, f in enumerate(families)]
     pending.reverse()
-    live: list[Iterator[Request]] = []
+    ready: list[tuple[float, int, str, Iterator[Request]]] = []     # (ready at, tie, family, workflow)
+    now = 0.0
     out: list[Request] = []
-    while pending or live:
-        while pending and len(live) < concurrency:
-            live.append(pending.pop())
-        w = rng.choice(live)
+    tie = 0
+    while pending or ready:
+        while pending and len(ready) < concurrency:
+            f, w = pending.pop()
+            tie += 1
+            heapq.heappush(ready, (now + rng.expovariate(1.0), tie, f, w))
+        at, _, f, w = heapq.heappop(ready)
+        now = max(now, at)
         req = next(w, None)
         if req is None:
-            live.remove(w)
             continue
         req.hashes = chain_hashes(req.tokens, CHUNK)
         out.append(req)
+        now += SERVICE_S / concurrency                  # the node serves `concurrency` requests at a time
+        tie += 1
+        heapq.heappush(ready, (now + SERVICE_S + rng.expovariate(1 / GAPS[f]), tie, f, w))
     return out
 
 
@@ -183,8 +200,48 @@ def ideal_hits(trace: list[Request]) -> int:
 
 
 def hit_rates(trace: list[Request], capacity: int, policy: str) -> int:
-    """Chunks hit when the trace is replayed offline through `capacity` chunks with `policy` (lru | oracle)."""
+    """Chunks hit when the trace is replayed offline through `capacity` chunks with `policy`: lru | oracle |
+    workflow (kvstore.policy.workflow, with the trace's hints) | workflow-nohints."""
+    if policy.startswith("workflow"):
+        return _workflow(trace, capacity, hints=policy == "workflow")
     return (_lru if policy == "lru" else _oracle)(trace, capacity)
+
+
+def _workflow(trace: list[Request], capacity: int, hints: bool, **kw: object) -> int:
+    """The workflow-aware policy, offline: hints as an engine would send them (a call per request, the end after
+    a workflow's last); reads touch a prefix's head last, as the daemon's gets do."""
+    from kvstore.policy.workflow import Touch, WorkflowPolicy, Workflows
+
+    clock = [0.0]
+    flows = Workflows(idle_s=float("inf"), clock=lambda: clock[0])
+    pol = WorkflowPolicy(flows, **kw)  # type: ignore[arg-type]
+    cached: set[bytes] = set()
+    hits = 0
+    for r in trace:
+        clock[0] += 1
+        touch = None
+        if hints:
+            flows.call(r.workflow, r.agent, r.family)
+            touch = Touch(r.workflow, r.agent)
+        n = next((k for k, h in enumerate(r.hashes) if h not in cached), len(r.hashes))
+        hits += n
+        for h in reversed(r.hashes[:n]):
+            pol.accessed(h, touch)
+        for h in r.hashes[n:]:
+            if h in cached:
+                pol.accessed(h, touch)
+                continue
+            if len(cached) >= capacity:
+                v = pol.victim(0)
+                if v is None:
+                    break
+                pol.removed(v)
+                cached.discard(v)
+            pol.added(h, 0, touch)
+            cached.add(h)
+        if hints and r.last:
+            flows.end(r.workflow)
+    return hits
 
 
 def _lru(trace: list[Request], capacity: int) -> int:

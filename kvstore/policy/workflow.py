@@ -1,0 +1,265 @@
+"""Workflow-aware eviction (PBKV §4.2): retired blocks first, then active blocks by their lookahead reuse score.
+
+The engine (or an agent framework) tells the daemon which workflow, agent and session each request belongs to
+(hints: `Workflows.begin / call / end`); each block remembers which workflows touched it (`tags`, at most
+`tag_budget` of them, the most recent, and how many ever did). Then, when a class is full:
+
+1. **Retired blocks first** — every workflow that touched them has ended (or went idle past `idle_s`), or no hint
+   ever named one. Fewest touching workflows first (a block many workflows used, such as a shared system prompt,
+   is the likeliest to be used by the next one), least recently used first among equals. Without any hints every
+   block is here, and the policy is LRU.
+2. **Then active blocks, lowest score first.** A block's score sums, over the active workflows that touched it,
+   that workflow's K-step lookahead reuse value: Σ_k γ^(k-1) · s_w(k) · P(step k calls an agent that reuses the
+   block), s_w(k) the probability w is still running at step k (predictor.py). Under the prefix-sharing
+   convention of agent frameworks (each agent's prompt carries the whole history so far), every later agent of a
+   workflow reuses what an earlier one touched: the "later agents inherit" variant of PBKV §5, the default
+   (`inherit=False` scores only the agents that touched the block themselves). A chat session is a workflow whose
+   every turn reuses its whole history.
+   Blocks are kept in groups of one signature (the set of active workflows that touched them), each an LRU list:
+   a score is computed per group, not per block, and a workflow's step changes the value of its groups only.
+3. Within a group, least recently used first: a read touches a prefix's head last, so tails go before heads.
+Pinned blocks are never candidates.
+
+Cost: a touch is O(tags); an end re-groups the ended workflow's blocks (each block pays once per tag it got); a
+victim costs O(groups of the class) — the active workflows, not the blocks.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kvstore.policy.predictor import END, START, TransitionModel, survival
+
+RETIRED = frozenset[str]()
+Signature = frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Touch:
+    """The hint context of a request: the workflow (or chat session) and agent it belongs to."""
+    workflow: str
+    agent: str = ""
+
+
+@dataclass
+class Workflow:
+    wid: str
+    wtype: str
+    agent: str = START
+    steps: int = 0
+    seen: float = 0.0
+    agents: dict[str, int] = field(default_factory=dict)    # agent → its bit in a block's agent mask
+
+
+class Workflows:
+    """The hints' books: which workflows are active, what each called last, and its lookahead value."""
+
+    def __init__(self, predictor: TransitionModel | None = None, horizon: int = 3, gamma: float = 0.7,
+                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.predictor = predictor or TransitionModel(horizon)
+        self.horizon = horizon
+        self.gamma = gamma
+        self.idle_s = idle_s
+        self.clock = clock
+        self.active: dict[str, Workflow] = {}
+        self.ignored = 0                        # hints about unknown workflows, counted and dropped
+        self._value: dict[str, float] = {}
+        self.on_retire: Callable[[str], None] = lambda wid: None
+
+    def begin(self, wid: str, wtype: str = "") -> Workflow:
+        w = self.active.get(wid)
+        if w is None:
+            w = self.active[wid] = Workflow(wid, wtype, seen=self.clock())
+            self._value.pop(wid, None)
+        return w
+
+    def call(self, wid: str, agent: str, wtype: str = "") -> Workflow:
+        """Agent `agent` of workflow `wid` is invoked (a workflow not begun yet begins here)."""
+        w = self.begin(wid, wtype)
+        self.predictor.called(wid, w.wtype, w.agent, agent)
+        w.agent = agent
+        w.steps += 1
+        w.seen = self.clock()
+        w.agents.setdefault(agent, len(w.agents))
+        self._value.pop(wid, None)
+        return w
+
+    def end(self, wid: str) -> None:
+        w = self.active.pop(wid, None)
+        if w is None:
+            self.ignored += 1
+            return
+        self.predictor.ended(wid, w.wtype, w.agent)
+        self._value.pop(wid, None)
+        self.on_retire(wid)
+
+    def expire(self) -> list[str]:
+        """Retire workflows idle for longer than idle_s (their end never came); their ids."""
+        now = self.clock()
+        idle = [wid for wid, w in self.active.items() if now - w.seen > self.idle_s]
+        for wid in idle:
+            del self.active[wid]
+            self._value.pop(wid, None)
+            self.on_retire(wid)
+        return idle
+
+    def value(self, wid: str) -> float:
+        """The workflow's lookahead reuse value for a block every later agent reuses (0 when not active)."""
+        got = self._value.get(wid)
+        if got is None:
+            w = self.active.get(wid)
+            if w is None:
+                return 0.0
+            ahead = self.predictor.lookahead(w.wtype, w.agent, self.horizon)
+            alive = survival(ahead)
+            got = self._value[wid] = sum(self.gamma ** k * alive[k] for k in range(len(alive)))
+        return got
+
+    def agent_value(self, wid: str, mask: int) -> float:
+        """The value for a block only the agents in `mask` touched (the plain PBKV score, without inheritance)."""
+        w = self.active.get(wid)
+        if w is None:
+            return 0.0
+        names = [a for a, bit in w.agents.items() if mask >> bit & 1]
+        ahead = self.predictor.lookahead(w.wtype, w.agent, self.horizon)
+        return sum(self.gamma ** k * sum(d.get(a, 0.0) for a in names) for k, d in enumerate(ahead))
+
+
+class WorkflowPolicy:
+    """The hierarchical policy (module docstring), in the TierPolicy shape plus the touching context."""
+    name = "workflow"
+
+    def __init__(self, workflows: Workflows, tag_budget: int = 4, inherit: bool = True) -> None:
+        self.flows = workflows
+        self.flows.on_retire = self._retired
+        self.budget = tag_budget
+        self.inherit = inherit
+        self.tags: dict[bytes, dict[str, int]] = {}          # key → workflow → agent mask (most recent last)
+        self.touched: dict[bytes, int] = {}                  # key → workflows that ever touched it (saturating)
+        self.where: dict[bytes, tuple[int, Signature | int]] = {}   # key → (class, group)
+        self.groups: dict[int, dict[Signature | int, OrderedDict[bytes, None]]] = {}
+        self.members: dict[str, set[bytes]] = {}             # workflow → keys tagged with it
+        self.pins: set[bytes] = set()
+
+    # ----- the TierPolicy hooks -----
+    def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
+        if key in self.where:
+            self.removed(key)
+        self.where[key] = (cls, RETIRED)
+        self._tag(key, touch)
+        self._link(key)
+
+    def accessed(self, key: bytes, touch: Touch | None = None) -> None:
+        if key not in self.where:
+            return
+        self._tag(key, touch)
+        if key not in self.pins:
+            self._unlink(key)
+            self._link(key)
+
+    def removed(self, key: bytes) -> None:
+        if key not in self.where:
+            return
+        if key not in self.pins:
+            self._unlink(key)
+        self.pins.discard(key)
+        del self.where[key]
+        for wid in self.tags.pop(key, {}):
+            self.members.get(wid, set()).discard(key)
+        self.touched.pop(key, None)
+
+    def pinned(self, key: bytes) -> None:
+        if key in self.where and key not in self.pins:
+            self._unlink(key)
+            self.pins.add(key)
+
+    def unpinned(self, key: bytes) -> None:
+        if key in self.pins:
+            self.pins.discard(key)
+            self._link(key)
+
+    def victim(self, cls: int) -> bytes | None:
+        groups = self.groups.get(cls)
+        if not groups:
+            return None
+        retired = [g for g in groups if isinstance(g, int) and groups[g]]
+        if retired:
+            return next(iter(groups[min(retired)]))
+        best: tuple[float, bytes] | None = None
+        for sig, keys in groups.items():
+            if keys and isinstance(sig, frozenset):
+                head = next(iter(keys))
+                score = self._score(sig, head)
+                if best is None or score < best[0]:
+                    best = (score, head)
+        return None if best is None else best[1]
+
+    # ----- inside -----
+    def _score(self, sig: Signature, key: bytes) -> float:
+        if self.inherit:
+            return sum(self.flows.value(w) for w in sig)
+        masks = self.tags.get(key, {})
+        return sum(self.flows.agent_value(w, masks.get(w, 0)) for w in sig)
+
+    def _tag(self, key: bytes, touch: Touch | None) -> None:
+        if touch is None or not touch.workflow:
+            return
+        w = self.flows.active.get(touch.workflow)
+        if w is None:
+            return
+        tags = self.tags.setdefault(key, {})
+        mask = tags.pop(touch.workflow, None)
+        if mask is None:
+            self.touched[key] = min(255, self.touched.get(key, 0) + 1)
+            self.members.setdefault(touch.workflow, set()).add(key)
+            if len(tags) >= self.budget:                       # the budget: the least recent tag goes
+                old = next(iter(tags))
+                del tags[old]
+                self.members.get(old, set()).discard(key)
+        tags[touch.workflow] = (mask or 0) | (1 << w.agents.get(touch.agent, 0))
+
+    def _group_of(self, key: bytes) -> Signature | int:
+        sig = frozenset(w for w in self.tags.get(key, ()) if w in self.flows.active)
+        if sig:
+            return sig
+        return min(self.touched.get(key, 0), self.budget)        # retired: by how many workflows touched it
+
+    def _link(self, key: bytes) -> None:
+        cls, _ = self.where[key]
+        group = self._group_of(key)
+        self.where[key] = (cls, group)
+        self.groups.setdefault(cls, {}).setdefault(group, OrderedDict())[key] = None
+
+    def _unlink(self, key: bytes) -> None:
+        cls, group = self.where[key]
+        keys = self.groups[cls][group]
+        keys.pop(key, None)
+        if not keys:
+            del self.groups[cls][group]
+
+    def _retired(self, wid: str) -> None:
+        """A workflow ended: its blocks move to the groups of the workflows still active on them (or retired)."""
+        for key in self.members.pop(wid, set()):
+            if key in self.where and key not in self.pins:
+                self._unlink(key)
+                self._link(key)
+
+    # ----- inspection -----
+    def counts(self) -> dict[str, int]:
+        """Blocks retired and active (pinned ones aside)."""
+        retired = active = 0
+        for groups in self.groups.values():
+            for g, keys in groups.items():
+                if isinstance(g, int):
+                    retired += len(keys)
+                else:
+                    active += len(keys)
+        return {"retired": retired, "active": active, "workflows": len(self.flows.active)}
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.where)
+
+
+__all__ = ["END", "Touch", "WorkflowPolicy", "Workflows"]

@@ -1,0 +1,92 @@
+"""The workflow-aware policy's order (kvstore/policy/workflow.py) and its predictor, on its own books: retired
+blocks first (fewest touching workflows first), then active blocks by lookahead score, LRU without hints, pinned
+blocks never; the transition model's lookahead and accuracy."""
+from __future__ import annotations
+
+from kvstore.policy.predictor import END, TransitionModel, survival
+from kvstore.policy.workflow import Touch, WorkflowPolicy, Workflows
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(4, "big")
+
+
+def drain(pol: WorkflowPolicy) -> list[int]:
+    out = []
+    while (v := pol.victim(0)) is not None:
+        pol.removed(v)
+        out.append(int.from_bytes(v, "big"))
+    return out
+
+
+def test_without_hints_it_is_lru_and_pins_are_never_victims() -> None:
+    pol = WorkflowPolicy(Workflows())
+    for i in range(6):
+        pol.added(k(i), 0)
+    pol.accessed(k(0))
+    pol.pinned(k(2))
+    assert drain(pol) == [1, 3, 4, 5, 0]
+    pol.unpinned(k(2))
+    assert drain(pol) == [2]
+
+
+def test_retired_blocks_go_first_fewest_touching_workflows_first() -> None:
+    flows = Workflows()
+    pol = WorkflowPolicy(flows)
+    for wid in ("a", "b", "c"):
+        flows.call(wid, "planner", "t")
+    pol.added(k(0), 0, Touch("a", "planner"))      # touched by a and b: shared
+    pol.accessed(k(0), Touch("b", "planner"))
+    pol.added(k(1), 0, Touch("a", "planner"))      # a's own
+    pol.added(k(2), 0, Touch("c", "planner"))      # c's own: c stays active
+    pol.added(k(3), 0)                             # no hint: retired, touched by none
+    flows.end("a")
+    flows.end("b")
+    assert pol.counts() == {"retired": 3, "active": 1, "workflows": 1}
+    assert drain(pol) == [3, 1, 0, 2]
+
+
+def test_active_blocks_of_the_workflow_likeliest_to_end_go_first() -> None:
+    flows = Workflows()
+    pol = WorkflowPolicy(flows)
+    for i in range(20):                             # learned: after "last" a workflow ends, after "first" it goes on
+        flows.call(f"old{i}", "first", "t")
+        flows.call(f"old{i}", "last", "t")
+        flows.end(f"old{i}")
+    flows.call("x", "first", "t")
+    flows.call("y", "first", "t")
+    flows.call("y", "last", "t")
+    pol.added(k(0), 0, Touch("x", "first"))
+    pol.added(k(1), 0, Touch("y", "last"))
+    assert flows.value("y") < flows.value("x")
+    assert drain(pol) == [1, 0]
+
+
+def test_the_tag_budget_keeps_the_most_recent_workflows() -> None:
+    flows = Workflows()
+    pol = WorkflowPolicy(flows, tag_budget=2)
+    for wid in "abc":
+        flows.call(wid, "agent")
+    pol.added(k(0), 0, Touch("a"))
+    pol.accessed(k(0), Touch("b"))
+    pol.accessed(k(0), Touch("c"))
+    assert list(pol.tags[k(0)]) == ["b", "c"] and pol.touched[k(0)] == 3
+    flows.end("b")
+    flows.end("c")
+    assert pol.counts()["retired"] == 1            # a, still active, fell out of the budget
+
+
+def test_the_transition_model_looks_ahead_and_scores_itself() -> None:
+    m = TransitionModel()
+    for _ in range(10):
+        m.called("w", "code", "<start>", "coder")
+        m.called("w", "code", "coder", "tester")
+        m.called("w", "code", "tester", "coder")     # a retry loop, then the end
+        m.called("w", "code", "coder", "tester")
+        m.ended("w", "code", "tester")
+    ahead = m.lookahead("code", "coder", 3)
+    assert ahead[0] == {"tester": 1.0}
+    assert ahead[1] == {END: 0.5, "coder": 0.5}                  # tester: back to the coder, or done
+    assert survival(ahead)[0] == 1.0 and survival(ahead)[1] == 0.5
+    assert m.accuracy.rate(1) is not None and m.accuracy.rate(1) > 0.5
+    assert m.lookahead("unknown", "agent", 2) == [{"agent": 1.0}, {"agent": 1.0}]    # unseen: it goes on
