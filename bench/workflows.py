@@ -44,6 +44,7 @@ class Request:
     tokens: list[int]
     last: bool = False                          # the workflow ends after this request
     hashes: list[bytes] = field(default_factory=list)
+    at: float = 0.0                             # when the node serves it (seconds from the trace's start)
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -149,6 +150,7 @@ def mix(name: str, workflows: int, concurrency: int, seed: int = 11) -> list[Req
         if req is None:
             continue
         req.hashes = chain_hashes(req.tokens, CHUNK)
+        req.at = now
         out.append(req)
         now += SERVICE_S / concurrency                  # the node serves `concurrency` requests at a time
         tie += 1
@@ -218,7 +220,7 @@ def _workflow(trace: list[Request], capacity: int, hints: bool, **kw: object) ->
     cached: set[bytes] = set()
     hits = 0
     for r in trace:
-        clock[0] += 1
+        clock[0] = r.at
         touch = None
         if hints:
             flows.call(r.workflow, r.agent, r.family)

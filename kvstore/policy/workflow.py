@@ -66,6 +66,9 @@ class Workflows:
         self.active: dict[str, Workflow] = {}
         self.ignored = 0                        # hints about unknown workflows, counted and dropped
         self._value: dict[str, float] = {}
+        self.gaps: dict[tuple[str, str], float] = {}   # (type, agent) → mean seconds to the workflow's next call
+        self.timed = False                             # weigh each value by how soon the workflow calls again (off:
+        #                                                worse on memoryless gaps, bench/workflows.py)
         self.on_retire: Callable[[str], None] = lambda wid: None
 
     def begin(self, wid: str, wtype: str = "") -> Workflow:
@@ -79,9 +82,14 @@ class Workflows:
         """Agent `agent` of workflow `wid` is invoked (a workflow not begun yet begins here)."""
         w = self.begin(wid, wtype)
         self.predictor.called(wid, w.wtype, w.agent, agent)
+        now = self.clock()
+        if w.steps:
+            key = (w.wtype, w.agent)
+            old = self.gaps.get(key)
+            self.gaps[key] = now - w.seen if old is None else 0.8 * old + 0.2 * (now - w.seen)
         w.agent = agent
         w.steps += 1
-        w.seen = self.clock()
+        w.seen = now
         w.agents.setdefault(agent, len(w.agents))
         self._value.pop(wid, None)
         return w
@@ -106,7 +114,9 @@ class Workflows:
         return idle
 
     def value(self, wid: str) -> float:
-        """The workflow's lookahead reuse value for a block every later agent reuses (0 when not active)."""
+        """The workflow's lookahead reuse value for a block every later agent reuses (0 when not active); timed,
+        divided by how long until its next call is expected (learned per (type, agent)): Belady's farthest next
+        use, estimated."""
         got = self._value.get(wid)
         if got is None:
             w = self.active.get(wid)
@@ -115,7 +125,13 @@ class Workflows:
             ahead = self.predictor.lookahead(w.wtype, w.agent, self.horizon)
             alive = survival(ahead)
             got = self._value[wid] = sum(self.gamma ** k * alive[k] for k in range(len(alive)))
-        return got
+        if not self.timed:
+            return got
+        w = self.active[wid]
+        gap = self.gaps.get((w.wtype, w.agent))
+        if gap is None:
+            return got
+        return got / (1.0 + max(0.0, w.seen + gap - self.clock()) / max(gap, 1e-3))
 
     def agent_value(self, wid: str, mask: int) -> float:
         """The value for a block only the agents in `mask` touched (the plain PBKV score, without inheritance)."""
