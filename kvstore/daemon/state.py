@@ -83,7 +83,8 @@ def build_state(config: Config) -> State:
     write_through = None
     if lower and isinstance(lower.first, DurableTier):     # durable commits and flushes, even without write_through
         write_through = WriteThrough(index, pool, lower.first, changed, counters, config.ssd.staging_bytes,
-                                     enabled=config.ssd.write_through, synced=config.ssd.sync != "never")
+                                     enabled=config.ssd.write_through, synced=config.ssd.sync != "never",
+                                     pin_cap=int(config.pool.capacity * config.server.max_reserved_fraction))
     return State(config, lock, changed, counters, pool, index, traffic, lower, promotion, demotion, prefetcher,
                  write_through)
 

@@ -11,8 +11,11 @@ of blocks): beyond it a block is skipped (write_through_skipped) and goes down o
 Blocks a request waits for (a durable commit, a flush of named blocks) have their own queue, written first and never
 skipped, and are pinned from the request until written: under load an evicted block may find the staging area full
 and be dropped, which would make the request's answer `failed`; they are bounded by the requests in flight (a
-request names at most server.max_keys_per_request blocks). A tenant-wide flush pins nothing (it may name the whole
-pool): its blocks may still be evicted, and then go down urgently by demotion, or are dropped (answer `failed`).
+request names at most server.max_keys_per_request blocks), and the write-through's pins by `pin_cap` bytes in all
+(the state gives the share of the pool one connection may hold reserved, server.max_reserved_fraction: clients
+asking for durability faster than the disk writes cannot pin the whole pool; beyond it a block waited for is queued
+first in line unpinned, counted as pin_cap). A tenant-wide flush pins nothing (it may name the whole pool):
+its blocks may still be evicted, and then go down urgently by demotion, or are dropped (answer `failed`).
 
 Every queued block is booked in the durability books (durability.py) until its fate is known — written, deleted,
 or lost to the durable path — and the requests waiting for it are told there: that is how a durable commit or a
@@ -57,19 +60,21 @@ class DurableTier(LowerTier, Protocol):
 
 class WriteThrough:
     def __init__(self, index: Index, pool: HostPool, tier: DurableTier, changed: Condition, counters: Counter[str],
-                 max_bytes: int, enabled: bool = True, synced: bool = True) -> None:
+                 max_bytes: int, enabled: bool = True, synced: bool = True, pin_cap: int = 1 << 62) -> None:
         self.index = index
         self.pool = pool
         self.tier = tier
         self.changed = changed                  # on the state lock: notified when there is work
         self.counters = counters
         self.max_bytes = max_bytes
+        self.pin_cap = pin_cap
         self.enabled = enabled                  # ssd.write_through: every commit, not only durable ones
         self.books = Books(synced)
         self.holder = Holdings()
         self.urgent: deque[Entry] = deque()     # blocks a request waits for: written first
         self.queue: deque[Entry] = deque()      # the plain write-through, bounded by max_bytes
         self.queued_bytes = 0
+        self.pinned_bytes = 0                   # slots pinned: waited for (at most pin_cap), or being written
         self.writing = 0                        # blocks of the batch being written
         self._stop = False
         self._worker = Worker("kvstore-writethrough", self._run).start()   # restarted if it ever raises
@@ -146,7 +151,7 @@ class WriteThrough:
         if e is not None:
             self.books.attach(e, ticket)
             if pin and not e.pinned and self.index.slot(ns, h) == e.gid:    # on its way, now waited for:
-                e.pinned = self.index.pin(ns, h, self.holder) == e.gid      # held and first in line
+                self._hold(e)                                                # held and first in line
                 self.urgent.append(e)
             return ""
         if self.tier.on_disk(bid):
@@ -163,13 +168,21 @@ class WriteThrough:
         e = self.books.add(bid, ns, h, gid, committed, ticket)
         assert e is not None
         if pin:
-            e.pinned = self.index.pin(ns, h, self.holder) == gid
+            self._hold(e)
         if urgent:
             self.urgent.append(e)
         else:
             self.queue.append(e)
             self.queued_bytes += ns.slot_bytes
         return "slot"
+
+    def _hold(self, e: Entry) -> None:
+        """(Under the state lock.) Pin a waited-for block in its slot until written, within pin_cap."""
+        if self.pinned_bytes + e.ns.slot_bytes > self.pin_cap:
+            self.books.counts["pin_cap"] += 1
+            return
+        e.pinned = self.index.pin(e.ns, e.block_hash, self.holder) == e.gid
+        self.pinned_bytes += e.ns.slot_bytes if e.pinned else 0
 
     def _demoted(self, bid: bytes) -> None:
         """(The tier's callback, without the state lock.) A watched block left the tier's staging."""
@@ -193,6 +206,7 @@ class WriteThrough:
                 for e in live:
                     if not e.pinned:                                     # held for this write only
                         e.pinned = self.index.pin(e.ns, e.block_hash, self.holder) == e.gid
+                        self.pinned_bytes += e.ns.slot_bytes if e.pinned else 0
                 views = [self.pool.view(e.gid) for e in live]
                 self.writing = len(live)
                 crcs = self.index.crcs_of([e.gid for e in live])         # the writers': checked by the tier
@@ -233,6 +247,7 @@ class WriteThrough:
         """(Under the state lock.) Let go of the slots pinned for these entries."""
         gids = [e.gid for e in entries if e.pinned]
         for e in entries:
+            self.pinned_bytes -= e.ns.slot_bytes if e.pinned else 0
             e.pinned = False
         if gids:
             self.index.release(gids, self.holder)
@@ -273,7 +288,7 @@ class WriteThrough:
         with self.books.cond:
             books = self.books.stats()
         return {"enabled": self.enabled, "queued": len(self.urgent) + len(self.queue), "writing": self.writing,
-                "restarts": self._worker.restarts, **books}
+                "pinned_bytes": self.pinned_bytes, "restarts": self._worker.restarts, **books}
 
     def close(self) -> None:
         """Write what is queued (a graceful stop keeps it), then stop."""

@@ -197,3 +197,20 @@ def test_blocks_a_durable_put_waits_for_are_not_evicted_before_their_write(tmp_p
         answer = ns.wait_durable(hs, timeout_s=25)
         assert (answer["durability"], answer["failed"]) == ("durable", 0)
     assert get_all(d, hs) == [content(h) for h in hs]
+
+
+def test_durable_requests_pin_at_most_the_pool_share_of_one_connections_reservations(tmp_path, daemons):
+    """Clients asking for durability faster than a slow disk writes: the blocks they wait for are pinned only up to
+    server.max_reserved_fraction of the pool (here 0.5 of 1 MiB: 64 blocks), so others can still store."""
+    d = start(tmp_path, daemons, KVSTORE_SLOW_DEVICE=SLOW)
+    hs = [key(i) for i in range(100)]
+    with d.client() as c:
+        ns = c.namespace(spec())
+        r = ns.put(hs, [content(h) for h in hs], durable=True, durable_timeout_s=0)
+        assert (r.stored, r.durability) == (100, "timeout")
+        wt = c.stats()["write_through"]
+        assert 0 < wt["pinned_bytes"] <= (1 << 20) // 2 and wt["settled"]["pin_cap"] > 0
+    others = [key(1000 + i) for i in range(64)]
+    with d.client() as c:                                # another writer still finds room
+        r = c.namespace(spec()).put(others, [content(h) for h in others])
+        assert (r.stored, r.no_space) == (64, 0)
