@@ -214,3 +214,39 @@ def test_durable_requests_pin_at_most_the_pool_share_of_one_connections_reservat
     with d.client() as c:                                # another writer still finds room
         r = c.namespace(spec()).put(others, [content(h) for h in others])
         assert (r.stored, r.no_space) == (64, 0)
+
+
+def test_asyncio_durable_put_and_the_cli_flush(tmp_path, daemons, start_daemon):
+    import asyncio
+    import json
+    import subprocess
+    import sys
+
+    from kvstore.client.aio import AsyncClient
+
+    d = start(tmp_path, daemons)
+    hs = [key(i) for i in range(6)]
+
+    async def durable_put() -> tuple[str | None, dict]:
+        async with AsyncClient(d.socket) as c:
+            ns = await c.namespace(spec())
+            r = await ns.put(hs, [content(h) for h in hs], durable=True, durable_timeout_s=10)
+            return r.durability, await ns.wait_durable(hs)
+
+    durability, again = asyncio.run(durable_put())
+    assert durability == "durable" and again["durability"] == "durable"
+    with d.client() as c:                                  # write-back blocks, then the operator's flush
+        more = [key(100 + i) for i in range(5)]
+        c.namespace(spec()).put(more, [content(h) for h in more])
+        assert c.stats()["tiers"][1]["blocks"] == 6
+    cli = subprocess.run([sys.executable, "-m", "kvstore", "--socket", d.socket, "flush", "--timeout", "10",
+                          "--json"], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    out = json.loads(cli.stdout)
+    assert (out["durability"], out["blocks"], out["pending"]) == ("durable", 5, 0)
+    with d.client() as c:
+        assert c.stats()["tiers"][1]["blocks"] == 11
+    plain = start_daemon()                                 # no SSD tier: nothing can be made durable (exit 1)
+    cli = subprocess.run([sys.executable, "-m", "kvstore", "--socket", plain.socket, "flush"], capture_output=True,
+                         text=True, timeout=60)
+    assert cli.returncode == 1 and cli.stdout.startswith("no_ssd_tier"), cli.stdout + cli.stderr
