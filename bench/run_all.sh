@@ -43,7 +43,7 @@ mkdir -p "$OUT"
 echo "results of this run: $OUT"
 
 # the comparisons first, then the project's own benchmarks; any new bench_*.py is picked up at the end
-ORDERED="vs_lmcache agentic pool index ssd ssd_tier vllm_ttft"
+ORDERED="vs_lmcache agentic pool index ssd ssd_tier durability vllm_ttft"
 ALL=$ORDERED
 for f in bench/bench_*.py; do
     n=$(basename "$f" .py); n=${n#bench_}
