@@ -132,21 +132,21 @@ def op_commit(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 def op_flush(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     """Wait until blocks stored before this request are on disk and synced (same deadline and answers as a
-    durable commit): with `ns` and `keys`, those blocks; without, every block of the connection's tenant — those on
-    their way already, the host pool's that the lower tier lacks (queued first in line, write_through or not) and
-    those being demoted (flagged urgent)."""
+    durable commit): with `ns` and `keys`, those blocks (pinned until written); with `ns` alone, that namespace's
+    blocks; without either, every block of the connection's tenant. Those on their way already are waited for, the
+    host pool's that the lower tier lacks are queued first in line (write_through or not), and those being demoted
+    are flagged urgent."""
     if "keys" in m and "ns" not in m:
         raise ProtocolError(Code.BAD_REQUEST, "flush: field 'keys' needs field 'ns' (the namespace of the keys)")
-    if "ns" in m:
-        ns = st.index.namespace(m["ns"], h)
+    ns = st.index.namespace(m["ns"], h) if "ns" in m else None
     if st.write_through is None:
         return {"durability": NO_SSD_TIER, "blocks": 0, "pending": 0, "failed": 0}
-    if "keys" in m:
+    if ns is not None and "keys" in m:
         ticket = st.write_through.flush_blocks(ns, split_keys(m["keys"]))
     else:
         tenant = tenant_of(st.config, h)
-        ticket = st.write_through.flush_tenant(tenant, [n for n in st.index.namespaces.values()
-                                                        if n.tenant == tenant and ("ns" not in m or n is ns)])
+        ticket = st.write_through.flush_namespaces([n for n in st.index.namespaces.values()
+                                                    if n.tenant == tenant and (ns is None or n is ns)])
     return _wait_durable(st, ticket, m)
 
 

@@ -114,9 +114,9 @@ class Books:
                 self.counts[f"answer.{answer}"] += 1
         return {"durability": answer, "blocks": ticket.blocks, "pending": pending, "failed": failed}
 
-    def of_tenant(self, tenant: str) -> list[Entry]:
-        """(Under `cond`.) The entries of a tenant's namespaces."""
-        return [e for e in self.entries.values() if e.ns.tenant == tenant]
+    def of_namespaces(self, ids: set[int]) -> list[Entry]:
+        """(Under `cond`.) The entries of these namespaces (by id)."""
+        return [e for e in self.entries.values() if e.ns.id in ids]
 
     def stats(self) -> dict[str, object]:
         """(Under `cond`.) What `kvstore stats` shows of the durable path."""

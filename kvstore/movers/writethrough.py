@@ -96,14 +96,15 @@ class WriteThrough:
         self._queue_all([(ns, h) for h in hashes], ticket, urgent=True, committed=False, pin=True)
         return ticket
 
-    def flush_tenant(self, tenant: str, namespaces: list[NamespaceEntry]) -> Ticket:
-        """A ticket on every block of these namespaces (a tenant's) stored before now reaching the disk: those
-        on their way already, the host pool's that the tier lacks (queued first in line) and the staged ones."""
+    def flush_namespaces(self, namespaces: list[NamespaceEntry]) -> Ticket:
+        """A ticket on every block of these namespaces (a tenant's, or one) stored before now reaching the disk:
+        those on their way already, the host pool's that the tier lacks (queued first in line, not pinned) and the
+        staged ones."""
         ticket = Ticket()
-        with self.books.cond:
-            for e in self.books.of_tenant(tenant):
-                self.books.attach(e, ticket)
         mine = {n.id for n in namespaces}
+        with self.books.cond:
+            for e in self.books.of_namespaces(mine):
+                self.books.attach(e, ticket)
         self._queue_all([(ns, h) for ns, h, _ in self.index.blocks() if ns.id in mine], ticket, urgent=True,
                         committed=False)
         by_digest = {n.digest: n for n in namespaces}
@@ -256,21 +257,22 @@ class WriteThrough:
         """(Under the state lock.) Blocks still in their slot and not in the tier (written now); blocks evicted
         meanwhile and staged (watched: demotion writes them, urgently); the others are settled here: on disk
         already, or evicted and dropped (lost to the durable path)."""
-        live, watched, lost = [], [], []
+        live, watched, settled = [], [], []
         with self.books.cond:
             for e in batch:
                 if self.tier.on_disk(e.bid):
                     self.books.settle(e, True, "on_disk")
+                    settled.append(e.bid)
                 elif self.index.slot(e.ns, e.block_hash) == e.gid and not self.tier.has(e.bid):
                     live.append(e)
                 elif self.tier.has(e.bid):
                     watched.append(e.bid)
                 else:
                     self.books.settle(e, False, "lost")
-                    lost.append(e.bid)
+                    settled.append(e.bid)
         self._unpin([e for e in batch if e not in live])
-        if lost:
-            self.tier.unwant(lost)
+        if settled:
+            self.tier.unwant(settled)
         return live, watched
 
     def _written(self, live: list[Entry]) -> None:
