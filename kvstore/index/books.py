@@ -24,7 +24,7 @@ a time, and the caller may let go of the lock between chunks. A request the book
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 
 from kvstore.index.capacity import CapacityBooks, EvictionSink
@@ -35,7 +35,7 @@ from kvstore.index.sweep import SlotCursor
 from kvstore.policy import make_policy
 from kvstore.protocol import ReserveStatus
 from kvstore.protocol.keys import NamespaceSpec
-from kvstore.tiers.host import HostPool
+from kvstore.tiers.host import HostPool, Segment
 
 RESERVED, EXISTS, IN_PROGRESS, NO_SPACE = (ReserveStatus.RESERVED, ReserveStatus.EXISTS, ReserveStatus.IN_PROGRESS,
                                           ReserveStatus.NO_SPACE)
@@ -55,6 +55,7 @@ class Index(CapacityBooks):
         self.deleting: Counter[bytes] = Counter()   # keys a delete is taking out of the lower tiers: not promoted
         self.pins: Counter[int] = Counter()         # gid → pins across connections (and the sink's holds)
         self.zombies: dict[int, bytes] = {}         # deleted or evicted while pinned: gid → key, freed at last unpin
+        self.moving: deque[Segment] = deque()       # lent segments still being emptied by drain steps
         self.counters: Counter[str] = Counter() if counters is None else counters
         self._clock = 1                             # advances per commit and acquire: recency across sizes
 
@@ -79,6 +80,7 @@ class Index(CapacityBooks):
 
     def acquire(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings) -> list[int]:
         """Pin the longest prefix in the host pool; returns its slots."""
+        self._drain_step()
         gids = []
         for h in hashes:
             key = ns.key(h)
@@ -101,6 +103,7 @@ class Index(CapacityBooks):
         for gid, n in need.items():
             if holder.pins[gid] < n:
                 raise NotHeld(f"slot {gid:#x} is not held {n} time(s) by this connection")
+        self._drain_step()
         for gid, n in reversed(need.items()):    # unpinned tail first: the head becomes the most recent
             holder.pins[gid] -= n
             if holder.pins[gid] == 0:
@@ -168,6 +171,7 @@ class Index(CapacityBooks):
                 ) -> tuple[list[int], list[ReserveStatus]]:
         """Slots for the blocks not stored yet. Returns (gids, status) per block; gid 0 unless RESERVED. With
         `lease_until` (a time.monotonic() value), `expire` aborts the reservations still open at that time."""
+        self._drain_step()
         gids, status = [], []
         room = holder.reserved_share * self.pool.capacity if holder.reserved_share else None
         for h in hashes:
@@ -253,6 +257,7 @@ class Index(CapacityBooks):
         if missing:
             raise NotHeld(f"commit: {len(missing)} key(s) not reserved by this connection (first at position "
                           f"{missing[0]}); nothing was committed")
+        self._drain_step()
         for i in reversed(range(len(full))):     # the head of the prefix linked last: the most recent
             key = full[i]
             gid = holder.reserved.pop(key)

@@ -8,11 +8,14 @@ gave (the demotion mover), which may hold its slot until it has copied the bytes
   use), or reclaims an idle segment of another class, or answers "no space".
 - Memory that moves to another class does not wait for the retiring segment: the segment is lent
   (kvstore.tiers.host: at most one at a time, so the memory really held is at most the cap plus one segment, until
-  its punch), its blocks leave the index at once (booked in the lower tier, whose readers wait for their copy), and
-  the sink copies them after the state lock is left, holding their slots meanwhile; the segment is released when
-  the last copy is done and punched by the reaper. While one segment is lent, a second move is made the old way:
-  its blocks copied (`Eviction.copy_now`) and its pages punched under the lock, the cap exact (counted:
-  `segment_moves_inline`).
+  its punch) and its blocks leave in drain steps of MOVE_CHUNK blocks: the first by the allocation that moved it,
+  the next ones at the start of each later reserve, commit, acquire or release, so that no request holds the lock
+  for more than one step's evictions (a 64 MiB segment of 4 KiB blocks is 16384 of them). Until its step, a
+  block is a host hit as before (a pinned one stays until its last release); an evicted one is booked in the
+  lower tier at once (its readers wait for its copy) and the sink copies it after the state lock is left, holding
+  its slot meanwhile; the segment is released with its last slot and punched by the reaper. While one segment is
+  lent, a second move is made the old way: its blocks copied (`Eviction.copy_now`) and its pages punched under the
+  lock, the cap exact (counted: `segment_moves_inline`).
 - A pinned block is never evicted; a segment chosen for release drains: it allocates nothing and goes when its
   last pin or reservation does. Shrinking costs the blocks in the released segments, never the pool's size.
 - An operator's eviction is made in chunks (`evict_plan`, `evict_some`): the caller may let go of the state lock
@@ -21,7 +24,7 @@ gave (the demotion mover), which may hold its slot until it has copied the bytes
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -75,9 +78,13 @@ class ResizeResult:
     seconds: float
 
 
+MOVE_CHUNK = 256        # blocks of a lent segment evicted per drain step (a few milliseconds under the lock)
+
+
 class CapacityBooks:
     """The capacity half of the index (see `kvstore.index.books.Index`, which adds reads and two-phase stores)."""
     pool: HostPool
+    moving: deque[Segment]      # lent segments whose blocks drain steps are still evicting, oldest first
     table: KeyTable
     policy: EvictionPolicy
     namespaces: Namespaces
@@ -228,20 +235,56 @@ class CapacityBooks:
         seg.urgent = for_room and not lend
         if for_room:
             self.counters["segment_moves" if lend else "segment_moves_inline"] += 1
+        if lend:
+            seg.walk_at = 0
+            self.moving.append(seg)
+            return self.drain_some()
         n = self._empty(seg)
         if seg.live == 0 and seg.id in self.pool.segments:
             self.pool.release(seg, seg.urgent)
         return n
 
-    def _empty(self, seg: Segment) -> int:
-        """Evict every unpinned block of a segment; returns how many."""
+    def drain_some(self, budget: int = MOVE_CHUNK) -> int:
+        """One drain step: evict up to `budget` unpinned blocks of the lent segments, from where the last step
+        stopped. A segment walked to its end leaves the list: its pinned blocks go at their last release, and the
+        segment with its last slot. Returns the blocks evicted."""
         n = 0
-        for slot, key in enumerate(seg.keys):
+        while self.moving and n < budget:
+            seg = self.moving[0]
+            if seg.id in self.pool.segments:
+                n += self._empty(seg, budget - n)
+                if seg.walk_at < seg.nslots:
+                    break
+                seg.walk_at = -1                    # from here on it drains like any other segment:
+                if seg.busy == 0:                   # what was pinned when the walk passed goes now
+                    n += self._empty(seg)
+            self.moving.popleft()
+            if seg.live == 0 and seg.id in self.pool.segments:
+                self.pool.release(seg, seg.urgent)
+        return n
+
+    def _drain_step(self) -> None:
+        """(At the start of the ops that may move memory or free slots.) A lent segment's next drain step."""
+        if self.moving:
+            self.drain_some()
+
+    def _empty(self, seg: Segment, budget: int = 0) -> int:
+        """Evict every unpinned block of a segment; with `budget`, up to that many along its walk (`walk_at`).
+        Returns how many."""
+        n = 0
+        start = seg.walk_at if budget else 0
+        for slot in range(start, seg.nslots):
+            key = seg.keys[slot]
             # the key may since live elsewhere (deleted while pinned here, then stored again): check the slot
             gid = gid_of(seg.id, slot)
             if key is not None and self.table.get(key) == gid and self.pins[gid] == 0:
                 self._remove(key, evicted=True)
                 n += 1
+                if n == budget:
+                    seg.walk_at = slot + 1
+                    return n
+        if budget:
+            seg.walk_at = seg.nslots
         return n
 
     def _evict_for_slot(self, key: bytes) -> int:
@@ -297,5 +340,5 @@ class CapacityBooks:
 
     def _unbusy(self, seg: Segment) -> None:
         seg.busy -= 1
-        if seg.draining and seg.busy == 0:
+        if seg.draining and seg.busy == 0 and seg.walk_at < 0:     # a lent one being walked: by drain steps
             self._empty(seg)

@@ -71,6 +71,7 @@ class Segment:
     urgent: bool = False          # released for an allocation that waits: copied and punched under the lock
     lent: bool = False            # retired for an allocation that did not wait: its bytes are in retiring_bytes
     copying: int = 0              # slots held only until their demotion copy is made (part of `busy`)
+    walk_at: int = -1             # lent: the next slot whose block a drain step evicts (-1: not being walked)
     tenant: str = ""              # whose blocks it holds (only that tenant's connections get its fd)
 
     @property

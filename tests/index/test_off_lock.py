@@ -15,6 +15,7 @@ import time
 import pytest
 
 from kvstore.index import Eviction, Holdings, Index
+from kvstore.index.capacity import MOVE_CHUNK
 from kvstore.protocol import ReserveStatus
 from kvstore.protocol.geometry import Geometry
 from kvstore.protocol.keys import NamespaceSpec
@@ -211,3 +212,34 @@ def wait_punched(pool: HostPool) -> None:
     while pool.retiring_bytes or pool.reaping_bytes:
         assert time.monotonic() < deadline, "the reaper never punched the retiring segment"
         time.sleep(0.001)
+
+
+def test_a_large_lent_segment_drains_one_step_per_request_and_its_blocks_stay_readable_until_their_step():
+    sink = HoldingSink()
+    per_seg = 3 * MOVE_CHUNK                            # three drain steps a segment
+    seg = per_seg * 512
+    idx = Index(HostPool(capacity=2 * seg, segment_bytes=seg), on_evict=sink)
+    small, h = ns_of(idx, "small")
+    big, _ = ns_of(idx, "big", BIG, h)
+    put(idx, small, h, range(2 * per_seg))              # both segments full
+    gids, _ = idx.reserve(big, [k(5000)], h)  # type: ignore[arg-type]   # the move: its first step only
+    assert len(sink.seen) == MOVE_CHUNK and all(e.draining and not e.copy_now for e in sink.seen)
+    moving = idx.pool.segment_of(sink.seen[0].gid)
+    assert idx.pool.retiring_bytes == seg and idx.moving[0] is moving
+    where = {i: idx.slot(small, k(i)) for i in range(2 * per_seg)}  # type: ignore[arg-type]
+    left = [i for i, g in where.items() if g is not None and idx.pool.segment_of(g) is moving]
+    assert len(left) == per_seg - MOVE_CHUNK            # still host hits until their step
+    last = max(left, key=lambda i: where[i] & 0xFFFFFFFF)   # the block the walk reaches last
+    lease = idx.acquire(small, [k(last)], h)  # type: ignore[arg-type]   # a request: one step, then its pin
+    assert len(lease) == 1 and len(sink.seen) == 2 * MOVE_CHUNK
+    idx.commit(big, [k(5000)], h)  # type: ignore[arg-type]              # the last step passes the pinned block
+    assert len(sink.seen) == per_seg - 1 and not idx.moving
+    assert idx.host_prefix(small, k(last)) == 1  # type: ignore[arg-type]
+    idx.let_go([e.gid for e in sink.seen])
+    assert moving.id in idx.pool.segments               # the pin keeps it
+    idx.release(lease, h)                               # its last release: the block goes, then the segment
+    assert len(sink.seen) == per_seg and idx.host_prefix(small, k(last)) == 0  # type: ignore[arg-type]
+    idx.let_go([sink.seen[-1].gid])
+    assert moving.id not in idx.pool.segments
+    wait_punched(idx.pool)
+    assert idx.pool.mapped_bytes == 2 * seg and idx.counters["evictions"] == per_seg
