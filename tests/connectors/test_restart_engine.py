@@ -33,11 +33,10 @@ try:  # the engine runs in another process, but it needs vLLM in this interprete
 except Exception as e:  # noqa: BLE001 - any import failure means: no engine here
     engine_missing("vllm", e)
 
-# Until the SSD tier's record directory lands, a restarted daemon answers before it has scanned its records, and a
-# block not scanned yet is a miss: the test then waits for the scan (stats) before it expects hits. Once lookups see
-# the disk from the moment the daemon serves, set this to False: hits are then expected from the daemon's first
-# answer on.
-SCAN_BEFORE_HITS = True
+# The SSD tier's record maps book the disk before a restarted daemon serves, so hits are expected from its first
+# answer on. True waits for the restart pass (scan or validation, in stats) before it expects hits: what a daemon
+# that scans its records while it serves (a file without a trusted map) needs.
+SCAN_BEFORE_HITS = False
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = str(ROOT / "tests" / "connectors" / "restart_engine_run.py")
