@@ -124,6 +124,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.durable = bool(extra.get("durable", False))
         self.durable_wait_s = _durable_wait(extra)
         who = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
+        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
+            log.warning("kvstore: kv_load_failure_policy is %r: a request whose blocks the daemon loses between "
+                        "lookup and load (a restart, an eviction, a block failing its CRC) fails instead of being "
+                        "recomputed; set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config", policy)
         self.disabled: str | None = None
         # scheduler state
         self._reqs: dict[str, _ReqState] = {}

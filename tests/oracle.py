@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 ABSENT, DELETED, PRESENT, EITHER = "absent", "deleted", "present", "either"   # DELETED: absent, by a delete
 
-# >>> THE LEAD'S SWITCH (issue 19 part 1): with False, a restarted daemon is checked once its SSD scan is done (a
-# block not scanned yet is a miss, and would fail a durable promise); set True once lookups see the disk from the
-# moment the daemon serves: every promise is then checked right after the restarted daemon answers.
-CHECK_BEFORE_SCAN = False
+# A restarted daemon is checked right after it answers, not once its SSD scan is done: the record maps
+# (kvstore/tiers/ssd/recmap.py) put every block on disk in the books before it serves, so a promise that fails then
+# is a lost block. False waits for the scan (a block not scanned yet is a miss), to compare.
+CHECK_BEFORE_SCAN = True
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The connectors' link to the daemon (kvstore.connectors.daemon_link), against a real daemon: an outage is None
-and one warning, nothing is tried again before retry_s, a restarted daemon is found again and the way back logged
-once; a refused namespace is no outage; per-thread connections share one view of the daemon's health."""
+and one warning, a daemon that did not answer is not asked again before retry_s (one that went away is, at the
+next use), a restarted daemon is found again and the way back logged once; a refused namespace is no outage;
+per-thread connections share one view of the daemon's health."""
 from __future__ import annotations
 
 import logging
@@ -97,17 +98,21 @@ def test_per_thread_links_have_their_own_clients_and_share_the_outage(daemon, ca
     assert theirs is not None and theirs is not link.client
     assert other.submit(their_ns.lookup, hashes(1)).result() == 0
 
-    link.failed(ConnectionResetError("broken"))               # this thread's client breaks
+    link.failed(TimeoutError("timed out"))                    # this thread's call got no answer
     assert link.client is None and theirs.sock.fileno() >= 0  # the other thread's stays open
     assert other.submit(link.namespace).result() is their_ns   # ...with its namespace
     fresh = ThreadPoolExecutor(1)
     assert fresh.submit(link.namespace).result() is None      # ...but no thread connects anew before retry_s
     [line] = messages(caplog, "daemon unavailable")
-    assert line == ("kvstore (HiCache): daemon unavailable (ConnectionResetError: broken); HiCache runs without its "
-                    f"storage tier, retrying every {RETRY:.1f} s")
+    assert line == ("kvstore (HiCache): daemon unavailable (TimeoutError: timed out); HiCache runs without its "
+                    f"storage tier, trying again every {RETRY:.1f} s")
     time.sleep(RETRY * 1.5)
     assert link.namespace() is not None and fresh.submit(link.namespace).result() is not None
     assert len(messages(caplog, "is back after")) == 1
+
+    link.failed(ConnectionResetError("broken"))               # a broken connection: the daemon went away...
+    assert fresh.submit(link.namespace).result() is not None   # ...and any thread's next use connects again
+    assert link.namespace() is not None and link.outages == 2
     link.close()                                              # every thread's client
     assert theirs.sock.fileno() < 0 and link.client is None
     assert other.submit(lambda: link.client).result() is None
