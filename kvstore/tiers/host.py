@@ -15,10 +15,11 @@ connection given the fds of its own tenant's segments can map no other tenant's 
   until then its bytes still count against the cap.
 - moving memory to another class (block size or tenant) does not wait for the retiring segment: it is *lent*
   (`drain(seg, lend=True)`): its bytes move to `retiring_bytes`, which `fits` lets the pool exceed the cap by, so
-  the allocation that retired it gets its new segment at once, while the retiring segment's blocks are copied
-  down and its pages punched after the state lock is left (by the evicting thread and the reaper). At most one
-  segment is lent at a time (`may_lend`): the memory really held is at most the cap plus one segment, and only
-  until that punch is done; the bytes charged (mapped + reaping - retiring) never exceed the cap.
+  the allocation that retired it gets its new segment at once, while the index empties the retiring segment in
+  steps (kvstore.index.capacity), the blocks' copies are made after the state lock is left, and the reaper
+  punches its pages. At most one segment is lent at a time (`may_lend`): the memory really held is at most the
+  cap plus one segment, and only until that punch is done; the bytes charged (mapped + reaping - retiring) never
+  exceed the cap.
 
 A slot's global id (gid) is `segment_id << 32 | slot_index`; segment ids are never reused.
 """
