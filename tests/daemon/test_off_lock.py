@@ -23,6 +23,7 @@ import yaml
 
 from kvstore.client import Client
 from kvstore.daemon.admin import CHUNK_BLOCKS
+from kvstore.index.capacity import MOVE_CHUNK
 from kvstore.protocol.geometry import Geometry
 from tests.conftest import GEOM, DaemonProc, block, hashes, spec, ssd_daemon
 
@@ -236,3 +237,32 @@ def test_daemon_stats_show_the_retiring_bytes(start_daemon):
         assert s["tiers"][0]["retiring_bytes"] == 0
         assert {"segment_moves", "segment_moves_inline", "admin_chunks"} <= set(s["counters"])
         assert os.environ.get("KVSTORE_PAUSE_AT") is None            # no pause point outside the tests that ask
+
+
+def test_a_segment_of_many_small_blocks_drains_in_steps_and_every_block_stays_exact(daemons, start_daemon, tmp_path):
+    """A 1 MiB segment of 512-byte blocks holds 2048 of them: the move evicts them a step of MOVE_CHUNK at a time
+    (one per later request), so no request holds the lock for all 2048 evictions; until its step a block is a host
+    hit, after it a block comes back byte-exact from SSD."""
+    tiny = Geometry(layers=1, tokens=4, kv_heads=1, head_dim=32, dtype="float16")     # 512 bytes
+    d = move_daemon(start_daemon, daemons, tmp_path, "block size")
+    n = 4 * (MiB // tiny.full_bytes)
+    with d.client() as a, d.client() as admin:
+        ns_a = a.namespace(spec("tiny", geometry=tiny))
+        hs = hashes(n, tag=b"tiny")
+        assert ns_a.put(hs, [block(i, tiny.full_bytes) for i in range(n)], batch=1024).stored == n
+
+        def store_b() -> int:
+            with d.client() as b:
+                return b.namespace(spec("b", geometry=BIG)).put(hashes(4, tag=b"b"),
+                                                                [block(900 + i, BIG.full_bytes) for i in range(4)]
+                                                                ).stored
+        move = Paused(tmp_path, "draining_copy", store_b)
+        flag = move.wait_paused()
+        s = admin.stats()
+        assert s["counters"]["evictions"] == MOVE_CHUNK                    # one step so far
+        assert s["tiers"][0]["retiring_bytes"] == MiB
+        assert move.finish(flag) == 4
+        for i in range(0, n, 512):                                         # each get: more steps
+            assert exact(ns_a, hs[i:i + 512], list(range(i, i + 512)), tiny.full_bytes), f"blocks {i}.."
+        assert admin.stats()["counters"]["evictions"] >= MiB // tiny.full_bytes
+        wait_punched(admin)
