@@ -124,7 +124,7 @@ def test_a_header_the_map_does_not_name_is_never_adopted(ssd_dir: str) -> None:
         s.close()
 
 
-@pytest.mark.parametrize("damage", ["missing", "corrupt", "building", "another-file"])
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "building", "another-size"])
 def test_a_map_that_cannot_be_trusted_is_rebuilt_by_a_full_scan(ssd_dir: str, damage: str,
                                                                 gate: threading.Event) -> None:
     recs = stored(ssd_dir)
@@ -136,8 +136,7 @@ def test_a_map_that_cannot_be_trusted_is_rebuilt_by_a_full_scan(ssd_dir: str, da
     elif damage == "building":
         patch(rmap, 12, (0).to_bytes(4, "little"))            # state: a rebuild cut short (and a bad CRC)
     else:
-        shutil.copy(kvs, kvs + ".new")                        # the record file replaced: another inode
-        os.replace(kvs + ".new", kvs)
+        patch(rmap, 16, (4096).to_bytes(8, "little"))         # a map of another block size's file
     s = SsdStore(ssd_dir, 256 * RECORD).open(wait=False)
     try:
         assert s.scan.state == "scanning" and s.scan.from_maps == 0 and not s.has(NS + h(0))
@@ -151,6 +150,18 @@ def test_a_map_that_cannot_be_trusted_is_rebuilt_by_a_full_scan(ssd_dir: str, da
     try:
         assert s.scan.from_maps == N and s.scan.state == "validating"
         assert [s.index[NS + h(i)][1] for i in range(N)] == recs
+    finally:
+        s.close()
+
+
+def test_a_directory_copied_whole_keeps_its_maps(ssd_dir: str, tmp_path: Path) -> None:
+    """Maps are not tied to inodes: a directory copied or restored whole (new files) restarts from its maps."""
+    stored(ssd_dir)
+    copy = str(tmp_path / "copy")
+    shutil.copytree(ssd_dir, copy)
+    s = SsdStore(copy, 256 * RECORD).open(wait=False)
+    try:
+        assert s.scan.from_maps == N and [read(s, i) for i in range(N)] == [payload(i) for i in range(N)]
     finally:
         s.close()
 

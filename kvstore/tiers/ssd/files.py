@@ -140,7 +140,7 @@ def open_class_file(directory: str, payload: int, path: str | None = None) -> Cl
         created = False
     diskio.opened(fd, path, created)
     try:
-        rmap = RecordMap.open(path, payload, os.fstat(fd).st_ino, fresh=created)
+        rmap = RecordMap.open(path, payload, fresh=created)
     except OSError:
         os.close(fd)
         raise

@@ -22,10 +22,12 @@ free nor booked until the validation reads its header; a whole header of this fi
 block is lost to a damaged entry) and its entry rewritten, anything else wiped, and deletes wait for that.
 
 The file header says whether the map is complete: written by a daemon that kept it through every change since the
-record file was created or the map was rebuilt, and for this record file (its inode number). A map that is missing,
-foreign, corrupt, incomplete (a rebuild cut short) or for another file is not trusted: the restart scan reads every
-header as before (scan.py), the writes keep the entries of new records meanwhile, and at the end of the scan the
-entries of what it found are written, synced, and the map marked complete.
+record file was created or the map was rebuilt. A map that is missing, foreign, corrupt or incomplete (a rebuild cut
+short) is not trusted: the restart scan reads every header as before (scan.py), the writes keep the entries of new
+records meanwhile, and at the end of the scan the entries of what it found are written, synced, and the map marked
+complete. The map is not tied to its record file's inode: a directory copied or restored whole (or rebuilt by the
+power-cut model) keeps its fast restart, and a record file swapped under its map costs misses (its headers do not
+confirm the entries), never a wrong byte or a resurrected block.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ FILE_HEADER = ALIGN
 ENTRY_BYTES = 128
 HEADER_FIELDS = 76                        # the header's fields and their CRC (record._HEADER.size)
 BUILDING, COMPLETE = 0, 1
-_FILE = struct.Struct("<8sIIQQI")        # magic, version, state, payload bytes, record file's inode, ...
+_FILE = struct.Struct("<8sIIQQI")        # magic, version, state, payload bytes, 0, 0 (reserved), ...
 _FILE_CRC = struct.Struct("<I")          # ... then a CRC-32C of those fields
 ZERO_ENTRY = bytes(ENTRY_BYTES)
 # An entry as numpy reads it: record.py's version-2 header fields (the only version this daemon writes).
@@ -73,14 +75,13 @@ def entry_of(header: Header) -> bytes:
 class RecordMap:
     """The map of one record file (`payload`-byte blocks)."""
 
-    def __init__(self, path: str, fd: int, payload: int, inode: int) -> None:
+    def __init__(self, path: str, fd: int, payload: int) -> None:
         self.path = path
         self.fd = fd
         self.payload = payload
-        self.inode = inode                 # of the record file this map describes
 
     @classmethod
-    def open(cls, record_path: str, payload: int, inode: int, fresh: bool) -> "RecordMap":
+    def open(cls, record_path: str, payload: int, fresh: bool) -> "RecordMap":
         """Open (or create) the map of a record file. `fresh`: the record file was just created, empty, so the
         map is made empty and complete at once. (The caller syncs the directory.)"""
         path = map_path(record_path)
@@ -88,21 +89,21 @@ class RecordMap:
         created = not os.path.lexists(path)
         fd = os.open(path, flags, 0o600)
         diskio.opened(fd, path, created)
-        m = cls(path, fd, payload, inode)
+        m = cls(path, fd, payload)
         if fresh:
             m.reset(COMPLETE)
         return m
 
     # ----- the file header -----
     def complete(self) -> bool:
-        """Whether this map can be trusted: ours, whole, complete, and for this record file."""
+        """Whether this map can be trusted: ours, whole, complete, for this block size."""
         raw = os.pread(self.fd, _FILE.size + _FILE_CRC.size, 0)
         if len(raw) < _FILE.size + _FILE_CRC.size:
             return False
         fields = raw[:_FILE.size]
-        magic, version, state, payload, inode, _ = _FILE.unpack(fields)
+        magic, version, state, payload, _, _ = _FILE.unpack(fields)
         return (magic == MAGIC and version == VERSION and state == COMPLETE and payload == self.payload
-                and inode == self.inode and _FILE_CRC.unpack_from(raw, _FILE.size)[0] == crc32c(fields))
+                and _FILE_CRC.unpack_from(raw, _FILE.size)[0] == crc32c(fields))
 
     def reset(self, state: int) -> None:
         """Empty the map (every record holds nothing) and mark it `state`, durably. A disk call."""
@@ -111,7 +112,7 @@ class RecordMap:
 
     def mark(self, state: int) -> None:
         """Write the file header with `state` and sync the map (its entries before it). A disk call."""
-        fields = _FILE.pack(MAGIC, VERSION, state, self.payload, self.inode, 0)
+        fields = _FILE.pack(MAGIC, VERSION, state, self.payload, 0, 0)
         head = (fields + _FILE_CRC.pack(crc32c(fields))).ljust(FILE_HEADER, b"\0")
         diskio.fdatasync(self.fd)                 # the entries first: "complete" never precedes them
         diskio.pwritev(self.fd, [head], 0)
