@@ -6,7 +6,8 @@ import bisect
 from typing import Any
 
 # Upper bounds in seconds; the last bucket is +Inf.
-BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 2.5, 5.0,
+           10.0)                # to 10 s: the durable path's lag under load reaches seconds
 
 
 class Histogram:

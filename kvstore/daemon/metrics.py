@@ -47,17 +47,35 @@ def start_prometheus(host: str, port: int, snapshot: Callable[[], dict[str, Any]
             yield errs
             lat = HistogramMetricFamily("kvstore_op_seconds", "op latency in the daemon", labels=["op"])
             for op, h in s["latency"].items():
-                cum, acc = [], 0
-                for bound, c in zip([*map(str, BUCKETS), "+Inf"], h["buckets"]):
-                    acc += c
-                    cum.append((bound, acc))
-                lat.add_metric([op], cum, h["sum"])
+                lat.add_metric([op], _cumulative(h), h["sum"])
             yield lat
+            host = s["tiers"][0] if s["tiers"] else {}
+            yield GaugeMetricFamily("kvstore_host_retiring_bytes", "host pool bytes lent while memory moves "
+                                    "between block sizes or tenants (over the cap until punched)",
+                                    value=host.get("retiring_bytes", 0))
+            wt = s.get("write_through") or {}
+            if "lag" in wt:
+                yield GaugeMetricFamily("kvstore_durable_pending_blocks", "blocks on their way to disk",
+                                        value=wt["pending"])
+                yield GaugeMetricFamily("kvstore_durable_oldest_pending_seconds", "age of the oldest block on its "
+                                        "way to disk", value=wt["oldest_pending_s"])
+                lag = HistogramMetricFamily("kvstore_durable_lag_seconds", "commit to synced on disk")
+                lag.add_metric([], _cumulative(wt["lag"]), wt["lag"]["sum"])
+                yield lag
 
     registry = CollectorRegistry()
     registry.register(Collector())  # type: ignore[arg-type]
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return server
+
+
+def _cumulative(h: dict[str, Any]) -> list[tuple[str, int]]:
+    """A Histogram.to_dict's buckets as Prometheus wants them: (upper bound, cumulative count)."""
+    cum, acc = [], 0
+    for bound, c in zip([*map(str, BUCKETS), "+Inf"], h["buckets"]):
+        acc += c
+        cum.append((bound, acc))
+    return cum
 
 
 def _traffic_metrics(paths: list[dict[str, Any]]) -> Any:
@@ -79,11 +97,7 @@ def _traffic_metrics(paths: list[dict[str, Any]]) -> Any:
                 fam.add_metric([p["path"], lane], r[name])
             for name, g in gauges.items():
                 g.add_metric([p["path"], lane], r[name])
-            cum, acc = [], 0
-            for bound, c in zip([*map(str, BUCKETS), "+Inf"], r["latency"]["buckets"]):
-                acc += c
-                cum.append((bound, acc))
-            lat.add_metric([p["path"], lane], cum, r["latency"]["sum"])
+            lat.add_metric([p["path"], lane], _cumulative(r["latency"]), r["latency"]["sum"])
     yield from counters.values()
     yield from gauges.values()
     yield lat

@@ -19,7 +19,7 @@ from kvstore.daemon import admin
 from kvstore.daemon.state import State
 from kvstore.daemon.stream import Stream
 from kvstore.daemon.tenants import Conn, resolve, tenant_of
-from kvstore.index import Holdings
+from kvstore.index import Holdings, NamespaceEntry
 from kvstore.movers.durability import NO_SSD_TIER, Ticket
 from kvstore.movers.prefetch import LaneFull
 from kvstore.protocol import HASH_BYTES, Code, ProtocolError, split_keys
@@ -145,9 +145,27 @@ def op_flush(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         ticket = st.write_through.flush_blocks(ns, split_keys(m["keys"]))
     else:
         tenant = tenant_of(st.config, h)
-        ticket = st.write_through.flush_namespaces([n for n in st.index.namespaces.values()
-                                                    if n.tenant == tenant and (ns is None or n is ns)])
+        ticket = _flush_namespaces(st, [n for n in st.index.namespaces.values()
+                                        if n.tenant == tenant and (ns is None or n is ns)])
     return _wait_durable(st, ticket, m)
+
+
+def _flush_namespaces(st: State, namespaces: list[NamespaceEntry]) -> Ticket:
+    """Queue every block of these namespaces for the disk: their host-pool blocks a chunk at a time along each
+    namespace's walk (kvstore.index.sweep), letting go of the state lock between chunks, then their staged ones
+    (so a block evicted during the walk is caught there)."""
+    wt = st.write_through
+    assert wt is not None
+    ticket = wt.flush_namespaces(namespaces)
+    for ns in namespaces:
+        cursor = st.index.walk(ns)
+        while not cursor.done:
+            chunk = st.index.keys_some(cursor, admin.CHUNK_SLOTS, admin.CHUNK_BLOCKS)
+            wt.flush_more(ns, [bh for bh, _ in chunk], ticket)
+            st.lock.release()                  # other clients' requests run between chunks
+            st.lock.acquire()
+    wt.flush_staged(namespaces, ticket)
+    return ticket
 
 
 def _wait_durable(st: State, ticket: Ticket, m: dict[str, Any]) -> dict[str, Any]:

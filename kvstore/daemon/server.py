@@ -131,6 +131,7 @@ class Daemon:
                 self._close_refused(now)
                 if now >= self._next_sweep:
                     self._expire_reservations(now)
+                self._drain_moves()
                 try:
                     conn, _ = self.listener.accept()
                 except TimeoutError:
@@ -156,6 +157,21 @@ class Daemon:
             log.warning("client %s left %d reservation(s) uncommitted for %g s (server.reservation_lease_s): "
                         "aborted; its later commit of them gets not_found. Commit or abort each reservation "
                         "within the lease", session.peer, n, self.config.server.reservation_lease_s)
+
+    def _drain_moves(self) -> None:
+        """While a lent segment is being emptied (kvstore.index.capacity: memory moving to another block size or
+        tenant), a few drain steps at each wake of this loop, so that the cap is exact again without waiting for
+        requests to make them. Each step holds the state lock for one chunk; its copies run after it."""
+        st = self.state
+        for _ in range(8):
+            if not st.index.moving:
+                return
+            st.defer_copies()
+            try:
+                with st.lock:
+                    st.index.drain_some()
+            finally:
+                st.copy_deferred()
 
     def _accept_failed(self, e: OSError) -> None:
         """Out of fds (or kernel memory): the connection waits in the backlog; the daemon serves the others, backs

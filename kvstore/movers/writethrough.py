@@ -98,19 +98,25 @@ class WriteThrough:
 
     def flush_namespaces(self, namespaces: list[NamespaceEntry]) -> Ticket:
         """A ticket on every block of these namespaces (a tenant's, or one) stored before now reaching the disk:
-        those on their way already, the host pool's that the tier lacks (queued first in line, not pinned) and the
-        staged ones."""
+        here those on their way already; the caller adds the host pool's (`flush_more`, a chunk at a time: the
+        pool may hold millions) and then the staged ones (`flush_staged`: those evicted meanwhile too)."""
         ticket = Ticket()
         mine = {n.id for n in namespaces}
         with self.books.cond:
             for e in self.books.of_namespaces(mine):
                 self.books.attach(e, ticket)
-        self._queue_all([(ns, h) for ns, h, _ in self.index.blocks() if ns.id in mine], ticket, urgent=True,
-                        committed=False)
-        by_digest = {n.digest: n for n in namespaces}
-        staged = [bid for bid in self.tier.staged_keys(set(by_digest))]
-        self._queue_all([(by_digest[bid[:16]], bid[16:]) for bid in staged], ticket, urgent=True, committed=False)
         return ticket
+
+    def flush_more(self, ns: NamespaceEntry, hashes: list[bytes], ticket: Ticket) -> None:
+        """(Under the state lock.) Host-pool blocks of a flushed namespace: those the tier lacks are queued first
+        in line, not pinned."""
+        self._queue_all([(ns, h) for h in hashes], ticket, urgent=True, committed=False)
+
+    def flush_staged(self, namespaces: list[NamespaceEntry], ticket: Ticket) -> None:
+        """(Under the state lock.) The flushed namespaces' blocks in the tier's staging area: flagged urgent."""
+        by_digest = {n.digest: n for n in namespaces}
+        staged = self.tier.staged_keys(set(by_digest))
+        self._queue_all([(by_digest[bid[:16]], bid[16:]) for bid in staged], ticket, urgent=True, committed=False)
 
     def forget(self, ns: NamespaceEntry, hashes: list[bytes]) -> None:
         """The blocks are being deleted: nothing to persist, their waiters count them as done."""

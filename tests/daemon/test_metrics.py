@@ -127,7 +127,7 @@ def test_histogram_beyond_last_bucket_is_strict_json():
 
     h = Histogram()
     h.observe(2e-5)
-    h.observe(5.0)                                   # beyond the last bound (1 s)
+    h.observe(50.0)                                  # beyond the last bound (10 s)
     d = h.to_dict()
     assert (d["count"], d["buckets"][1], d["buckets"][-1]) == (2, 1, 1)
     assert d["p50"] == 2.5e-5 and d["p99"] is None
@@ -146,9 +146,15 @@ def test_traffic_per_path_and_lane_equals_the_stats_op(start_daemon, tmp_path):
         assert ns.get(hs[-4:], [bytearray(len(block(0))) for _ in range(4)]) == 4  # 4 critical reads (the
         # tail of the put was evicted first, so it is on SSD)
         ssd_settled(c)                                            # ... which evicted (and demoted) 4 others
-        (path,) = c.stats()["traffic"]
+        assert ns.put([hashes(201)[-1]], [block(201)], durable=True).durability == "durable"
+        stats = c.stats()
+        (path,) = stats["traffic"]
         m = scrape(port)
     assert path["lanes"]["critical"]["transfers"] == 4 and path["lanes"]["background"]["bytes"] > 0
+    wt = stats["write_through"]                     # the durable path (a durable put, so at least one lag)
+    assert m[("kvstore_durable_lag_seconds_count", ())] == wt["lag"]["count"] >= 1
+    assert m[("kvstore_durable_pending_blocks", ())] == wt["pending"]
+    assert m[("kvstore_host_retiring_bytes", ())] == stats["tiers"][0]["retiring_bytes"] == 0
     for lane, r in path["lanes"].items():
         labels = (("lane", lane), ("path", "ssd"))
         for name in ("bytes", "transfers", "failed", "cancelled", "rejected", "escalated"):
