@@ -88,15 +88,21 @@ class SsdTier:
         self._writer = Worker("kvstore-demote", self._run)     # restarted if it ever raises
 
     def open(self, wait: bool = False) -> "SsdTier":
-        """Open the store and start its scan; the daemon serves meanwhile (a block not scanned yet is a miss)."""
+        """Open the store: what its record maps name is booked before this returns (hits from the first request);
+        the headers are validated, or scanned where a map cannot be trusted, while the daemon serves."""
         def progress(done: int, total: int) -> None:
             ready = "" if done < total else f"; ready in {self.store.scan_status()['seconds']:.1f} s"
-            log.info("ssd: scanned %d of %d records in %s (%d blocks found)%s", done, total, self.cfg.dir,
-                     len(self.store.index), ready)
+            log.info("ssd: %s %d of %d records in %s (%d blocks)%s", self.store.scan.state, done, total,
+                     self.cfg.dir, len(self.store.index), ready)
 
         self.store.open(progress, wait=wait)
-        log.info("ssd: %s: %d records to scan; serving meanwhile (kvstore stats shows the progress)",
-                 self.cfg.dir, self.store.scan.total)
+        scan = self.store.scan
+        if scan.state == "scanning":
+            log.info("ssd: %s: %d records to scan (no trusted record map); serving meanwhile, a block not scanned "
+                     "yet is a miss (kvstore stats shows the progress)", self.cfg.dir, scan.total)
+        elif scan.total:
+            log.info("ssd: %s: %d blocks known from the record maps, served from now; validating %d records in "
+                     "the background", self.cfg.dir, scan.from_maps, scan.total)
         self._writer.start()
         return self
 
