@@ -92,6 +92,13 @@ def exact(ns: Any, hs: list[bytes], seeds: list[int], nbytes: int = GEOM.full_by
     return ns.get(hs, outs) == len(hs) and all(bytes(o) == block(s, nbytes) for o, s in zip(outs, seeds))
 
 
+
+def _store_big(d: DaemonProc) -> int:
+    """Another client stores 4 blocks of the big geometry: its reserve moves memory to that block size."""
+    with d.client() as b:
+        return b.namespace(spec("b", geometry=BIG)).put(hashes(4, tag=b"b"),
+                                                        [block(900 + i, BIG.full_bytes) for i in range(4)]).stored
+
 def test_other_clients_are_served_between_the_chunks_of_a_namespace_evict(start_daemon, tmp_path):
     """Before, `evict ns=N` scanned the whole key table under the state lock: every other client waited for it."""
     n = 3 * CHUNK_BLOCKS + 17
@@ -201,12 +208,7 @@ def test_a_reader_of_a_moving_block_waits_for_its_copy(daemons, start_daemon, tm
         hs = hashes(n, tag=b"a")
         assert ns_a.put(hs, [block(i) for i in range(n)]).stored == n
 
-        def store_b() -> int:
-            with d.client() as b:
-                return b.namespace(spec("b", geometry=BIG)).put(hashes(4, tag=b"b"),
-                                                                [block(900 + i, BIG.full_bytes) for i in range(4)]
-                                                                ).stored
-        move = Paused(tmp_path, "draining_copy", store_b)
+        move = Paused(tmp_path, "draining_copy", lambda: _store_big(d))
         flag = move.wait_paused()
         listed = {bytes(h) for h, _ in admin.list(ns_a.id, limit=10_000)["keys"]}
         moved = [i for i, h in enumerate(hs) if h not in listed]
@@ -251,12 +253,7 @@ def test_a_segment_of_many_small_blocks_drains_in_steps_and_every_block_stays_ex
         hs = hashes(n, tag=b"tiny")
         assert ns_a.put(hs, [block(i, tiny.full_bytes) for i in range(n)], batch=1024).stored == n
 
-        def store_b() -> int:
-            with d.client() as b:
-                return b.namespace(spec("b", geometry=BIG)).put(hashes(4, tag=b"b"),
-                                                                [block(900 + i, BIG.full_bytes) for i in range(4)]
-                                                                ).stored
-        move = Paused(tmp_path, "draining_copy", store_b)
+        move = Paused(tmp_path, "draining_copy", lambda: _store_big(d))
         flag = move.wait_paused()
         s = admin.stats()
         assert s["counters"]["evictions"] == MOVE_CHUNK                    # one step so far

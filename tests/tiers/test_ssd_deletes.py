@@ -9,26 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.tiers.ssd import scan
-from kvstore.tiers.ssd.record import HEADER_BYTES, padded
 from kvstore.tiers.ssd.store import SsdStore
-
-NS = bytes(range(16))
-PAYLOAD = 8192
-RECORD = HEADER_BYTES + padded(PAYLOAD)
-
-
-def h(i: int) -> bytes:
-    return i.to_bytes(16, "big")
-
-
-def payload(i: int, version: int = 0) -> bytes:
-    return bytes([i % 256, version]) * (PAYLOAD // 2)
-
-
-def read(s: SsdStore, i: int) -> bytes | None:
-    out = bytearray(PAYLOAD)
-    return bytes(out) if s.get(NS, h(i), out) else None
+from tests.tiers.ssd_blocks import NS, RECORD, gate_restart, h, payload, read
 
 
 @pytest.fixture
@@ -48,20 +30,6 @@ def test_a_superseded_copy_never_brings_a_deleted_key_back(ssd_dir: str) -> None
     s.close()
 
 
-def _gate_restart(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """The restart's header reads (a full scan's, or a map's validation) wait for the returned event."""
-    gate = threading.Event()
-    for name in ("_scan_chunk", "_check_chunk"):
-        real = getattr(scan.RestartScan, name)
-
-        def gated(self: scan.RestartScan, cf: object, start: int, end: int, real=real) -> None:  # type: ignore
-            assert gate.wait(30)
-            real(self, cf, start, end)
-
-        monkeypatch.setattr(scan.RestartScan, name, gated)
-    return gate
-
-
 @pytest.mark.parametrize("maps", [False, True], ids=["full-scan", "record-map"])
 def test_a_delete_during_the_scan_beats_the_copy_the_scan_finds_later(ssd_dir: str, maps: bool,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,7 +43,7 @@ def test_a_delete_during_the_scan_beats_the_copy_the_scan_finds_later(ssd_dir: s
         for name in os.listdir(ssd_dir):
             if name.endswith(".map"):
                 os.unlink(os.path.join(ssd_dir, name))
-    gate = _gate_restart(monkeypatch)
+    gate = gate_restart(monkeypatch)
     s = SsdStore(ssd_dir, 256 * RECORD, sync="always").open(wait=False)
     assert s.scan.state == ("validating" if maps else "scanning")
     assert s.put_many([(NS, h(5), payload(5, 1))]) == 1      # written during the scan: a newer copy of 5

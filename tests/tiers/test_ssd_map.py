@@ -9,28 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.tiers.ssd import scan
 from kvstore.tiers.ssd.recmap import ENTRY_BYTES, FILE_HEADER
-from kvstore.tiers.ssd.record import HEADER_BYTES, padded
+from kvstore.tiers.ssd.record import HEADER_BYTES
 from kvstore.tiers.ssd.store import SsdStore
+from tests.tiers.ssd_blocks import NS, PAYLOAD, RECORD, gate_restart, h, payload, read
 
-NS = bytes(range(16))
-PAYLOAD = 8192
-RECORD = HEADER_BYTES + padded(PAYLOAD)
 N = 40
-
-
-def h(i: int) -> bytes:
-    return i.to_bytes(16, "big")
-
-
-def payload(i: int, version: int = 0) -> bytes:
-    return bytes([i % 256, version]) * (PAYLOAD // 2)
-
-
-def read(s: SsdStore, i: int) -> bytes | None:
-    out = bytearray(PAYLOAD)
-    return bytes(out) if s.get(NS, h(i), out) else None
 
 
 @pytest.fixture
@@ -41,16 +25,7 @@ def ssd_dir(tmp_path: Path) -> str:
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """The restart's header reads (full scan and validation) wait until the test sets this."""
-    ev = threading.Event()
-    for name in ("_scan_chunk", "_check_chunk"):
-        real = getattr(scan.RestartScan, name)
-
-        def gated(self: scan.RestartScan, cf: object, start: int, end: int, real=real) -> None:  # type: ignore
-            assert ev.wait(30)
-            real(self, cf, start, end)
-
-        monkeypatch.setattr(scan.RestartScan, name, gated)
-    return ev
+    return gate_restart(monkeypatch)
 
 
 def stored(ssd_dir: str, n: int = N) -> list[int]:

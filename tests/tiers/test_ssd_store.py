@@ -267,19 +267,10 @@ def test_verify_and_reads_agree_on_a_record_of_another_length(ssd_dir: str) -> N
 
 # ----- the restart scan -----
 def _gated_scan(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Scan chunks wait for the returned event before they read anything."""
-    from kvstore.tiers.ssd import scan
+    """Scan chunks (and a map's validation) wait for the returned event before they read anything."""
+    from tests.tiers.ssd_blocks import gate_restart
 
-    gate = threading.Event()
-    for name in ("_scan_chunk", "_check_chunk"):          # a full scan's chunks, and a map's validation
-        real = getattr(scan.RestartScan, name)
-
-        def gated(self, cf, start, end, real=real):  # type: ignore[no-untyped-def]
-            assert gate.wait(30)
-            return real(self, cf, start, end)
-
-        monkeypatch.setattr(scan.RestartScan, name, gated)
-    return gate
+    return gate_restart(monkeypatch)
 
 
 def forget_maps(ssd_dir: str) -> None:
