@@ -33,6 +33,7 @@ from kvstore.index.keytable import KeyTable
 from kvstore.index.namespaces import Holdings, NamespaceEntry, Namespaces
 from kvstore.index.sweep import SlotCursor
 from kvstore.policy import make_policy
+from kvstore.policy.workflow import Touch, Workflows
 from kvstore.protocol import ReserveStatus
 from kvstore.protocol.keys import NamespaceSpec
 from kvstore.tiers.host import HostPool, Segment
@@ -43,11 +44,13 @@ RESERVED, EXISTS, IN_PROGRESS, NO_SPACE = (ReserveStatus.RESERVED, ReserveStatus
 
 class Index(CapacityBooks):
     def __init__(self, pool: HostPool, policy: str = "lru", on_evict: EvictionSink | None = None,
-                 counters: Counter[str] | None = None) -> None:
+                 counters: Counter[str] | None = None, workflows: Workflows | None = None) -> None:
         self.pool = pool
         self.on_evict = on_evict                    # where evicted blocks are handed (the demotion mover)
         self.table = KeyTable()
-        self.policy = make_policy(policy, self.table)
+        self.workflows = workflows if workflows is not None else Workflows()   # the hints' books (the daemon's)
+        self.policy = make_policy(policy, self.table, self.workflows, self._key_at,
+                                  lambda seg: self.pool.segments[seg].nslots)
         self.namespaces = Namespaces()
         self.promoting: set[bytes] = set()          # keys being read from a lower tier into a reserved slot
         self.cancelled: set[bytes] = set()          # ... and deleted meanwhile: never published
@@ -78,8 +81,13 @@ class Index(CapacityBooks):
         """The gid of a stored block, or None (no recency effect)."""
         return self.table.get(ns.key(block_hash))
 
-    def acquire(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings) -> list[int]:
-        """Pin the longest prefix in the host pool; returns its slots."""
+    def _key_at(self, gid: int) -> bytes | None:
+        """The key of the block in a slot (the policy's way back from a gid)."""
+        return self.pool.segments[gid >> 32].keys[gid & 0xFFFFFFFF]
+
+    def acquire(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings,
+                touch: Touch | None = None) -> list[int]:
+        """Pin the longest prefix in the host pool; returns its slots. `touch`: the request's hint context."""
         self._drain_step()
         gids = []
         for h in hashes:
@@ -91,7 +99,7 @@ class Index(CapacityBooks):
                 if not self._may_hold(holder, ns.slot_bytes):
                     break
                 holder.held_bytes += ns.slot_bytes
-            self._pin(key, gid)
+            self._pin(key, gid, touch)
             holder.pins[gid] += 1
             gids.append(gid)
         self.counters["gets"] += len(gids)
@@ -138,7 +146,8 @@ class Index(CapacityBooks):
         return plan
 
     def finish_promotion(self, ns: NamespaceEntry, plan: list[tuple[bytes, int]], n: int, holder: Holdings,
-                         pin: bool = True, crcs: Sequence[int | None] = ()) -> list[int]:
+                         pin: bool = True, crcs: Sequence[int | None] = (), touch: Touch | None = None
+                         ) -> list[int]:
         """Publish (and pin) the first `n` promoted blocks, unless deleted meanwhile; free the other slots. `crcs`:
         the writer's CRC-32C each block was verified against in its tier (None: none), which its host slot carries
         on."""
@@ -151,7 +160,7 @@ class Index(CapacityBooks):
             del holder.reserved[key]
             if i < n and not cancelled and len(gids) == i:
                 del self.pending[key]
-                self._publish(ns, key, gid, crcs[i] if i < len(crcs) else None)
+                self._publish(ns, key, gid, crcs[i] if i < len(crcs) else None, touch)
                 if pin:                              # the reservation's bytes stay held, as a pin
                     self._pin(key, gid)
                     holder.pins[gid] += 1
@@ -167,12 +176,18 @@ class Index(CapacityBooks):
         return gids
 
     # ----- two-phase store -----
-    def reserve(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings, lease_until: float = 0.0
-                ) -> tuple[list[int], list[ReserveStatus]]:
+    def reserve(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings, lease_until: float = 0.0,
+                touch: Touch | None = None) -> tuple[list[int], list[ReserveStatus]]:
         """Slots for the blocks not stored yet. Returns (gids, status) per block; gid 0 unless RESERVED. With
-        `lease_until` (a time.monotonic() value), `expire` aborts the reservations still open at that time."""
+        `lease_until` (a time.monotonic() value), `expire` aborts the reservations still open at that time.
+
+        A block stored already is stored again: it is refreshed (issue 14 part 5), so that the prefix's order holds
+        (tails before heads): those after the last block reserved here now, tail first; the others when the block
+        reserved after them is committed (`Holdings.refresh`), so that each ends up more recent than the blocks
+        after it, holes filled or not."""
         self._drain_step()
         gids, status = [], []
+        waiting: list[bytes] = []                    # blocks stored already, since the last one reserved
         room = holder.reserved_share * self.pool.capacity if holder.reserved_share else None
         for h in hashes:
             key = ns.key(h)
@@ -183,6 +198,11 @@ class Index(CapacityBooks):
                 status.append(NO_SPACE)
                 continue
             gid, st = self._reserve_one(key, ns, holder)
+            if st == EXISTS:
+                waiting.append(key)
+            elif gid and waiting:
+                holder.refresh[key] = waiting
+                waiting = []
             if gid:
                 holder.reserved_bytes += ns.slot_bytes
             if gid and lease_until:
@@ -190,14 +210,15 @@ class Index(CapacityBooks):
                 holder.leases[key] = lease_until     # in time order: the oldest lease first
             gids.append(gid)
             status.append(st)
+        for key in reversed(waiting):
+            self.policy.accessed(key, touch)
         return gids, status
 
     def _reserve_one(self, key: bytes, ns: NamespaceEntry, holder: Holdings,
                      evict: bool = True) -> tuple[int, ReserveStatus]:
         """A slot for one key not stored yet; without `evict`, from free space only (a prefetch)."""
         if key in self.table:
-            self.policy.accessed(key)
-            return 0, EXISTS
+            return 0, EXISTS                          # refreshed by `reserve` (a promotion stops here)
         if key in self.pending:
             return 0, IN_PROGRESS
         if not self._may_hold(holder, ns.slot_bytes):
@@ -233,6 +254,7 @@ class Index(CapacityBooks):
             if until > now:
                 break
             leases.popitem(last=False)
+            holder.refresh.pop(key, None)
             gid = holder.reserved.pop(key, None)
             if gid is not None:
                 holder.held_bytes -= self.pool.segment_of(gid).slot_bytes
@@ -244,9 +266,10 @@ class Index(CapacityBooks):
         return n
 
     def commit(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings,
-               crcs: list[int] | None = None) -> int:
+               crcs: list[int] | None = None, touch: Touch | None = None) -> int:
         """Publish reserved blocks. `crcs`, if given, is each block's CRC-32 as its writer computed it: readers get
-        it back with the slot and can prove the bytes they copy are the bytes that were committed."""
+        it back with the slot and can prove the bytes they copy are the bytes that were committed. Blocks stored
+        already before one of them in its reserve are refreshed right after it (see `reserve`)."""
         full = [ns.key(h) for h in hashes]
         if crcs is not None and (len(crcs) != len(hashes) or any(c > 0xFFFFFFFF for c in crcs)):
             raise InvalidRequest(f"commit: crcs must be one CRC-32 per key ({len(hashes)}), got {len(crcs)} "
@@ -265,17 +288,22 @@ class Index(CapacityBooks):
             holder.held_bytes -= ns.slot_bytes
             holder.reserved_bytes -= ns.slot_bytes
             del self.pending[key]
-            self._publish(ns, key, gid, crcs[i] if crcs is not None else None)
+            self._publish(ns, key, gid, crcs[i] if crcs is not None else None, touch)
+            for before in reversed(holder.refresh.pop(key, ())):
+                if before in self.table:
+                    self.policy.accessed(before, touch)
         self.counters["puts"] += len(full)
         self._clock += 1
         return len(full)
 
-    def _publish(self, ns: NamespaceEntry, key: bytes, gid: int, crc: int | None = None) -> None:
+    def _publish(self, ns: NamespaceEntry, key: bytes, gid: int, crc: int | None = None,
+                 touch: Touch | None = None) -> None:
         seg, slot = self._seg_slot(gid)
         seg.keys[slot] = key
         seg.used[slot] = self._clock
         seg.crc[slot] = crc
         self.table.insert(key, gid, ns.cls)
+        self.policy.added(key, ns.cls, touch)
         self._unbusy(seg)
         ns.blocks += 1
         ns.pending -= 1
@@ -286,6 +314,7 @@ class Index(CapacityBooks):
             gid = holder.reserved.pop(ns.key(h), None)
             if gid is not None:
                 holder.leases.pop(ns.key(h), None)
+                holder.refresh.pop(ns.key(h), None)
                 holder.held_bytes -= ns.slot_bytes
                 holder.reserved_bytes -= ns.slot_bytes
                 self._drop_reservation(ns.key(h), gid)
@@ -322,6 +351,7 @@ class Index(CapacityBooks):
         self.counters["aborts"] += len(holder.reserved)
         holder.reserved.clear()
         holder.leases.clear()
+        holder.refresh.clear()
         for gid, n in holder.pins.items():
             for _ in range(n):
                 self._unpin(gid)
@@ -341,13 +371,15 @@ class Index(CapacityBooks):
             holder.pins[gid] += 1
         return gid
 
-    def _pin(self, key: bytes, gid: int) -> None:
+    def _pin(self, key: bytes, gid: int, touch: Touch | None = None) -> None:
         self.pool.segment_of(gid).used[gid & 0xFFFFFFFF] = self._clock
         if self.pins[gid] == 0:
             self.policy.pinned(key)
             self.pool.segment_of(gid).busy += 1
+            if touch is not None:
+                self.policy.accessed(key, touch)     # its tags: the block is relinked at its unpin
         else:
-            self.policy.accessed(key)
+            self.policy.accessed(key, touch)
         self.pins[gid] += 1
 
     def _unpin(self, gid: int) -> None:
@@ -376,9 +408,14 @@ class Index(CapacityBooks):
 
     # ----- inspection -----
     def stats(self) -> dict[str, int]:
-        return {"blocks": len(self.table), "reserved": len(self.pending), "pinned": len(self.pins),
-                "zombies": len(self.zombies), "namespaces": len(self.namespaces),
-                "namespaces_forgotten": self.namespaces.forgotten}
+        out = {"blocks": len(self.table), "reserved": len(self.pending), "pinned": len(self.pins),
+               "zombies": len(self.zombies), "namespaces": len(self.namespaces),
+               "namespaces_forgotten": self.namespaces.forgotten}
+        counts = getattr(self.policy, "counts", None)
+        if counts is not None:                      # the workflow policy: retired and active blocks
+            c = counts()
+            out.update(retired_blocks=c["retired"], active_blocks=c["active"])
+        return out
 
     def blocks(self) -> Iterator[tuple[NamespaceEntry, bytes, int]]:
         """Every block in the host pool: (namespace, block hash, gid), from a snapshot."""

@@ -301,6 +301,7 @@ class CapacityBooks:
     def _remove(self, key: bytes, evicted: bool = False, keep: bool = False) -> bool:
         """Take a block out of the host pool; an evicted one goes to the eviction sink, which may hold its slot.
         With `keep` (only from `_evict_for_slot`), its unpinned slot stays allocated for the caller."""
+        self.policy.removed(key)                        # while the key table still has it
         gid = self.table.remove(key)
         if gid is None:
             return False

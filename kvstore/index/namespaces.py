@@ -59,6 +59,8 @@ class Holdings:
     namespaces: set[int] = field(default_factory=set)
     segments: set[int] = field(default_factory=set)             # whose handles were sent on this connection
     leases: OrderedDict[bytes, float] = field(default_factory=OrderedDict)   # stores' reservations → lease end
+    refresh: dict[bytes, list[bytes]] = field(default_factory=dict)   # reserved key → blocks stored already before
+    #                                                                    it, refreshed at its commit (Index.reserve)
     held_bytes: int = 0         # bytes of the slots it reserves or pins (each slot once)
     held_share: float = 0.0     # at most this share of the pool's capacity held at once (0: no cap)
     reserved_bytes: int = 0     # bytes of its store reservations not committed yet

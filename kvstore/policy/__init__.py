@@ -4,33 +4,43 @@ Two shapes, by where a tier keeps its candidates:
 
 `EvictionPolicy` — the host pool's, over the index's key table. It never sees pinned blocks: the index tells it when
 a block is pinned (no longer a candidate) and unpinned (a candidate again).
-- `accessed(key)`  — a block was read (acquired) or stored; recency-based policies move it to the fresh end.
+- `added(key, cls, touch)` — a block was published (after the key table has it), the most recent of its class.
+- `removed(key)`   — a block leaves (before the key table lets go of it).
+- `accessed(key, touch)` — a block was read (acquired) or stored again; recency-based policies move it to the
+  fresh end. A re-store refreshes, as a read does (issue 14 part 5).
 - `pinned(key)`    — not a candidate until `unpinned(key)`.
 - `unpinned(key)`  — a candidate again, as if just used.
 - `victim(cls)`    — the block of slot class `cls` to evict next, or None if there is no candidate.
-Blocks enter the key table already linked as the most recent of their class and leave it by removal, so a policy
-built on the table's intrusive lists (LRU) needs no hooks for insert and remove.
+`touch` is the request's hint context (kvstore.policy.workflow.Touch: workflow and agent) or None. Blocks enter the
+key table already linked as the most recent of their class and leave it by removal, so LRU, built on the table's
+intrusive lists, does nothing on `added` and `removed`.
 
 `TierPolicy` — for a lower tier with books of its own (the SSD store): the tier tells it every block that comes
 (`added(key, cls)`, the most recent of its class), goes (`removed`) or is read (`accessed`), and asks `victim(cls)`
 when a class is full. Keys are whatever the tier books blocks by (the SSD: block ids); a class is a block size.
 
-Later policies (workflow-aware eviction, PBKV §4.2; quotas) implement the same hooks with books of their own.
+`workflow` (PBKV §4.2: retired blocks first, then active ones by lookahead value) implements both: over the key
+table in compact rows per host slot (kvstore.policy.compact) and in dicts for a lower tier (kvstore.policy.workflow),
+one `Workflows` (the hints' books) shared by the tiers.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
+    from kvstore.policy.workflow import Touch, Workflows
 
-POLICIES = ("lru",)
+POLICIES = ("lru", "workflow")
 
 
 class EvictionPolicy(Protocol):
     name: str
 
-    def accessed(self, key: bytes) -> None: ...
+    def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None: ...
+    def removed(self, key: bytes) -> None: ...
+    def accessed(self, key: bytes, touch: Touch | None = None) -> None: ...
     def pinned(self, key: bytes) -> None: ...
     def unpinned(self, key: bytes) -> None: ...
     def victim(self, cls: int) -> bytes | None: ...
@@ -39,25 +49,39 @@ class EvictionPolicy(Protocol):
 class TierPolicy(Protocol):
     name: str
 
-    def added(self, key: bytes, cls: int) -> None: ...
+    def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None: ...
     def removed(self, key: bytes) -> None: ...
-    def accessed(self, key: bytes) -> None: ...
+    def accessed(self, key: bytes, touch: Touch | None = None) -> None: ...
     def victim(self, cls: int) -> bytes | None: ...
 
 
-def make_policy(name: str, table: KeyTable) -> EvictionPolicy:
-    """The host pool's policy by name, imported on use."""
+def make_policy(name: str, table: KeyTable, workflows: Workflows | None = None,
+                key_at: Callable[[int], bytes | None] | None = None,
+                slots_of: Callable[[int], int] | None = None) -> EvictionPolicy:
+    """The host pool's policy by name, imported on use. `workflow` needs `key_at(gid)` (the pool's reverse map);
+    `workflows` are the hints' books (a private one if None); `slots_of(segment id)` sizes a segment's rows."""
     if name == "lru":
         from kvstore.policy.lru import LruPolicy
 
         return LruPolicy(table)
+    if name == "workflow":
+        from kvstore.policy.compact import CompactWorkflowPolicy
+        from kvstore.policy.workflow import Workflows
+
+        if key_at is None:
+            raise ValueError("the workflow policy needs key_at (gid -> key)")
+        return CompactWorkflowPolicy(table, workflows or Workflows(), key_at, slots_of)
     raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")
 
 
-def make_tier_policy(name: str) -> TierPolicy:
-    """A lower tier's policy by name, imported on use."""
+def make_tier_policy(name: str, workflows: Workflows | None = None) -> TierPolicy:
+    """A lower tier's policy by name, imported on use (`workflows`: the hints' books, a private one if None)."""
     if name == "lru":
         from kvstore.policy.lru import LruOrder
 
         return LruOrder()
+    if name == "workflow":
+        from kvstore.policy.workflow import WorkflowPolicy, Workflows
+
+        return WorkflowPolicy(workflows or Workflows())
     raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
+    from kvstore.policy.workflow import Touch
 
 
 class LruPolicy:
@@ -15,7 +16,13 @@ class LruPolicy:
     def __init__(self, table: KeyTable) -> None:
         self.table = table
 
-    def accessed(self, key: bytes) -> None:
+    def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
+        pass                                    # the key table links a new key as the most recent
+
+    def removed(self, key: bytes) -> None:
+        pass                                    # ... and unlinks a removed one
+
+    def accessed(self, key: bytes, touch: Touch | None = None) -> None:
         self.table.touch(key)
 
     def pinned(self, key: bytes) -> None:
@@ -37,7 +44,7 @@ class LruOrder:
         self._lists: dict[int, OrderedDict[bytes, None]] = {}
         self._cls: dict[bytes, int] = {}
 
-    def added(self, key: bytes, cls: int) -> None:
+    def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
         old = self._cls.get(key)
         if old is not None:
             del self._lists[old][key]
@@ -49,7 +56,7 @@ class LruOrder:
         if cls is not None:
             del self._lists[cls][key]
 
-    def accessed(self, key: bytes) -> None:
+    def accessed(self, key: bytes, touch: Touch | None = None) -> None:
         cls = self._cls.get(key)
         if cls is not None:
             self._lists[cls].move_to_end(key)

@@ -22,9 +22,14 @@ Pinned blocks are never candidates.
 
 Cost: a touch is O(tags); an end re-groups the ended workflow's blocks (each block pays once per tag it got); a
 victim costs O(groups of the class) — the active workflows, not the blocks.
+
+Two forms with one order: `WorkflowPolicy` here keeps dicts per block (the reference model, and the SSD tier's
+policy, whose books are dicts already); `kvstore.policy.compact.CompactWorkflowPolicy` keeps fixed rows per host
+slot (the host pool's, within the 10-million-block memory budget). tests/policy checks they evict alike.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -51,6 +56,7 @@ class Workflow:
     steps: int = 0
     seen: float = 0.0
     agents: dict[str, int] = field(default_factory=dict)    # agent → its bit in a block's agent mask
+    num: int = 0                                             # its number (1..2**32-1) in the compact books' tags
 
 
 class Workflows:
@@ -69,13 +75,19 @@ class Workflows:
         self.gaps: dict[tuple[str, str], float] = {}   # (type, agent) → mean seconds to the workflow's next call
         self.timed = False                             # weigh each value by how soon the workflow calls again (off:
         #                                                worse on memoryless gaps, bench/workflows.py)
-        self.on_retire: Callable[[str], None] = lambda wid: None
+        self.nums: dict[int, Workflow] = {}                   # the active workflows by number
+        self.version = 0                                        # bumps with every hint that may change a value
+        self.retire_hooks: list[Callable[[Workflow], None]] = []   # each policy's: a workflow ended (already out
+        self._next_num = 0                                      # of `active` and `nums`)
 
     def begin(self, wid: str, wtype: str = "") -> Workflow:
         w = self.active.get(wid)
         if w is None:
-            w = self.active[wid] = Workflow(wid, wtype, seen=self.clock())
+            self._next_num = self._next_num % 0xFFFFFFFF + 1      # 32-bit, never 0 (an empty tag)
+            w = self.active[wid] = self.nums[self._next_num] = Workflow(wid, wtype, seen=self.clock(),
+                                                                          num=self._next_num)
             self._value.pop(wid, None)
+            self.version += 1
         return w
 
     def call(self, wid: str, agent: str, wtype: str = "") -> Workflow:
@@ -92,6 +104,7 @@ class Workflows:
         w.seen = now
         w.agents.setdefault(agent, len(w.agents))
         self._value.pop(wid, None)
+        self.version += 1
         return w
 
     def end(self, wid: str) -> None:
@@ -100,18 +113,22 @@ class Workflows:
             self.ignored += 1
             return
         self.predictor.ended(wid, w.wtype, w.agent)
-        self._value.pop(wid, None)
-        self.on_retire(wid)
+        self._retire(w)
 
     def expire(self) -> list[str]:
         """Retire workflows idle for longer than idle_s (their end never came); their ids."""
         now = self.clock()
         idle = [wid for wid, w in self.active.items() if now - w.seen > self.idle_s]
         for wid in idle:
-            del self.active[wid]
-            self._value.pop(wid, None)
-            self.on_retire(wid)
+            self._retire(self.active.pop(wid))
         return idle
+
+    def _retire(self, w: Workflow) -> None:
+        self.nums.pop(w.num, None)
+        self._value.pop(w.wid, None)
+        self.version += 1
+        for hook in self.retire_hooks:
+            hook(w)
 
     def value(self, wid: str) -> float:
         """The workflow's lookahead reuse value for a block every later agent reuses (0 when not active); timed,
@@ -149,14 +166,13 @@ class WorkflowPolicy:
 
     def __init__(self, workflows: Workflows, tag_budget: int = 4, inherit: bool = True) -> None:
         self.flows = workflows
-        self.flows.on_retire = self._retired
+        self.flows.retire_hooks.append(self._retired)
         self.budget = tag_budget
         self.inherit = inherit
         self.tags: dict[bytes, dict[str, int]] = {}          # key → workflow → agent mask (most recent last)
         self.touched: dict[bytes, int] = {}                  # key → workflows that ever touched it (saturating)
         self.where: dict[bytes, tuple[int, Signature | int]] = {}   # key → (class, group)
         self.groups: dict[int, dict[Signature | int, OrderedDict[bytes, None]]] = {}
-        self.members: dict[str, set[bytes]] = {}             # workflow → keys tagged with it
         self.pins: set[bytes] = set()
 
     # ----- the TierPolicy hooks -----
@@ -182,8 +198,7 @@ class WorkflowPolicy:
             self._unlink(key)
         self.pins.discard(key)
         del self.where[key]
-        for wid in self.tags.pop(key, {}):
-            self.members.get(wid, set()).discard(key)
+        self.tags.pop(key, None)
         self.touched.pop(key, None)
 
     def pinned(self, key: bytes) -> None:
@@ -214,10 +229,10 @@ class WorkflowPolicy:
 
     # ----- inside -----
     def _score(self, sig: Signature, key: bytes) -> float:
-        if self.inherit:
-            return sum(self.flows.value(w) for w in sig)
+        if self.inherit:                 # fsum: exact, so the same in any order (the compact form sums by number)
+            return math.fsum(self.flows.value(w) for w in sig)
         masks = self.tags.get(key, {})
-        return sum(self.flows.agent_value(w, masks.get(w, 0)) for w in sig)
+        return math.fsum(self.flows.agent_value(w, masks.get(w, 0)) for w in sig)
 
     def _tag(self, key: bytes, touch: Touch | None) -> None:
         if touch is None or not touch.workflow:
@@ -229,12 +244,9 @@ class WorkflowPolicy:
         mask = tags.pop(touch.workflow, None)
         if mask is None:
             self.touched[key] = min(255, self.touched.get(key, 0) + 1)
-            self.members.setdefault(touch.workflow, set()).add(key)
             if len(tags) >= self.budget:                       # the budget: the least recent tag goes
-                old = next(iter(tags))
-                del tags[old]
-                self.members.get(old, set()).discard(key)
-        tags[touch.workflow] = (mask or 0) | (1 << w.agents.get(touch.agent, 0))
+                del tags[next(iter(tags))]
+        tags[touch.workflow] = (mask or 0) | (1 << min(w.agents.get(touch.agent, 0), 7))   # 8 bits a tag
 
     def _group_of(self, key: bytes) -> Signature | int:
         sig = frozenset(w for w in self.tags.get(key, ()) if w in self.flows.active)
@@ -255,12 +267,14 @@ class WorkflowPolicy:
         if not keys:
             del self.groups[cls][group]
 
-    def _retired(self, wid: str) -> None:
-        """A workflow ended: its blocks move to the groups of the workflows still active on them (or retired)."""
-        for key in self.members.pop(wid, set()):
-            if key in self.where and key not in self.pins:
-                self._unlink(key)
-                self._link(key)
+    def _retired(self, w: Workflow) -> None:
+        """A workflow ended: its blocks move to the groups of the workflows still active on them (or retired),
+        group by group in the order they were made, each from its least recent block (pinned ones at their unpin)."""
+        for groups in self.groups.values():
+            for sig in [g for g in groups if isinstance(g, frozenset) and w.wid in g]:
+                for key in list(groups[sig]):
+                    self._unlink(key)
+                    self._link(key)
 
     # ----- inspection -----
     def counts(self) -> dict[str, int]:

@@ -184,3 +184,32 @@ def test_an_eviction_for_a_slot_hands_the_slot_over():
     e = sink.seen[0]
     assert (e.handed_over, e.gid, e.block_id) == (True, gids[0], ns.digest + k(7))
     assert idx.pins[e.gid] == 0                        # not held: the caller owns it (writes it after the copy)
+
+
+@pytest.mark.parametrize("policy", ["lru", "workflow"])
+def test_a_re_store_refreshes_the_prefix_tail_first(policy):
+    """Issue 14 part 5: storing blocks that exist refreshes them, the head last (before: head first, so the head
+    of a re-stored prefix was the first of it to go)."""
+    idx = Index(HostPool(capacity=2 * SEG, segment_bytes=SEG), policy)
+    ns, h = ns_of(idx)
+    put(idx, ns, h, *range(1, 9))               # the prefix 1..8
+    put(idx, ns, h, *range(9, 17))              # the pool is full
+    assert put(idx, ns, h, *range(1, 9)) == [EXISTS] * 8     # stored again: now more recent than 9..16
+    put(idx, ns, h, *range(17, 25))             # evicts 9..16
+    put(idx, ns, h, 25, 26)                     # evicts the prefix's tail: 8, 7
+    assert [idx.holds(ns, k(i)) for i in range(1, 9)] == [True] * 6 + [False] * 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "workflow"])
+def test_a_hole_filled_by_a_re_store_is_older_than_the_blocks_before_it(policy):
+    """A re-store with a hole: the blocks after the hole are refreshed at the reserve, the filled hole at its
+    commit, the blocks before it right after that: the prefix is ordered tail first throughout."""
+    idx = Index(HostPool(capacity=2 * SEG, segment_bytes=SEG), policy)
+    ns, h = ns_of(idx)
+    put(idx, ns, h, *range(1, 9))
+    assert idx.delete(ns, keys(4)) == [True]    # a hole
+    put(idx, ns, h, *range(9, 17))
+    assert put(idx, ns, h, *range(1, 9)) == [EXISTS] * 3 + [RESERVED] + [EXISTS] * 4
+    put(idx, ns, h, *range(17, 25))             # evicts 9..16
+    put(idx, ns, h, 25, 26, 27)                 # evicts 8, 7, 6: 1..5 stay, the filled hole with them
+    assert [idx.holds(ns, k(i)) for i in range(1, 9)] == [True] * 5 + [False] * 3

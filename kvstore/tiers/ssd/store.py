@@ -45,6 +45,7 @@ from typing import Any
 
 from kvstore.daemon.crash import crash_point
 from kvstore.policy import make_tier_policy
+from kvstore.policy.workflow import Workflows
 from kvstore.tiers.ssd import diskio
 from kvstore.tiers.ssd.files import ClassFile, StoreLocked, choose_io, lock_directory, open_class_file
 from kvstore.tiers.ssd.reads import Reader
@@ -64,7 +65,7 @@ class SsdStore:
     `scanner` (scan.py), over the record files (files.py)."""
 
     def __init__(self, directory: str, capacity: int, sync: str = "batch", path: Path | None = None,
-                 io: str = "threads", eviction: str = "lru") -> None:
+                 io: str = "threads", eviction: str = "lru", workflows: Workflows | None = None) -> None:
         if sync not in SYNC_POLICIES:
             raise ValueError(f"ssd sync policy must be one of {', '.join(SYNC_POLICIES)}, got {sync!r}")
         # Record payloads move by os.preadv/pwritev from the path's worker threads, or through an io_uring per
@@ -77,7 +78,7 @@ class SsdStore:
         self.lock = threading.Lock()         # the books below; never held across a record's I/O
         self.files: dict[int, ClassFile] = {}
         self.index: dict[bytes, tuple[int, int, int]] = {}    # ns + hash → (payload bytes, record, seq)
-        self.policy = make_tier_policy(eviction)            # which record the cap takes next, per block size
+        self.policy = make_tier_policy(eviction, workflows)  # which record the cap takes next, per block size
         self.counters: Counter[str] = Counter()
         self.used = 0                        # bytes of the records in the index
         self.per_ns: Counter[bytes] = Counter()    # blocks per namespace digest, kept as the index changes

@@ -1,0 +1,338 @@
+"""Workflow-aware eviction for the host pool, in compact books: the order of kvstore.policy.workflow's
+`WorkflowPolicy` (the reference model, dicts per block), at ~41 bytes per host slot instead of ~1 KB per block.
+
+Why a second form: the host pool is where the 10-million-block budget applies (issue 14: ≤ 150 B a block with the
+key table's ~74). Per block the reference keeps a dict of tags, an OrderedDict node, a tuple and set entries; here
+every host slot has a fixed row in per-segment arrays (`array`, no Python object per block), found from the key
+through the key table (key → gid = segment << 32 | slot) and back through `key_at(gid)` (the pool's reverse map):
+
+    group    int32   the slot's group id (>= 0: linked), PINNED (-1: a candidate again at its unpin) or ABSENT (-2)
+    prev/next int64  the gids of its neighbours in its group's LRU list (NIL = -1)
+    tags     uint32 × budget   the workflow numbers (`Workflow.num`) that touched it, least recent first, 0 = none
+    masks    uint8 × budget    per tag, the agents of that workflow that touched it (bit min(agent index, 7))
+    touched  uint8             how many workflows ever touched it (saturating at 255)
+
+A group is one (class, signature): the set of active workflows among the tags, or, for retired blocks, how many
+workflows touched them (0..budget); its record holds the list's head (least recent), tail and size. Arrays of a
+segment are dropped with its last block. Workflow numbers are 32-bit and wrap after 2**32 workflows: a stale tag
+may then alias a new workflow, which only makes one old block look touched by it (hints are advice).
+
+Cost: added / accessed / removed / pinned / unpinned are O(budget) plus a key-table lookup; a workflow's end moves
+the blocks of its groups (each block once per tag it got); `victim` is O(1) while no hint came since the last one
+and its group still has blocks, else O(active groups of the class).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from array import array
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvstore.policy.workflow import Touch, Workflow, Workflows
+
+if TYPE_CHECKING:
+    from kvstore.index.keytable import KeyTable
+
+ABSENT, PINNED, NIL = -2, -1, -1
+SLOT_MASK = 0xFFFFFFFF
+MAX_BUDGET = 8
+ROW_BYTES_PER_TAG = 5          # a uint32 tag and a uint8 mask
+
+
+class _Chunk:
+    """The rows of one segment's slots."""
+    __slots__ = ("group", "prev", "next", "tags", "masks", "touched", "live")
+
+    def __init__(self, n: int, budget: int) -> None:
+        self.group = array("i", [ABSENT]) * n
+        self.prev = array("q", [NIL]) * n
+        self.next = array("q", [NIL]) * n
+        self.tags = array("I", [0]) * (n * budget)
+        self.masks = array("B", [0]) * (n * budget)
+        self.touched = array("B", [0]) * n
+        self.live = 0
+
+    def grow(self, n: int, budget: int) -> None:
+        more = n - len(self.group)
+        self.group.extend(array("i", [ABSENT]) * more)
+        self.prev.extend(array("q", [NIL]) * more)
+        self.next.extend(array("q", [NIL]) * more)
+        self.tags.extend(array("I", [0]) * (more * budget))
+        self.masks.extend(array("B", [0]) * (more * budget))
+        self.touched.extend(array("B", [0]) * more)
+
+    def nbytes(self) -> int:
+        return sum(a.buffer_info()[1] * a.itemsize
+                   for a in (self.group, self.prev, self.next, self.tags, self.masks, self.touched))
+
+
+class _Group:
+    __slots__ = ("id", "cls", "sig", "head", "tail", "size", "seq")
+
+    def __init__(self, gid: int, cls: int, sig: frozenset[int] | int, seq: int) -> None:
+        self.id, self.cls, self.sig, self.seq = gid, cls, sig, seq
+        self.head = self.tail = NIL
+        self.size = 0
+
+
+class CompactWorkflowPolicy:
+    """The host pool's workflow-aware policy (module docstring), in the EvictionPolicy shape: over the index's key
+    table (key → gid), with `key_at(gid)` for the way back; `slots_of(segment id)` sizes a segment's rows at once
+    (else they grow as its slots are used)."""
+    name = "workflow"
+
+    def __init__(self, table: KeyTable, workflows: Workflows, key_at: Callable[[int], bytes | None],
+                 slots_of: Callable[[int], int] | None = None, tag_budget: int = 4, inherit: bool = True) -> None:
+        if not 1 <= tag_budget <= MAX_BUDGET:
+            raise ValueError(f"tag_budget must be in 1..{MAX_BUDGET}, got {tag_budget}")
+        self.table = table
+        self.flows = workflows
+        self.flows.retire_hooks.append(self._retired)
+        self.key_at = key_at
+        self.slots_of = slots_of
+        self.budget = tag_budget
+        self.inherit = inherit
+        self.chunks: dict[int, _Chunk] = {}
+        self.groups: dict[int, _Group] = {}
+        self._by_sig: dict[tuple[int, frozenset[int] | int], _Group] = {}
+        self._active: dict[int, dict[int, _Group]] = {}          # class → its active groups, in creation order
+        self._retired_of: dict[int, list[_Group | None]] = {}    # class → retired group per touch count
+        self._with: dict[int, set[int]] = {}                     # workflow number → group ids with it
+        self._free_ids: list[int] = []
+        self._seq = 0
+        self._best: dict[int, tuple[int, int, _Group]] = {}      # class → (hints version, groups made, best)
+
+    # ----- the EvictionPolicy hooks -----
+    def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
+        gid = self.table.get(key)
+        if gid is None:
+            return
+        ch, i = self._row(gid, create=True)
+        if ch.group[i] != ABSENT:
+            self._drop(ch, i, gid)
+        b = self.budget
+        ch.tags[i * b:i * b + b] = array("I", [0]) * b
+        ch.masks[i * b:i * b + b] = array("B", [0]) * b
+        ch.touched[i] = 0
+        ch.live += 1
+        self._tag(ch, i, touch)
+        self._link(ch, i, gid, cls)
+
+    def accessed(self, key: bytes, touch: Touch | None = None) -> None:
+        gid = self.table.get(key)
+        if gid is None:
+            return
+        ch, i = self._row(gid)
+        if ch is None or ch.group[i] == ABSENT:
+            return
+        self._tag(ch, i, touch)
+        g = ch.group[i]
+        if g >= 0:
+            cls = self.groups[g].cls
+            self._unlink(ch, i, gid)
+            self._link(ch, i, gid, cls)
+
+    def removed(self, key: bytes) -> None:
+        """(Before the key table lets go of the key.)"""
+        gid = self.table.get(key)
+        if gid is None:
+            return
+        ch, i = self._row(gid)
+        if ch is not None and ch.group[i] != ABSENT:
+            self._drop(ch, i, gid)
+
+    def pinned(self, key: bytes) -> None:
+        gid = self.table.get(key)
+        if gid is None:
+            return
+        ch, i = self._row(gid)
+        if ch is not None and ch.group[i] >= 0:
+            self._unlink(ch, i, gid)
+            ch.group[i] = PINNED
+
+    def unpinned(self, key: bytes) -> None:
+        gid = self.table.get(key)
+        if gid is None:
+            return
+        ch, i = self._row(gid)
+        if ch is not None and ch.group[i] == PINNED:
+            self._link(ch, i, gid, self.table.cls_of(key))
+
+    def victim(self, cls: int) -> bytes | None:
+        retired = self._retired_of.get(cls)
+        if retired:
+            for g in retired:
+                if g is not None:
+                    return self.key_at(g.head)
+        best = self._best_active(cls)
+        return None if best is None else self.key_at(best.head)
+
+    # ----- rows -----
+    def _row(self, gid: int, create: bool = False) -> tuple[_Chunk, int]:
+        seg, i = gid >> 32, gid & SLOT_MASK
+        ch = self.chunks.get(seg)
+        if ch is None:
+            if not create:
+                return None, i  # type: ignore[return-value]
+            n = self.slots_of(seg) if self.slots_of is not None else 0
+            ch = self.chunks[seg] = _Chunk(max(n, i + 1), self.budget)
+        elif i >= len(ch.group):
+            if not create:
+                return None, i  # type: ignore[return-value]
+            ch.grow(max(i + 1, 2 * len(ch.group)), self.budget)
+        return ch, i
+
+    def _drop(self, ch: _Chunk, i: int, gid: int) -> None:
+        if ch.group[i] >= 0:
+            self._unlink(ch, i, gid)
+        ch.group[i] = ABSENT
+        ch.live -= 1
+        if ch.live == 0:
+            del self.chunks[gid >> 32]           # the segment's rows go with its last block
+
+    def _tag(self, ch: _Chunk, i: int, touch: Touch | None) -> None:
+        if touch is None or not touch.workflow:
+            return
+        w = self.flows.active.get(touch.workflow)
+        if w is None:
+            return
+        b = self.budget
+        base = i * b
+        tags = [t for t in ch.tags[base:base + b] if t]
+        masks = list(ch.masks[base:base + len(tags)])
+        bit = 1 << min(w.agents.get(touch.agent, 0), 7)
+        if w.num in tags:
+            j = tags.index(w.num)
+            mask = masks.pop(j) | bit
+            tags.pop(j)
+        else:
+            ch.touched[i] = min(255, ch.touched[i] + 1)
+            mask = bit
+            if len(tags) >= b:                   # the budget: the least recent tag goes
+                tags.pop(0)
+                masks.pop(0)
+        tags.append(w.num)
+        masks.append(mask)
+        pad = b - len(tags)
+        ch.tags[base:base + b] = array("I", tags + [0] * pad)
+        ch.masks[base:base + b] = array("B", masks + [0] * pad)
+
+    def _sig(self, ch: _Chunk, i: int) -> frozenset[int] | int:
+        b = self.budget
+        live = self.flows.nums
+        sig = frozenset(t for t in ch.tags[i * b:i * b + b] if t and t in live)
+        return sig if sig else min(ch.touched[i], b)
+
+    # ----- groups -----
+    def _group(self, cls: int, sig: frozenset[int] | int) -> _Group:
+        g = self._by_sig.get((cls, sig))
+        if g is not None:
+            return g
+        gid = self._free_ids.pop() if self._free_ids else len(self.groups)
+        self._seq += 1
+        g = self._by_sig[(cls, sig)] = self.groups[gid] = _Group(gid, cls, sig, self._seq)
+        if isinstance(sig, int):
+            slots = self._retired_of.setdefault(cls, [None] * (self.budget + 1))
+            slots[sig] = g
+        else:
+            self._active.setdefault(cls, {})[gid] = g
+            for n in sig:
+                self._with.setdefault(n, set()).add(gid)
+        return g
+
+    def _forget(self, g: _Group) -> None:
+        del self.groups[g.id]
+        del self._by_sig[(g.cls, g.sig)]
+        self._free_ids.append(g.id)
+        if isinstance(g.sig, int):
+            self._retired_of[g.cls][g.sig] = None
+            return
+        del self._active[g.cls][g.id]
+        for n in g.sig:
+            ids = self._with.get(n)
+            if ids is not None:
+                ids.discard(g.id)
+                if not ids:
+                    del self._with[n]
+
+    def _link(self, ch: _Chunk, i: int, gid: int, cls: int) -> None:
+        """At the most recent end of the slot's group (from its tags now)."""
+        g = self._group(cls, self._sig(ch, i))
+        ch.prev[i] = g.tail
+        ch.next[i] = NIL
+        if g.tail != NIL:
+            t = g.tail
+            self.chunks[t >> 32].next[t & SLOT_MASK] = gid
+        else:
+            g.head = gid
+        g.tail = gid
+        g.size += 1
+        ch.group[i] = g.id
+
+    def _unlink(self, ch: _Chunk, i: int, gid: int) -> None:
+        g = self.groups[ch.group[i]]
+        p, n = ch.prev[i], ch.next[i]
+        if p != NIL:
+            self.chunks[p >> 32].next[p & SLOT_MASK] = n
+        else:
+            g.head = n
+        if n != NIL:
+            self.chunks[n >> 32].prev[n & SLOT_MASK] = p
+        else:
+            g.tail = p
+        ch.prev[i] = ch.next[i] = NIL
+        g.size -= 1
+        if g.size == 0:
+            self._forget(g)
+
+    def _score(self, g: _Group) -> float:
+        flows = self.flows
+        assert isinstance(g.sig, frozenset)
+        if self.inherit:
+            return math.fsum(flows.value(flows.nums[n].wid) for n in g.sig)
+        ch, i = self._row(g.head)
+        b = self.budget
+        tags = ch.tags[i * b:i * b + b]
+        masks = {t: ch.masks[i * b + j] for j, t in enumerate(tags) if t}
+        return math.fsum(flows.agent_value(flows.nums[n].wid, masks.get(n, 0)) for n in g.sig)
+
+    def _best_active(self, cls: int) -> _Group | None:
+        """The active group of the class with the lowest score (the oldest such group among equals); cached
+        while no hint changed a value and no group was made, as long as it has blocks."""
+        cached = self._best.get(cls)
+        stamp = self.flows.version
+        if cached is not None and cached[0] == stamp and cached[1] == self._seq and self.inherit \
+                and not self.flows.timed:
+            g = cached[2]
+            if self.groups.get(g.id) is g:
+                return g
+        groups = self._active.get(cls)
+        if not groups:
+            return None
+        best = min(groups.values(), key=lambda g: (self._score(g), g.seq))
+        self._best[cls] = (stamp, self._seq, best)
+        return best
+
+    def _retired(self, w: Workflow) -> None:
+        """A workflow ended: the blocks of its groups move to the groups of the workflows still active on them (or
+        retired), group by group in the order they were made, each from its least recent block."""
+        ids = self._with.pop(w.num, set())
+        for g in sorted((self.groups[x] for x in ids if x in self.groups), key=lambda g: g.seq):
+            while self.groups.get(g.id) is g:
+                gid = g.head
+                ch, i = self._row(gid)
+                self._unlink(ch, i, gid)
+                self._link(ch, i, gid, g.cls)
+
+    # ----- inspection -----
+    def counts(self) -> dict[str, int]:
+        """Blocks retired and active (pinned ones aside)."""
+        retired = sum(g.size for g in self.groups.values() if isinstance(g.sig, int))
+        active = sum(g.size for g in self.groups.values() if not isinstance(g.sig, int))
+        return {"retired": retired, "active": active, "workflows": len(self.flows.active)}
+
+    def nbytes(self) -> int:
+        """Bytes of the books: the rows, and (roughly) the groups."""
+        rows = sum(ch.nbytes() for ch in self.chunks.values())
+        return rows + sys.getsizeof(self.groups) + len(self.groups) * 200 + sys.getsizeof(self.chunks)
