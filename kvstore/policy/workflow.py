@@ -115,6 +115,15 @@ class Workflows:
         self.predictor.ended(wid, w.wtype, w.agent)
         self._retire(w)
 
+    def retire(self, wid: str) -> bool:
+        """Retire one workflow whose end never came (idle, or one too many): its blocks become retired blocks, and
+        the predictor learns no end. False if it was not active."""
+        w = self.active.pop(wid, None)
+        if w is None:
+            return False
+        self._retire(w)
+        return True
+
     def expire(self) -> list[str]:
         """Retire workflows idle for longer than idle_s (their end never came); their ids."""
         now = self.clock()

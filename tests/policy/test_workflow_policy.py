@@ -90,3 +90,16 @@ def test_the_transition_model_looks_ahead_and_scores_itself() -> None:
     assert survival(ahead)[0] == 1.0 and survival(ahead)[1] == 0.5
     assert m.accuracy.rate(1) is not None and m.accuracy.rate(1) > 0.5
     assert m.lookahead("unknown", "agent", 2) == [{"agent": 1.0}, {"agent": 1.0}]    # unseen: it goes on
+
+
+def test_retiring_one_workflow_moves_its_blocks_and_teaches_no_end() -> None:
+    flows = Workflows()
+    pol = WorkflowPolicy(flows)
+    flows.call("a", "coder", "t")
+    flows.call("b", "coder", "t")
+    pol.added(k(0), 0, Touch("a", "coder"))
+    pol.added(k(1), 0, Touch("b", "coder"))
+    assert flows.retire("a") and not flows.retire("a")
+    assert pol.counts() == {"retired": 1, "active": 1, "workflows": 1}
+    assert flows.predictor.next_of("t", "coder") == {}          # no END learned
+    assert drain(pol) == [0, 1]
