@@ -1,5 +1,5 @@
-"""`kvstore serve | stats | top | ls | resize | evict | flush | ping | verify`: human tables by default, `--json` for
-scripts."""
+"""`kvstore serve | stats | top | ls | resize | evict | flush | ping | verify | hint | workflows`: human tables by
+default, `--json` for scripts."""
 from __future__ import annotations
 
 import argparse
@@ -76,12 +76,32 @@ def _parser() -> argparse.ArgumentParser:
                                                  "ssd.durable_timeout_s)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_flush)
+    _hint_parsers(sub)
     c = sub.add_parser("verify", help="check every record of an SSD directory offline (the daemon stopped)")
     c.add_argument("--dir", required=True, help="the SSD tier's directory")
     c.add_argument("--fix", action="store_true", help="quarantine the bad records")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_verify)
     return p
+
+
+def _hint_parsers(sub: Any) -> None:
+    c = sub.add_parser("hint", help="tell the daemon a workflow begins, an agent of it runs, or it ends (advice for "
+                                    "pool.eviction: workflow)")
+    c.add_argument("kind", choices=["begin", "call", "end"])
+    c.add_argument("workflow", help="the workflow's id (with --session: the chat session's id)")
+    c.add_argument("--session", action="store_true", help="WORKFLOW is a chat session's id")
+    c.add_argument("--type", help="the workflow's type or family (begin, call)")
+    c.add_argument("--agent", help="the agent invoked (call)")
+    c.add_argument("--step", type=int, help="the call's step in its workflow")
+    c.add_argument("--next", nargs="+", metavar="AGENT", help="the agents expected next")
+    c.add_argument("--priority", help="an integer, or low, normal, high")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_hint)
+    c = sub.add_parser("workflows", help="active workflows and sessions: type, last agent, steps, idle time")
+    c.add_argument("--limit", type=int, default=100)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_workflows)
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -157,6 +177,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
                      f"{sc['seconds']:.1f} s")
     if s.get("write_through"):
         text += "\n" + _durable_line(s["write_through"])
+    if s.get("workflows"):
+        text += "\n\n" + _workflows_lines(s["workflows"], s["hit_rates"])
     if s.get("traffic"):
         text += "\n\n" + _traffic_table(s["traffic"])
     _out(args, s, f"{text}\n\n{counters}\n\n{lat}")
@@ -171,6 +193,27 @@ def _durable_line(wt: dict[str, Any]) -> str:
             f"{wt.get('pending', 0)} block(s) on their way to disk, oldest {wt.get('oldest_pending_s', 0.0):.2f} s; "
             f"lag commit→synced p50 {_us(lag.get('p50'))}, p99 {_us(lag.get('p99'))}, "
             f"max {wt.get('max_lag_s', 0.0) * 1e3:.1f} ms over {lag.get('count', 0)} block(s)")
+
+
+def _workflows_lines(w: dict[str, Any], rates: dict[str, Any]) -> str:
+    """Hints, the predictor, the hit rate per op and tier, and how far the cache is from the best it could do."""
+    acc = w["accuracy"]
+    ceiling = w["ceiling"]
+    lines = [f"workflows: {w['active']} active, {w['retired']} retired "
+             f"({', '.join(f'{k} {n}' for k, n in w['retired_by'].items())}); hints ignored: "
+             f"{', '.join(f'{k} {n}' for k, n in sorted(w['ignored'].items())) or 'none'}",
+             f"predictor top-1 accuracy: {_pct(acc['top1_1'])} at 1 step, {_pct(acc['top1_3'])} at 3 steps"]
+    if "blocks" in w:
+        lines.append(f"host blocks: {w['blocks']['retired']} retired, {w['blocks']['active']} active")
+    for op, r in rates.items():
+        lines.append(f"{op} hit rate: host {_pct(r['host'])}, lower tiers {_pct(r['lower'])}, miss {_pct(r['miss'])}")
+    lines.append(f"hit-rate ceiling: {_pct(ceiling['hit_rate'])} ({ceiling['distinct']} distinct of "
+                 f"{ceiling['looked_up']} blocks looked up)")
+    return "\n".join(lines)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.1f}%"
 
 
 def _traffic_table(paths: list[dict[str, Any]]) -> str:
@@ -294,6 +337,37 @@ def cmd_flush(args: argparse.Namespace) -> int:
     _out(args, {**r, "seconds": took}, f"{r['durability']}: {r['blocks']} block(s) {says.get(r['durability'], '')} "
                                        f"in {took:.2f} s")
     return 0 if r["durability"] in ("durable", "unsynced") else 1
+
+
+def cmd_hint(args: argparse.Namespace) -> int:
+    """Exit status 0 whether the daemon took the hint or ignored it (it says which); 1 if it refused it."""
+    kind = f"session_{args.kind}" if args.session and args.kind != "call" else args.kind
+    fields: dict[str, Any] = {"session" if args.session else "workflow": args.workflow}
+    for name in ("type", "agent", "step", "next"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    if args.priority is not None:
+        fields["priority"] = int(args.priority) if args.priority.isdigit() else args.priority
+    with _client(args) as c:
+        r = c.hint(kind, **fields)
+    state = "active" if r["active"] else "not active"
+    text = f"{r['workflow']}: {state}, {r['steps']} step(s)"
+    _out(args, r, f"{text} — ignored: {r['ignored']}" if "ignored" in r else text)
+    return 0
+
+
+def cmd_workflows(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        rows = c.workflows(args.limit)
+    headers = ["workflow", "type", "last agent", "steps", "idle", "priority", "next"]
+    table = [[w["workflow"], w["type"] or "-", w["agent"] or "-", w["steps"], f"{w['idle_s']:.1f} s",
+              "-" if w["priority"] is None else w["priority"], " ".join(w["next"]) or "-"] for w in rows]
+    if any(w["tenant"] for w in rows):                   # tenants configured: say whose each one is
+        headers.insert(1, "tenant")
+        for row, w in zip(table, rows):
+            row.insert(1, w["tenant"] or "-")
+    _out(args, rows, _table(headers, table) if rows else "no active workflows")
+    return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

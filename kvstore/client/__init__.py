@@ -3,9 +3,12 @@
 `Client` holds one connection to the local daemon and maps the host pool's segments it is handed; `Namespace` moves
 one namespace's blocks (put, get, lookup, prefetch, delete) with one copy between a caller's buffer and a shared
 slot; `Reservation` and `Lease` are the two-phase pieces under them (layer by layer for engines); `AsyncClient`
-(`kvstore.client.aio`) is the same for asyncio. A refusal raises `KVStoreError` with the protocol's code.
+(`kvstore.client.aio`) is the same for asyncio. A refusal raises `KVStoreError` with the protocol's code. Hints
+(`Client.workflow`, `Client.session`, a request's `Context`) are in `kvstore.client.hints`.
 """
 from kvstore.client.blocks import Lease, Namespace, PutResult, Reservation, StreamLease
 from kvstore.client.connection import Client, KVStoreError
+from kvstore.client.hints import Context, SessionHandle, WorkflowHandle
 
-__all__ = ["Client", "KVStoreError", "Lease", "Namespace", "PutResult", "Reservation", "StreamLease"]
+__all__ = ["Client", "Context", "KVStoreError", "Lease", "Namespace", "PutResult", "Reservation", "SessionHandle",
+           "StreamLease", "WorkflowHandle"]

@@ -2,6 +2,8 @@
 
 Each AsyncClient owns one sync Client and one worker thread; its calls run there in order, so the event loop never
 waits on the socket or on a copy (numpy copies release the GIL), and a connection is never used by two threads.
+Hints: `ac.workflow(wid, type)` and `ac.session(sid)` are handles (not awaited) whose methods are awaitables that
+never raise for a hint the daemon does not take (kvstore.client.hints).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from kvstore.client import Client, Namespace, PutResult
+from kvstore.client.hints import Context, ContextLike, SessionHandle, WorkflowHandle
 from kvstore.protocol.keys import NamespaceSpec
 
 T = TypeVar("T")
@@ -49,6 +52,19 @@ class AsyncClient:
     async def resize(self, nbytes: int) -> dict[str, Any]:
         return await self._run(self.client.resize, nbytes)
 
+    async def hint(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """The raw hint op (Client.hint): raises KVStoreError on a malformed hint."""
+        return await self._run(partial(self.client.hint, kind, **fields))
+
+    def workflow(self, wid: str, type: str | None = None) -> AsyncWorkflow:
+        return AsyncWorkflow(self, WorkflowHandle(self.client, wid, type))
+
+    def session(self, sid: str) -> AsyncSession:
+        return AsyncSession(self, SessionHandle(self.client, sid))
+
+    async def workflows(self, limit: int = 100) -> list[dict[str, Any]]:
+        return await self._run(self.client.workflows, limit)
+
     async def flush_durable(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Wait until every block of this client's tenant stored before now is on disk (Client.flush_durable)."""
         return await self._run(self.client.flush_durable, timeout_s)
@@ -72,21 +88,77 @@ class AsyncNamespace:
         self.sync = ns
         self.id = ns.id
 
-    async def lookup(self, hashes: Sequence[bytes]) -> int:
-        return await self._owner._run(self.sync.lookup, hashes)
+    async def lookup(self, hashes: Sequence[bytes], context: ContextLike = None) -> int:
+        return await self._owner._run(self.sync.lookup, hashes, context)
 
     async def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32, durable: bool = False,
-                  durable_timeout_s: float | None = None) -> PutResult:
+                  durable_timeout_s: float | None = None, context: ContextLike = None) -> PutResult:
         """Namespace.put; with `durable`, the awaitable completes once the blocks are on disk (or at the
         deadline), without blocking the event loop meanwhile."""
         return await self._owner._run(partial(self.sync.put, hashes, blocks, batch, durable=durable,
-                                              durable_timeout_s=durable_timeout_s))
+                                              durable_timeout_s=durable_timeout_s, context=context))
 
     async def wait_durable(self, hashes: Sequence[bytes], timeout_s: float | None = None) -> dict[str, Any]:
         return await self._owner._run(self.sync.wait_durable, hashes, timeout_s)
 
-    async def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32) -> int:
-        return await self._owner._run(self.sync.get, hashes, outs, batch)
+    async def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32,
+                  context: ContextLike = None) -> int:
+        return await self._owner._run(partial(self.sync.get, hashes, outs, batch, context=context))
 
     async def delete(self, hashes: Sequence[bytes]) -> int:
         return await self._owner._run(self.sync.delete, hashes)
+
+
+class AsyncWorkflow:
+    """A workflow's hints as awaitables (kvstore.client.hints.WorkflowHandle); `async with` begins and ends it."""
+
+    def __init__(self, owner: AsyncClient, handle: WorkflowHandle) -> None:
+        self._owner = owner
+        self.sync = handle
+
+    async def begin(self) -> dict[str, Any]:
+        return await self._owner._run(self.sync.begin)
+
+    async def call(self, agent: str, step: int | None = None, next: list[str] | None = None,
+                   priority: int | str | None = None) -> dict[str, Any]:
+        return await self._owner._run(partial(self.sync.call, agent, step, next, priority))
+
+    async def end(self) -> dict[str, Any]:
+        return await self._owner._run(self.sync.end)
+
+    def context(self, agent: str = "") -> Context:
+        return self.sync.context(agent)
+
+    async def __aenter__(self) -> AsyncWorkflow:
+        await self.begin()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.end()
+
+
+class AsyncSession:
+    """A chat session's hints as awaitables (kvstore.client.hints.SessionHandle)."""
+
+    def __init__(self, owner: AsyncClient, handle: SessionHandle) -> None:
+        self._owner = owner
+        self.sync = handle
+
+    async def begin(self) -> dict[str, Any]:
+        return await self._owner._run(self.sync.begin)
+
+    async def turn(self, agent: str = "", priority: int | str | None = None) -> dict[str, Any]:
+        return await self._owner._run(self.sync.turn, agent, priority)
+
+    async def end(self) -> dict[str, Any]:
+        return await self._owner._run(self.sync.end)
+
+    def context(self, agent: str = "") -> Context:
+        return self.sync.context(agent)
+
+    async def __aenter__(self) -> AsyncSession:
+        await self.begin()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.end()

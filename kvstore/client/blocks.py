@@ -14,7 +14,12 @@ the blocks are on disk and synced in the daemon's SSD tier, or at a deadline (`d
 ssd.durable_timeout_s when not given, capped by its ssd.durable_timeout_max_s), with the daemon's answer
 (`durability`): durable, unsynced (written; ssd.sync is never), timeout (stored, not all on disk yet), failed (some
 could not be written) or no_ssd_tier. Without it a put returns before any disk write (write-through, where on, is
-asynchronous)."""
+asynchronous).
+
+Hint context: `lookup`, `get`, `put`, `acquire`, `acquire_stream` and `reserve` take `context=` (a
+kvstore.client.hints.Context, or a (workflow, agent) pair): the workflow or chat session and agent the request is
+for, sent as the request's `wf` and `agent` fields (a reservation's commits carry its context too), so that the
+daemon's eviction policy knows which running workflows touched each block."""
 from __future__ import annotations
 
 import time
@@ -26,6 +31,7 @@ import numpy as np
 
 from kvstore.checksum import crc32c
 from kvstore.client.copier import as_bytes
+from kvstore.client.hints import ContextLike, context_fields
 from kvstore.protocol import HASH_BYTES, VERSION, ReserveStatus, encode
 from kvstore.protocol.geometry import Geometry
 from kvstore.protocol.keys import NamespaceSpec, pack_keys
@@ -50,37 +56,43 @@ class Namespace:
         for i in range(0, len(blob), step):
             yield blob[i:i + step]
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
+    def lookup(self, hashes: Sequence[bytes], context: ContextLike = None) -> int:
         """How many leading blocks of `hashes` the daemon holds (in any tier)."""
+        ctx = context_fields(context)
         if len(hashes) <= self.client.max_keys:       # the common case: one message
-            return int(self.client.call("lookup", ns=self.id, keys=pack_keys(hashes))["n"])
+            return int(self.client.call("lookup", ns=self.id, keys=pack_keys(hashes), **ctx)["n"])
         total = 0
         for blob in self._batches(hashes):
-            n = self.client.call("lookup", ns=self.id, keys=blob)["n"]
+            n = self.client.call("lookup", ns=self.id, keys=blob, **ctx)["n"]
             total += n
             if n < len(blob) // HASH_BYTES:
                 break
         return total
 
-    def reserve(self, hashes: Sequence[bytes]) -> Reservation:
+    def reserve(self, hashes: Sequence[bytes], context: ContextLike = None) -> Reservation:
+        """Slots for these blocks (see Reservation); its commits carry `context`."""
         keys = pack_keys(hashes)
         if len(keys) > self.client.max_keys * HASH_BYTES:
             raise ValueError(f"reserve takes at most {self.client.max_keys} blocks at a time")
-        reply = self.client.call("reserve", ns=self.id, keys=keys)
-        return Reservation(self, keys, reply["slots"], reply["status"])
+        ctx = context_fields(context)
+        reply = self.client.call("reserve", ns=self.id, keys=keys, **ctx)
+        return Reservation(self, keys, reply["slots"], reply["status"], ctx)
 
-    def acquire(self, hashes: Sequence[bytes], lane: str = "critical") -> Lease:
+    def acquire(self, hashes: Sequence[bytes], lane: str = "critical", context: ContextLike = None) -> Lease:
         """Pin the longest stored prefix (promoting SSD blocks into host slots, in `lane`)."""
-        reply = self.client.call("acquire", ns=self.id, keys=self._acquire_keys(hashes), lane=lane)
+        reply = self.client.call("acquire", ns=self.id, keys=self._acquire_keys(hashes), lane=lane,
+                                 **context_fields(context))
         return Lease(self, reply["slots"], reply.get("crcs"))
 
-    def acquire_stream(self, hashes: Sequence[bytes], lane: str = "critical") -> StreamLease:
+    def acquire_stream(self, hashes: Sequence[bytes], lane: str = "critical",
+                       context: ContextLike = None) -> StreamLease:
         """Like `acquire`, but the blocks are reported as they land in the host pool, in the order of `hashes`:
         iterate `arrivals()` and copy the first blocks (a layer at a time, say) while later ones are still on the
         SSD. Read the stream to its end (or release the lease) before the next call on this client."""
         self.client.flush()
         self.client.sock.sendall(encode({"v": VERSION, "op": "acquire", "id": next(self.client._ids), "ns": self.id,
-                                         "keys": self._acquire_keys(hashes), "lane": lane, "stream": True}))
+                                         "keys": self._acquire_keys(hashes), "lane": lane, "stream": True,
+                                         **context_fields(context)}))
         return StreamLease(self)
 
     def _acquire_keys(self, hashes: Sequence[bytes]) -> bytes:
@@ -89,8 +101,8 @@ class Namespace:
             raise ValueError(f"acquire takes at most {self.client.max_keys} blocks at a time")
         return keys
 
-    def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32,
-            checksum: bool = True, durable: bool = False, durable_timeout_s: float | None = None) -> PutResult:
+    def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32, checksum: bool = True,
+            durable: bool = False, durable_timeout_s: float | None = None, context: ContextLike = None) -> PutResult:
         """Store whole blocks: reserve → copy → commit, `batch` blocks per reserve; with `checksum`, each block's
         CRC-32C goes with its commit (a block committed without one is never served as verified). With `durable`,
         return once the blocks are on disk (or at the deadline): `result.durability` is the daemon's answer.
@@ -104,7 +116,7 @@ class Namespace:
         deadline = self._durable_deadline(durable_timeout_s) if durable else None
         result = PutResult()
         for i in reversed(range(0, len(hashes), batch)):     # tail first: see Reservation.write_and_commit
-            with self.reserve(hashes[i:i + batch]) as r:
+            with self.reserve(hashes[i:i + batch], context) as r:
                 r.write_and_commit(blocks[i:i + batch], checksum=checksum, durable=durable)
             result.add(r)
         self.client.flush()
@@ -137,7 +149,7 @@ class Namespace:
         return timeout_s
 
     def get(self, hashes: Sequence[bytes], outs: Sequence[Any], batch: int = 32, lane: str = "critical",
-            verify: bool = True) -> int:
+            verify: bool = True, context: ContextLike = None) -> int:
         """Load the longest stored prefix into `outs`; returns how many blocks were loaded. With `verify`, each
         copy in `outs` is checked against its writer's CRC-32C: the prefix ends at a block that fails the check or
         has no CRC (its bytes and those after it in `outs` are not to be used)."""
@@ -147,7 +159,7 @@ class Namespace:
         leases: list[Lease] = []
         try:
             for i in range(0, len(hashes), batch):
-                lease = self.acquire(hashes[i:i + batch], lane)
+                lease = self.acquire(hashes[i:i + batch], lane, context)
                 leases.append(lease)
                 if verify:
                     n = lease.read_verified(outs[i:i + len(lease)])
@@ -224,8 +236,10 @@ class Reservation:
     `with` block on an exception, or the connection ending) frees them. `keys`: the block hashes asked, packed;
     `status[i]`: the ReserveStatus of the i-th."""
 
-    def __init__(self, ns: Namespace, keys: bytes, gids: list[int], status: list[int]) -> None:
+    def __init__(self, ns: Namespace, keys: bytes, gids: list[int], status: list[int],
+                 context: dict[str, str] | None = None) -> None:
         self.ns = ns
+        self.context = context or {}                     # the request fields of its hint context, for its commits
         self.keys = keys
         self.gids = gids
         self.status: list[ReserveStatus] = [ReserveStatus(s) for s in status]
@@ -279,7 +293,7 @@ class Reservation:
 
     def _commit_part(self, pos: list[int], start: int, part: int, crcs: list[int] | None) -> None:
         """Send the commit of the reserved positions pos[start:start + part] without waiting for its reply."""
-        extra: dict[str, Any] = {"crcs": crcs} if crcs is not None else {}
+        extra: dict[str, Any] = {"crcs": crcs, **self.context} if crcs is not None else dict(self.context)
         if self._durable:
             extra.update(durable=True, timeout_ms=0)      # queued for the disk; the put waits once, at its end
         self.ns.client.send("commit", ns=self.ns.id, keys=self._keys_at(pos[start:start + part]), **extra)
@@ -309,7 +323,7 @@ class Reservation:
             return 0
         if crcs is None and checksum:
             crcs = self.checksums()
-        extra: dict[str, Any] = {"crcs": list(crcs)} if crcs is not None else {}
+        extra: dict[str, Any] = {"crcs": list(crcs), **self.context} if crcs is not None else dict(self.context)
         if durable:
             extra["durable"] = True
             timeout = self.ns._durable_deadline(durable_timeout_s)

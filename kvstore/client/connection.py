@@ -31,9 +31,14 @@ failed connect; the client tries again at its next request.
 Tenants: `Client(tenant=..., secret=...)` (else KVSTORE_TENANT / KVSTORE_TENANT_SECRET, else none) names the
 tenant the connection speaks for; the daemon checks it at the first hello (sent at connect when a tenant is named)
 and refuses with `forbidden` a tenant that is not configured, not allowed to this user, or a wrong secret.
+
+Hints (kvstore.client.hints): `Client.workflow(wid, type)` and `Client.session(sid)` give handles whose methods tell
+the daemon that a workflow begins, an agent of it runs, it ends (never raising for a hint the daemon does not take);
+their `context(agent)` goes with a namespace's lookup, get, put, acquire and reserve (`context=`).
 """
 from __future__ import annotations
 
+import builtins
 import itertools
 import mmap
 import os
@@ -49,6 +54,7 @@ import numpy as np
 
 from kvstore.client.blocks import Namespace
 from kvstore.client.copier import Copier
+from kvstore.client.hints import SessionHandle, WorkflowHandle
 from kvstore.protocol import VERSION, FrameReader, decode, encode
 from kvstore.protocol.keys import NamespaceSpec
 from kvstore.protocol.paths import default_socket_path
@@ -56,7 +62,8 @@ from kvstore.protocol.paths import default_socket_path
 MAX_FDS = 253          # segment handles one reply can carry (SCM_RIGHTS)
 RECV_BYTES = 1 << 16   # one recv: a whole small reply, or a large one's next chunk
 QUIET_S = 0.05         # a connection quiet this long is checked for a close by the daemon before the next request
-REPLAYABLE = frozenset({"ping", "hello", "stats", "list", "segments", "lookup", "acquire", "reserve", "prefetch"})
+REPLAYABLE = frozenset({"ping", "hello", "stats", "list", "segments", "lookup", "acquire", "reserve", "prefetch",
+                        "workflows"})
 
 
 class NoDaemon(ConnectionError):
@@ -392,6 +399,26 @@ class Client:
             raise ValueError(f"timeout_s ({timeout_s} s) must be 0 or more and below the socket timeout "
                              f"({self.timeout} s)")
         return self.call("flush", **({} if timeout_s is None else {"timeout_ms": int(timeout_s * 1000)}))
+
+    # ----- hints -----
+    def hint(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """The raw hint op (kvstore.daemon.hints): raises KVStoreError on a malformed hint; a meaningless one is
+        answered with `ignored`. The handles below never raise."""
+        return self.call("hint", kind=kind, **fields)
+
+    def workflow(self, wid: str, type: str | None = None) -> WorkflowHandle:
+        """A handle on workflow `wid` (of type `type`, e.g. its family: what the predictor learns per); sends
+        nothing until one of its methods is called."""
+        return WorkflowHandle(self, wid, type)
+
+    def session(self, sid: str) -> SessionHandle:
+        """A handle on chat session `sid` (a workflow whose every turn reuses its whole history)."""
+        return SessionHandle(self, sid)
+
+    def workflows(self, limit: int = 100) -> builtins.list[dict[str, Any]]:
+        """Active workflows of this client's tenant (every tenant's for the admin), the most recent first."""
+        rows: builtins.list[dict[str, Any]] = self.call("workflows", limit=limit)["workflows"]
+        return rows
 
     def _unmap(self, sid: int) -> None:
         seg = self._segments.pop(sid)

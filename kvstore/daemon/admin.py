@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from kvstore import __version__, workers
@@ -24,7 +25,8 @@ from kvstore.protocol import Code, ProtocolError
 if TYPE_CHECKING:
     from kvstore.daemon.state import State
 
-COUNTERS = ("lookups", "hits", "misses", "puts", "gets", "evictions", "deletes", "aborts", "demotions", "dropped",
+COUNTERS = ("lookups", "hits", "hits_host", "hits_lower", "misses", "acquired_asked", "acquired_host",
+            "acquired_lower", "puts", "gets", "evictions", "deletes", "aborts", "demotions", "dropped",
             "promotions", "prefetched", "prefetch_skipped", "prefetch_busy", "prefetch_cancelled", "written_through",
             "write_through_skipped", "held_cap", "reservations_expired", "idle_closed", "segment_moves",
             "segment_moves_inline", "admin_chunks")
@@ -162,4 +164,32 @@ def snapshot(st: State) -> dict[str, Any]:
             "traffic": st.traffic.stats(), "errors": dict(st.metrics.errors), "connections": st.connections,
             "latency": {op: hist.to_dict() for op, hist in st.metrics.latency.items()}, "process": process.state(),
             "workers": workers.stats(), "write_through": st.write_through.stats() if st.write_through else None,
-            **idx.stats()}
+            "hit_rates": hit_rates(st.counters), "workflows": workflow_stats(st), **idx.stats()}
+
+
+def hit_rates(c: Counter[str]) -> dict[str, dict[str, float | None]]:
+    """Of the blocks lookups and acquires asked for: the shares found in the host pool, in a lower tier, and
+    missed (None before any)."""
+    looked, acquired = c["hits"] + c["misses"], c["acquired_asked"]
+    got = c["acquired_host"] + c["acquired_lower"]
+    return {"lookup": _shares(looked, c["hits_host"], c["hits_lower"], c["misses"]),
+            "acquire": _shares(acquired, c["acquired_host"], c["acquired_lower"], acquired - got)}
+
+
+def _shares(total: int, host: int, lower: int, miss: int) -> dict[str, float | None]:
+    if not total:
+        return {"host": None, "lower": None, "miss": None}
+    return {"host": host / total, "lower": lower / total, "miss": miss / total}
+
+
+def workflow_stats(st: State) -> dict[str, Any]:
+    """The hints' books (kvstore.daemon.hints), the predictor's accuracy, the policy's retired and active blocks
+    where it keeps them, and the hit-rate ceiling: 1 − distinct keys looked up / keys looked up."""
+    out = st.hints.stats()
+    hll = st.looked_up
+    out["ceiling"] = {"looked_up": hll.added, "distinct": round(hll.distinct()), "hit_rate": hll.ceiling()}
+    counts = getattr(st.index.policy, "counts", None)
+    if counts is not None:
+        blocks = counts()
+        out["blocks"] = {"retired": blocks["retired"], "active": blocks["active"]}
+    return out

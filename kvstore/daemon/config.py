@@ -93,6 +93,12 @@ class MetricsConfig:
 
 
 @dataclass(slots=True)
+class HintsConfig:
+    idle_s: float = 600.0               # a workflow or session without activity this long is retired
+    max_workflows: int = 100000         # active at once; beyond it the least recently active one is retired
+
+
+@dataclass(slots=True)
 class LogConfig:
     level: str = "info"
 
@@ -104,6 +110,7 @@ class Config:
     ssd: SsdConfig = field(default_factory=SsdConfig)
     traffic: TrafficConfig = field(default_factory=TrafficConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    hints: HintsConfig = field(default_factory=HintsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     tenants: list[TenantConfig] = field(default_factory=list)
 
@@ -115,7 +122,7 @@ class Config:
 
 
 SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "traffic": TrafficConfig,
-            "metrics": MetricsConfig, "log": LogConfig}
+            "metrics": MetricsConfig, "hints": HintsConfig, "log": LogConfig}
 SIZE_FIELDS = {("server", "max_frame_bytes"), ("server", "min_block_bytes"), ("pool", "capacity"),
                ("pool", "segment_bytes"), ("ssd", "capacity"), ("ssd", "staging_bytes")}
 LISTS = ("tenants",)    # top-level lists, not sections: set by file only (a secret does not belong in the env)
@@ -224,9 +231,9 @@ def _tenants(raw: list[Any], errors: list[str]) -> list[TenantConfig]:
             errors.append(f"{where}: must be a mapping of name, uids (optional), secret (optional)")
             continue
         name, uids, secret = t.get("name"), t.get("uids") or [], t.get("secret") or ""
-        if not isinstance(name, str) or not 1 <= len(name) <= 64 or name.startswith("uid:"):
-            errors.append(f"{where}.name: must be a string of 1..64 characters, not starting with 'uid:', "
-                          f"got {name!r}")
+        if not isinstance(name, str) or not 1 <= len(name) <= 64 or name.startswith("uid:") or "\x00" in name:
+            errors.append(f"{where}.name: must be a string of 1..64 characters, not starting with 'uid:' (and "
+                          f"without NUL), got {name!r}")
         elif any(o.name == name for o in out):
             errors.append(f"{where}.name: {name!r} is listed twice")
         elif not _uid_list(uids):
@@ -318,6 +325,7 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"ssd.durable_timeout_s: must be 0..ssd.durable_timeout_max_s ({d.durable_timeout_max_s}) "
                       f"seconds, got {d.durable_timeout_s}")
     errors += _check_traffic(cfg.traffic)
+    errors += _check_hints(cfg.hints)
     if cfg.log.level not in LOG_LEVELS:
         errors.append(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}")
     return errors
@@ -338,6 +346,15 @@ def _check_limits(s: ServerConfig) -> list[str]:
         errors.append(f"server.min_block_bytes: must be 1B..1GiB, got {s.min_block_bytes}")
     if not 0.1 <= s.idle_timeout_s <= 7 * 86400:
         errors.append(f"server.idle_timeout_s: must be 0.1..604800 seconds, got {s.idle_timeout_s}")
+    return errors
+
+
+def _check_hints(h: HintsConfig) -> list[str]:
+    errors = []
+    if not 0.05 <= h.idle_s <= 7 * 86400:
+        errors.append(f"hints.idle_s: must be 0.05..604800 seconds, got {h.idle_s}")
+    if not 1 <= h.max_workflows <= 10_000_000:
+        errors.append(f"hints.max_workflows: must be 1..10000000, got {h.max_workflows}")
     return errors
 
 

@@ -53,6 +53,7 @@ def start_prometheus(host: str, port: int, snapshot: Callable[[], dict[str, Any]
             yield GaugeMetricFamily("kvstore_host_retiring_bytes", "host pool bytes lent while memory moves "
                                     "between block sizes or tenants (over the cap until punched)",
                                     value=host.get("retiring_bytes", 0))
+            yield from _workflow_metrics(s.get("workflows") or {}, s.get("hit_rates") or {})
             wt = s.get("write_through") or {}
             if "lag" in wt:
                 yield GaugeMetricFamily("kvstore_durable_pending_blocks", "blocks on their way to disk",
@@ -76,6 +77,47 @@ def _cumulative(h: dict[str, Any]) -> list[tuple[str, int]]:
         acc += c
         cum.append((bound, acc))
     return cum
+
+
+def _workflow_metrics(w: dict[str, Any], rates: dict[str, Any]) -> Any:
+    """The hints' books, the predictor's accuracy, the hit-rate ceiling and the hit rate per op and tier."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if w:
+        yield GaugeMetricFamily("kvstore_workflows_active", "workflows and sessions active now", value=w["active"])
+        families = {"retired_by": ("kvstore_workflows_retired", "workflows retired, by reason", "reason"),
+                    "ignored": ("kvstore_hints_ignored", "hints and contexts ignored, by reason", "reason"),
+                    "hints": ("kvstore_hints", "hints received, by kind", "kind")}
+        for field, (name, text, label) in families.items():
+            fam = CounterMetricFamily(name, text, labels=[label])
+            for k, n in w[field].items():
+                fam.add_metric([k], n)
+            yield fam
+        acc = GaugeMetricFamily("kvstore_predictor_top1_accuracy", "the predictor's top-1 accuracy",
+                                labels=["steps"])
+        for k, steps in (("top1_1", "1"), ("top1_3", "3")):
+            if w["accuracy"][k] is not None:
+                acc.add_metric([steps], w["accuracy"][k])
+        yield acc
+        ceiling = w["ceiling"]
+        if ceiling["hit_rate"] is not None:
+            yield GaugeMetricFamily("kvstore_hit_rate_ceiling", "1 - distinct blocks looked up / blocks looked up "
+                                    "(HyperLogLog): the best hit rate any cache could have had",
+                                    value=ceiling["hit_rate"])
+        yield GaugeMetricFamily("kvstore_looked_up_distinct_blocks", "distinct blocks looked up (estimate)",
+                                value=ceiling["distinct"])
+        if "blocks" in w:
+            blocks = GaugeMetricFamily("kvstore_workflow_blocks", "host blocks by standing", labels=["standing"])
+            for k, n in w["blocks"].items():
+                blocks.add_metric([k], n)
+            yield blocks
+    hr = GaugeMetricFamily("kvstore_hit_rate", "share of the blocks asked, per op and where found",
+                           labels=["op", "tier"])
+    for op, shares in rates.items():
+        for tier, v in shares.items():
+            if v is not None:
+                hr.add_metric([op, tier], v)
+    yield hr
 
 
 def _traffic_metrics(paths: list[dict[str, Any]]) -> Any:

@@ -5,7 +5,9 @@ The operator's ops (stats, list, resize, evict) are in `admin`.
 Each op gets the connection (`Conn`: its holdings, peer and role). `hello` fixes the connection's tenant
 (kvstore.daemon.tenants) and refuses geometries below server.min_block_bytes; `segments` hands out only the
 connection's own tenant's segments; `reserve` gives each reservation a lease (server.reservation_lease_s). A durable
-`commit` and `flush` wait for the disk without the state lock (kvstore.movers.durability)."""
+`commit` and `flush` wait for the disk without the state lock (kvstore.movers.durability). `hint` and the hint
+context of lookup, acquire, reserve and commit (`wf`, `agent`) are kept by kvstore.daemon.hints, per tenant; the
+context reaches the index as a `Touch`, for the eviction policy."""
 from __future__ import annotations
 
 import os
@@ -22,6 +24,7 @@ from kvstore.daemon.tenants import Conn, resolve, tenant_of
 from kvstore.index import Holdings, NamespaceEntry
 from kvstore.movers.durability import NO_SSD_TIER, Ticket
 from kvstore.movers.prefetch import LaneFull
+from kvstore.policy.workflow import Touch
 from kvstore.protocol import HASH_BYTES, Code, ProtocolError, split_keys
 from kvstore.protocol.geometry import GeometryError
 from kvstore.protocol.keys import NamespaceSpec
@@ -88,11 +91,14 @@ def op_segments(st: State, h: Conn, m: dict[str, Any]) -> Reply:
     return Reply({"segments": info, "live": live, "generation": st.pool.generation}, fds)
 
 
-def op_lookup(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
-    """The longest prefix held by any tier, and how much of it is in the host pool."""
+def op_lookup(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    """The longest prefix held by any tier, and how much of it is in the host pool. Every key asked counts toward
+    the hit-rate ceiling (st.looked_up: distinct keys against keys looked up)."""
     ns = st.index.namespace(m["ns"], h)
+    _touch(st, h, m)                                # a lookup is activity; it changes no block's standing
     blob = m["keys"]
     asked = len(blob) // HASH_BYTES
+    st.looked_up.add_keys(blob, int.from_bytes(ns.prefix, "little"))
     n = host = st.index.host_prefix(ns, blob)
     if st.lower and host < asked:                   # the rest of the prefix may be below: block by block
         for block_hash in split_keys(blob[host * HASH_BYTES:]):
@@ -101,24 +107,31 @@ def op_lookup(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
             n += 1
     st.counters["lookups"] += 1
     st.counters["hits"] += n
+    st.counters["hits_host"] += host
+    st.counters["hits_lower"] += n - host
     st.counters["misses"] += asked - n
     return {"n": n, "host": host}
 
 
-def op_reserve(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+def _touch(st: State, h: Conn, m: dict[str, Any]) -> Touch | None:
+    """The request's hint context (its `wf` and `agent` fields) for the index's policy; None without one."""
+    return st.hints.touch(tenant_of(st.config, h), m) if "wf" in m else None
+
+
+def op_reserve(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     ns = st.index.namespace(m["ns"], h)
     lease_until = time.monotonic() + st.config.server.reservation_lease_s
-    gids, status = st.index.reserve(ns, split_keys(m["keys"]), h, lease_until)
+    gids, status = st.index.reserve(ns, split_keys(m["keys"]), h, lease_until, touch=_touch(st, h, m))
     return {"slots": gids, "status": [int(s) for s in status], "generation": st.pool.generation}
 
 
-def op_commit(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+def op_commit(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     """Publish reserved blocks. With `durable`, they go to the write-through path at once (first in line) and the
     reply waits until they are on disk and synced, or until the deadline (`timeout_ms`, else
     ssd.durable_timeout_s; at most ssd.durable_timeout_max_s): see `_wait_durable` for the answers."""
     ns = st.index.namespace(m["ns"], h)
     hashes = split_keys(m["keys"])
-    n = st.index.commit(ns, hashes, h, m.get("crcs"))
+    n = st.index.commit(ns, hashes, h, m.get("crcs"), touch=_touch(st, h, m))
     if not m.get("durable"):
         if st.write_through is not None:
             st.write_through.committed(ns, hashes)
@@ -188,7 +201,7 @@ def op_abort(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     return {"n": st.index.abort(ns, split_keys(m["keys"]), h)}
 
 
-def op_acquire(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     """Pin the longest present prefix; blocks that only a lower tier holds are promoted into host slots first, and a
     block already being promoted (by a prefetch or another get) is waited for, never read twice. With `stream`,
     the blocks are reported in partial replies as they land; the last reply carries the rest."""
@@ -198,11 +211,13 @@ def op_acquire(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
         lane = parse_lane(m.get("lane", "critical"))
     except ValueError as e:
         raise ProtocolError(Code.BAD_REQUEST, f"acquire: {e}") from None
+    touch = _touch(st, h, m)
     stream = Stream(st.index, st.pool, h, st.lock, m.get("_emit") if m.get("stream") else None)
     gids = stream.gids
+    lower = 0                                           # blocks of the prefix promoted by this request
     while len(gids) < len(hashes):
         rest = hashes[len(gids):]
-        more = st.index.acquire(ns, rest, h)
+        more = st.index.acquire(ns, rest, h, touch)
         if st.index.at_cap(h, ns.slot_bytes):
             gids += more
             break                                       # the prefix within server.max_held_fraction
@@ -220,10 +235,31 @@ def op_acquire(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
             continue
         before = len(gids)
         gids += st.promotion.promote(ns, rest, h, lane, stream.publish if stream.emit else None)
+        lower += len(gids) - before
         if len(gids) == before:
             break
+    _count_acquire(st, len(hashes), len(gids), lower)
     part = stream.rest()
     return {"slots": part, "crcs": st.index.crcs_of(part), "generation": st.pool.generation}
+
+
+def _count_acquire(st: State, asked: int, got: int, lower: int) -> None:
+    """Per tier: blocks of acquires found in the host pool, promoted from a lower tier, and missed."""
+    st.counters["acquired_asked"] += asked
+    st.counters["acquired_host"] += got - lower
+    st.counters["acquired_lower"] += lower
+
+
+def op_hint(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    """Advice about a workflow or chat session (kvstore.daemon.hints): answered ok even when ignored."""
+    return st.hints.apply(tenant_of(st.config, h), m)
+
+
+def op_workflows(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    """Active workflows, the most recently active first: the connection's tenant's (every tenant's for the
+    admin)."""
+    tenant = None if h.admin else tenant_of(st.config, h)
+    return {"workflows": st.hints.rows(tenant, min(m.get("limit", 100), 10000))}
 
 
 def op_prefetch(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
@@ -276,5 +312,5 @@ HANDLERS: dict[str, Handler] = {
     "ping": op_ping, "hello": op_hello, "segments": op_segments, "lookup": op_lookup, "reserve": op_reserve,
     "commit": op_commit, "abort": op_abort, "acquire": op_acquire, "release": op_release, "delete": op_delete,
     "prefetch": op_prefetch, "stats": admin.op_stats, "list": admin.op_list, "resize": admin.op_resize,
-    "evict": admin.op_evict, "flush": op_flush,
+    "evict": admin.op_evict, "flush": op_flush, "hint": op_hint, "workflows": op_workflows,
 }

@@ -7,7 +7,8 @@ the exit. A client over the cap gets a `too_many_connections` error frame; its c
 
 Each accepted connection is identified by the kernel (SO_PEERCRED: pid, uid, gid; kvstore.daemon.tenants). The
 accept loop's tick (every LEASE_SWEEP_S at least) also aborts reservations older than server.reservation_lease_s,
-so a client that reserves and walks away cannot keep slots from the others."""
+so a client that reserves and walks away cannot keep slots from the others, and retires workflows without activity
+for hints.idle_s (kvstore.daemon.hints)."""
 from __future__ import annotations
 
 import errno
@@ -131,6 +132,7 @@ class Daemon:
                 self._close_refused(now)
                 if now >= self._next_sweep:
                     self._expire_reservations(now)
+                    self._retire_idle_workflows()
                 self._drain_moves()
                 try:
                     conn, _ = self.listener.accept()
@@ -157,6 +159,13 @@ class Daemon:
             log.warning("client %s left %d reservation(s) uncommitted for %g s (server.reservation_lease_s): "
                         "aborted; its later commit of them gets not_found. Commit or abort each reservation "
                         "within the lease", session.peer, n, self.config.server.reservation_lease_s)
+
+    def _retire_idle_workflows(self) -> None:
+        """Workflows and sessions idle past hints.idle_s are retired: O(retired), under the state lock."""
+        with self.state.lock:
+            n = self.state.hints.sweep()
+        if n:
+            log.debug("retired %d workflow(s) idle for %g s (hints.idle_s)", n, self.config.hints.idle_s)
 
     def _drain_moves(self) -> None:
         """While a lent segment is being emptied (kvstore.index.capacity: memory moving to another block size or

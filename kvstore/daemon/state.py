@@ -4,7 +4,11 @@ that the configuration leaves out (no lower tier: no demotion, promotion reads, 
 from the start. The write-through mover exists wherever the first lower tier can say when a block is on disk: it
 writes every committed block with ssd.write_through, and the blocks of durable commits and flushes always.
 
-`lock` guards the books (index, pool, connection count); `changed` (on it) is notified when a promotion or a
+The hints' books are one `Workflows` (st.workflows, kvstore.policy.workflow), read by the index's eviction policy and
+fed by `hints` (kvstore.daemon.hints: per tenant, idle retirement); `looked_up` counts distinct keys looked up, for
+the hit-rate ceiling (kvstore.hll).
+
+`lock` guards the books (index, pool, connection count, hints); `changed` (on it) is notified when a promotion or a
 prefetch finishes or a mover has work. Ops run under `lock`; block copies never do (see movers.demotion).
 """
 from __future__ import annotations
@@ -16,12 +20,15 @@ from functools import partial
 from threading import Condition, Lock
 
 from kvstore.daemon.config import Config
+from kvstore.daemon.hints import Hints
 from kvstore.daemon.metrics import OpMetrics
+from kvstore.hll import HyperLogLog
 from kvstore.index import Index
 from kvstore.movers.demotion import Demotion
 from kvstore.movers.prefetch import Prefetcher
 from kvstore.movers.promotion import Promotion
 from kvstore.movers.writethrough import DurableTier, WriteThrough
+from kvstore.policy.workflow import Workflows
 from kvstore.tiers import LowerTiers
 from kvstore.tiers.host import HostPool
 from kvstore.tiers.registry import open_lower_tiers
@@ -42,6 +49,9 @@ class State:
     demotion: Demotion | None
     prefetcher: Prefetcher | None
     write_through: WriteThrough | None
+    workflows: Workflows
+    hints: Hints
+    looked_up: HyperLogLog = field(default_factory=HyperLogLog)
     metrics: OpMetrics = field(default_factory=OpMetrics)
     connections: int = 0
     started: float = field(default_factory=time.time)
@@ -76,7 +86,8 @@ def build_state(config: Config) -> State:
     lower = open_lower_tiers(config, traffic)
     pool = HostPool(config.pool.capacity, config.pool.segment_bytes)
     demotion = Demotion(lower.first, pool, counters) if lower else None
-    index = Index(pool, config.pool.eviction, demotion, counters)
+    workflows = Workflows(idle_s=config.hints.idle_s)
+    index = Index(pool, config.pool.eviction, demotion, counters, workflows=workflows)
     prefetcher = Prefetcher(index, pool, lower, changed, counters) if lower else None
     promotion = Promotion(index, pool, lower, lock, changed, partial(copy_deferred, demotion, index, lock, False),
                           prefetcher.escalate if prefetcher is not None else _no_flight)
@@ -86,7 +97,7 @@ def build_state(config: Config) -> State:
                                      enabled=config.ssd.write_through, synced=config.ssd.sync != "never",
                                      pin_cap=int(config.pool.capacity * config.server.max_reserved_fraction))
     return State(config, lock, changed, counters, pool, index, traffic, lower, promotion, demotion, prefetcher,
-                 write_through)
+                 write_through, workflows, Hints(workflows, config.hints))
 
 
 def _no_flight(key: bytes) -> bool:

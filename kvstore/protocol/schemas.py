@@ -8,22 +8,29 @@ from kvstore.protocol.frames import VERSION
 from kvstore.protocol.keys import HASH_BYTES
 
 MAX_INT = (1 << 63) - 1
+MAX_ID_BYTES = 256          # a workflow, session or agent id, UTF-8
+MAX_NAMES = 16              # agents a hint may name as expected next
 
 
 # ----- schemas -----
-# field → (kind, required). Kinds: int (0..2**63-1), bool, str, map, keys (bin of 16-byte hashes), ints (list of int).
+# field → (kind, required). Kinds: int (0..2**63-1), bool, str, map, keys (bin of 16-byte hashes), ints (list of int),
+# id (a string of at most MAX_ID_BYTES bytes), ids (a list of at most MAX_NAMES of them), prio (an int or an id).
 Schema = dict[str, tuple[str, bool]]
 _KEYS: Schema = {"ns": ("int", True), "keys": ("keys", True)}
+_CONTEXT: Schema = {"wf": ("id", False), "agent": ("id", False)}     # a request's hint context (daemon.hints)
+_HINT: Schema = {"kind": ("id", True), "workflow": ("id", False), "session": ("id", False), "type": ("id", False),
+                 "agent": ("id", False), "step": ("int", False), "next": ("ids", False), "priority": ("prio", False)}
 SCHEMAS: dict[str, Schema] = {
     "ping": {},
     "hello": {"namespace": ("map", False), "client": ("str", False), "tenant": ("str", False),
               "secret": ("str", False)},
     "segments": {"ids": ("ints", True)},
-    "lookup": _KEYS,
-    "reserve": _KEYS,
-    "commit": {**_KEYS, "crcs": ("ints", False), "durable": ("bool", False), "timeout_ms": ("int", False)},
+    "lookup": {**_KEYS, **_CONTEXT},
+    "reserve": {**_KEYS, **_CONTEXT},
+    "commit": {**_KEYS, **_CONTEXT, "crcs": ("ints", False), "durable": ("bool", False),
+               "timeout_ms": ("int", False)},
     "abort": _KEYS,
-    "acquire": {**_KEYS, "lane": ("str", False), "stream": ("bool", False)},
+    "acquire": {**_KEYS, **_CONTEXT, "lane": ("str", False), "stream": ("bool", False)},
     "release": {"slots": ("ints", True)},
     "delete": _KEYS,
     "stats": {},
@@ -32,6 +39,8 @@ SCHEMAS: dict[str, Schema] = {
     "evict": {"ns": ("int", False), "bytes": ("int", False), "all": ("bool", False)},
     "prefetch": {"ns": ("int", True), "keys": ("keys", True), "wait": ("bool", False)},
     "flush": {"ns": ("int", False), "keys": ("keys", False), "timeout_ms": ("int", False)},
+    "hint": _HINT,
+    "workflows": {"limit": ("int", False)},
 }
 _COMMON = {"v", "op", "id"}
 
@@ -66,6 +75,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT
 
 
+def _is_id(v: Any) -> bool:
+    return isinstance(v, str) and len(v) <= MAX_ID_BYTES and len(v.encode("utf-8", "surrogatepass")) <= MAX_ID_BYTES
+
+
 def _check_field(op: str, name: str, kind: str, v: Any, max_keys: int) -> None:
     bad = None
     if kind == "int" and not _is_int(v):
@@ -74,6 +87,12 @@ def _check_field(op: str, name: str, kind: str, v: Any, max_keys: int) -> None:
         bad = "true or false"
     elif kind == "str" and not (isinstance(v, str) and len(v) <= 256):
         bad = "a string of at most 256 characters"
+    elif kind == "id" and not _is_id(v):
+        bad = f"a string of at most {MAX_ID_BYTES} bytes"
+    elif kind == "ids" and not (isinstance(v, list) and len(v) <= MAX_NAMES and all(_is_id(x) for x in v)):
+        bad = f"a list of at most {MAX_NAMES} strings of at most {MAX_ID_BYTES} bytes"
+    elif kind == "prio" and not (_is_int(v) or _is_id(v)):
+        bad = "a non-negative integer or a word (low, normal, high)"
     elif kind == "map" and not isinstance(v, dict):
         bad = "a map"
     elif kind == "ints" and not (isinstance(v, list) and len(v) <= max_keys and all(_is_int(x) for x in v)):

@@ -176,7 +176,7 @@ def test_file_and_environment_errors_are_reported_together(tmp_path):
         load_config(path, env={"KVSTORE_METRICS_PORT": "[9100", "KVSTORE_SERVER_MAX_CONNECTIONS": "0"})
     errs = errors_of(e)
     assert len(errs) == 5, errs
-    assert any(x.startswith("cache: unknown section (known: server, pool, ssd, traffic, metrics, log, tenants)")
+    assert any(x.startswith("cache: unknown section (known: server, pool, ssd, traffic, metrics, hints, log, tenants)")
                for x in errs)
     assert any(x.startswith("pool.colour: unknown field (known: capacity") for x in errs)
     assert any(x.startswith("pool.capacity: expected a size") for x in errs)
@@ -283,3 +283,14 @@ def test_traffic_and_ssd_io_settings_are_checked(tmp_path):
     assert any("could starve" in x for x in errs) and any("keep them below 0.5" in x for x in errs)
     cfg = load_config(env={"KVSTORE_TRAFFIC_SHARE_BACKGROUND": "0.05", "KVSTORE_TRAFFIC_POLICY": "fifo"})
     assert (cfg.traffic.share_background, cfg.traffic.policy, cfg.ssd.io) == (0.05, "fifo", "auto")
+
+
+def test_the_hints_section_is_checked():
+    cfg = load_config(env={"KVSTORE_HINTS_IDLE_S": "0.5", "KVSTORE_HINTS_MAX_WORKFLOWS": "10"})
+    assert (cfg.hints.idle_s, cfg.hints.max_workflows) == (0.5, 10)
+    assert (load_config(env={}).hints.idle_s, load_config(env={}).hints.max_workflows) == (600.0, 100000)
+    with pytest.raises(ConfigError) as e:
+        load_config(env={"KVSTORE_HINTS_IDLE_S": "0", "KVSTORE_HINTS_MAX_WORKFLOWS": "0"})
+    errs = errors_of(e)
+    assert errs == ["hints.idle_s: must be 0.05..604800 seconds, got 0.0",
+                    "hints.max_workflows: must be 1..10000000, got 0"], errs
