@@ -167,9 +167,7 @@ class Hints:
     def _retire(self, wid: str, why: str) -> None:
         """Retire a workflow whose end never came: its blocks become retired blocks, the predictor learns no end."""
         self.recent.pop(wid, None)
-        if wid in self.flows.active:
-            # TODO(h7): Workflows.retire(wid) (asked for in notes/s6/api.md): expire's work for one id, O(1)
-            self.flows._retire(self.flows.active.pop(wid))
+        self.flows.retire(wid)
         self.retired[why] += 1
 
     def _remember_end(self, wid: str) -> None:

@@ -176,8 +176,8 @@ def test_file_and_environment_errors_are_reported_together(tmp_path):
         load_config(path, env={"KVSTORE_METRICS_PORT": "[9100", "KVSTORE_SERVER_MAX_CONNECTIONS": "0"})
     errs = errors_of(e)
     assert len(errs) == 5, errs
-    assert any(x.startswith("cache: unknown section (known: server, pool, ssd, traffic, metrics, hints, log, tenants)")
-               for x in errs)
+    known = "server, pool, ssd, traffic, metrics, hints, log, tenants"
+    assert any(x.startswith(f"cache: unknown section (known: {known})") for x in errs)
     assert any(x.startswith("pool.colour: unknown field (known: capacity") for x in errs)
     assert any(x.startswith("pool.capacity: expected a size") for x in errs)
     assert any(x.startswith("metrics.port: KVSTORE_METRICS_PORT='[9100' is not a valid YAML value") for x in errs)

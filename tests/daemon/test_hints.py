@@ -272,3 +272,40 @@ def test_hit_rates_per_tier(daemons):
     assert (cnt["acquired_asked"], cnt["acquired_host"], cnt["acquired_lower"]) == (8, 2, 4)
     assert s["hit_rates"]["acquire"] == {"host": 0.25, "lower": 0.5, "miss": 0.25}
     assert s["hit_rates"]["lookup"] == {"host": 0.25, "lower": 6 / 16, "miss": 6 / 16}
+
+
+def test_the_context_reaches_the_workflow_policy(start_daemon):
+    """With pool.eviction: workflow, blocks stored under an active workflow's context are active blocks, and
+    retired when it ends (the stats' workflows.blocks, from the policy's own books)."""
+    d = start_daemon(env={"KVSTORE_POOL_EVICTION": "workflow"})
+    with d.client() as c:
+        ns = c.namespace(spec())
+        w = c.workflow("w1", type="chain")
+        w.call("writer")
+        ns.put(hashes(6), [block(i) for i in range(6)], context=w.context("writer"))
+        ns.put(hashes(2, start=50), [block(50), block(51)])                 # no context: retired from the start
+        assert books(c)["blocks"] == {"retired": 2, "active": 6}
+        w.end()
+        assert books(c)["blocks"] == {"retired": 8, "active": 0}
+
+
+def test_prometheus_serves_the_workflow_figures(start_daemon):
+    from tests.daemon.test_metrics import metered, scrape
+
+    d, port = metered(start_daemon)
+    with d.client() as c:
+        ns = c.namespace(spec())
+        hs = hashes(10)
+        ns.put(hs[:5], [block(i) for i in range(5)])
+        for _ in range(4):
+            ns.lookup(hs)                                                   # 40 looked up, 10 distinct
+        c.workflow("w1").call("a")
+        c.workflow("w2").end()
+        s = c.stats()
+        m = scrape(port)
+    assert m[("kvstore_workflows_active", ())] == 1
+    assert m[("kvstore_hints_ignored_total", (("reason", "unknown_workflow"),))] == 1
+    assert m[("kvstore_hints_total", (("kind", "call"),))] == 1
+    assert m[("kvstore_hit_rate", (("op", "lookup"), ("tier", "host")))] == 0.5
+    assert m[("kvstore_hit_rate_ceiling", ())] == s["workflows"]["ceiling"]["hit_rate"]
+    assert abs(m[("kvstore_hit_rate_ceiling", ())] - 0.75) < 0.01
