@@ -31,6 +31,17 @@ shard. MLA pools hold one latent per token (`kv=1`, head dim = kv_lora_rank + qk
 rank: their namespace has no rank, every rank reads it and only SGLang's storage writer (rank 0) writes it; other
 ranks' sets are no-ops reported True.
 
+Hints (issue 14): where a storage call's `extra_info` (HiCacheStorageExtraInfo) carries request information in its
+`extra_info` dict, the same fields as the vLLM connector's `kv_transfer_params` are read (`connectors/hints.py`:
+workflow, workflow_type, agent, step, next, priority, session, and SGLang's own `session_id`), and the call's
+lookup, loads or saves carry that context; the first call naming a (workflow or session, agent) pair sends its
+`call` (or session turn) hint, so the context names an active workflow. SGLang 0.5.23's HiCache carries none:
+its v1 calls get `HiCacheStorageExtraInfo(prefix_keys=...)` only (request ids stay in the cache controller; the
+only `extra_info` dict it fills, `{"session_id": ...}`, goes to `batch_set_v2` of its unified-cache linker), and
+SGLang has no per-request end to forward. So with SGLang, an agent framework sends the hints itself through the
+client (`Client.workflow(wid, type).call(agent)` / `.end()`, `Client.session(sid)`), and blocks carry no context;
+the daemon's policy then ranks them by the workflows' books alone.
+
 extra config (beside SGLang's backend_name, module_path, class_name, interface_v1): socket (default
 $KVSTORE_SERVER_SOCKET, else the daemon's default), model / group / salt (namespace overrides), retry_s (5: how often
 a lost daemon is tried again), timeout_s (5: the longest one daemon call may take), verify (true: each block carries a
@@ -40,6 +51,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +62,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvstore.client import Namespace
 from kvstore.connectors.daemon_link import DaemonLink
+from kvstore.connectors.hints import parse_hints, send_start, with_context
 from kvstore.protocol import ReserveStatus
 from kvstore.protocol.geometry import Geometry
 from kvstore.protocol.keys import NamespaceSpec, block_key
@@ -64,6 +78,7 @@ MHA_ORDER = {"layer_first": "layers,kv,tokens,heads,dim", "page_first": "kv,toke
 MLA_ORDER = {"layer_first": "layers,tokens,latent", "page_first": "tokens,layers,latent",
              "page_first_direct": "layers,tokens,latent"}
 KEY_SCHEME = "sglang-sha256-pages"
+SEEN_CALLS = 4096          # (workflow, agent) pairs whose `call` was sent, most recent kept
 
 
 def page_key(key: str) -> bytes:
@@ -129,6 +144,8 @@ class KVStoreHiCache(HiCacheStorage):
         self._bufs: list[tuple[int, int, np.ndarray]] = []
         self._legacy: tuple[int, int, int] | None = None   # MHA layer_first: a flat page is [2, layers, piece]
         self._warned: set[str] = set()
+        self._called: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._called_lock = threading.Lock()         # SGLang's prefetch and backup threads call at once
 
     # ----- setup -----
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -176,6 +193,26 @@ class KVStoreHiCache(HiCacheStorage):
             self._warned.add(why)
             log.warning("kvstore: request failed (%s); the pages are misses", why)
 
+    def _context(self, ns: Namespace, extra_info: Any) -> tuple[str, str] | None:
+        """The (workflow, agent) context of a storage call, from its `extra_info.extra_info` dict (None: the
+        common case). The first time a pair is seen its `call` is sent."""
+        hints = parse_hints(getattr(extra_info, "extra_info", None), log)
+        pair = None if hints is None else hints.context
+        if hints is None or pair is None:
+            return None
+        with self._called_lock:
+            first = pair not in self._called
+            self._called[pair] = None
+            self._called.move_to_end(pair)
+            while len(self._called) > SEEN_CALLS:
+                self._called.popitem(last=False)
+        if first:
+            try:
+                send_start(ns.client, hints, log)
+            except Exception as e:  # noqa: BLE001 - a hint is advice: never an error to SGLang
+                log.debug("kvstore: hint not sent: %s: %s", type(e).__name__, e)
+        return pair
+
     # ----- pages of the host pool -----
     def _pages(self, host_indices: Any, n: int) -> list[list[np.ndarray]]:
         """Byte views of each page's pieces in the host pool (no copy), checked against the geometry."""
@@ -209,7 +246,7 @@ class KVStoreHiCache(HiCacheStorage):
         if ns is None or not keys:
             return 0
         try:
-            return int(ns.lookup([page_key(k) for k in keys]))
+            return int(ns.lookup([page_key(k) for k in keys], **with_context(self._context(ns, extra_info))))
         except Exception as e:  # noqa: BLE001 - a failed lookup is a miss
             self._failed(e)
             return 0
@@ -221,9 +258,9 @@ class KVStoreHiCache(HiCacheStorage):
             return ok
         try:
             pages = self._pages(host_indices, len(keys))
-            step = ns.client.max_keys
+            step, ctx = ns.client.max_keys, self._context(ns, extra_info)
             for start in range(0, len(keys), step):
-                n = self._load(ns, [page_key(k) for k in keys[start:start + step]], pages[start:start + step])
+                n = self._load(ns, [page_key(k) for k in keys[start:start + step]], pages[start:start + step], ctx)
                 ok[start:start + n] = [True] * n
                 if n < len(keys[start:start + step]):
                     break
@@ -231,8 +268,9 @@ class KVStoreHiCache(HiCacheStorage):
             self._failed(e)
         return ok
 
-    def _load(self, ns: Namespace, kv_keys: list[bytes], pages: list[list[np.ndarray]]) -> int:
-        with ns.acquire(kv_keys) as lease:
+    def _load(self, ns: Namespace, kv_keys: list[bytes], pages: list[list[np.ndarray]],
+              ctx: tuple[str, str] | None = None) -> int:
+        with ns.acquire(kv_keys, **with_context(ctx)) as lease:
             n = lease.verified_prefix() if self.verify else len(lease)
             if n < len(lease):
                 log.warning("kvstore: a stored page does not match its checksum; it and the pages after it are "
@@ -250,16 +288,18 @@ class KVStoreHiCache(HiCacheStorage):
             return ok
         try:
             pages = self._pages(host_indices, len(keys))
-            step = ns.client.max_keys
+            step, ctx = ns.client.max_keys, self._context(ns, extra_info)
             for start in range(0, len(keys), step):
-                done = self._store(ns, [page_key(k) for k in keys[start:start + step]], pages[start:start + step])
+                done = self._store(ns, [page_key(k) for k in keys[start:start + step]], pages[start:start + step],
+                                   ctx)
                 ok[start:start + len(done)] = done
         except Exception as e:  # noqa: BLE001
             self._failed(e)
         return ok
 
-    def _store(self, ns: Namespace, kv_keys: list[bytes], pages: list[list[np.ndarray]]) -> list[bool]:
-        with ns.reserve(kv_keys) as res:
+    def _store(self, ns: Namespace, kv_keys: list[bytes], pages: list[list[np.ndarray]],
+               ctx: tuple[str, str] | None = None) -> list[bool]:
+        with ns.reserve(kv_keys, **with_context(ctx)) as res:
             ns.client.copier.copy([pair for slot, i in zip(res.views, res.reserved)
                                    for pair in _split_slot(slot, pages[i])])
             res.commit(res.checksums() if self.verify else None)

@@ -31,6 +31,17 @@ on. The worker's step waits for the disk at most `durable_wait_s` (by default it
 blocks for the disk and the forward pass goes on; `kvstore flush` or a client's wait_durable is the durability
 point). With durable_wait_s > 0 an answer other than durable is logged.
 
+Hints (issue 14): a request may say which workflow, agent and chat session it belongs to, in its
+`kv_transfer_params` (vLLM's OpenAI server passes the request body's `kv_transfer_params` through), e.g.
+`{"workflow": "w1", "workflow_type": "codegen", "agent": "coder", "step": 3, "next": ["tester"],
+"workflow_end": true, "session": "chat-9", "session_end": true, "priority": 2}`, or Dynamo's `nvext.agent_hints` /
+`nvext.agent_context` (`connectors/hints.py` says what maps to what). The scheduler side sends a `call` (and a
+session turn) when it first sees the request, before its lookup, and the ends it asked for in `request_finished`;
+the request's lookups, loads (acquire) and saves (reserve and commit) carry its context (workflow, agent), which
+the scheduler hands to the worker in the metadata, per request. Advice only: a request without hints (the common
+case) sends nothing more, and a hint that is malformed, refused or ignored by the daemon is logged at debug and
+changes nothing for the engine.
+
 The GPU path: the pool's segments are registered as pinned memory once, loads of every layer are queued on the
 connector's stream at `start_load_kv` (each attention layer waits only for its own layer's event), saves are queued
 after the layer's compute, and the blocks are committed in `wait_for_save` after one stream sync, so the last layer
@@ -50,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.client import KVStoreError, Lease, Reservation
 from kvstore.connectors.daemon_link import DaemonLink
+from kvstore.connectors.hints import RequestHints, parse_hints, send_end, send_start, with_context
 from kvstore.connectors.kv_pages import COPY_ENGINES, CpuMover, CudaMover, LayerPages
 from kvstore.connectors.vllm_layout import engine_identity, layer_order, layout_of_pages, make_spec
 from kvstore.protocol.keys import block_key
@@ -74,6 +86,7 @@ class RequestBlocks:
     hashes: list[bytes]
     block_ids: list[int]
     durable: bool = False       # saves: committed durable (the configuration's `durable` or the request's ask)
+    context: tuple[str, str] | None = None    # the request's (workflow, agent) hint context, sent with its blocks
 
 
 @dataclass
@@ -134,6 +147,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         self._loads: dict[str, RequestBlocks] = {}
         self._hit_start: dict[str, int] = {}
+        self._hints: dict[str, RequestHints | None] = {}   # requests seen (their call sent), until finished
         # worker state
         self._layers: dict[str, int] = {}
         self._pages: dict[int, LayerPages] = {}
@@ -178,19 +192,43 @@ class KVStoreConnector(KVConnectorBase_V1):
         """The 16-byte block hashes of the request's blocks [start, end) (vLLM's are folded by block_key)."""
         return [block_key(h) for h in request.block_hashes[start:end]]
 
+    def _context(self, req_id: str) -> tuple[str, str] | None:
+        hints = self._hints.get(req_id)
+        return None if hints is None else hints.context
+
+    def _first_sight(self, request: Request) -> None:
+        """The first time the scheduler sees a request: read its hints and send its `call` (before its lookup, so
+        that the lookup's context names an active workflow). Asked again (not scheduled yet, preempted): nothing."""
+        if request.request_id in self._hints or self.link is None:
+            return
+        hints = self._hints[request.request_id] = parse_hints(getattr(request, "kv_transfer_params", None), log)
+        ns = None if hints is None else self.link.namespace(_adapter(request))
+        if hints is not None and ns is not None:
+            self._send(send_start, ns, hints)
+
+    def _send(self, how: Any, ns: Any, hints: RequestHints) -> None:
+        try:
+            how(ns.client, hints, log)
+        except (ConnectionError, OSError) as e:
+            if self.link is not None:
+                self.link.failed(e)
+        except Exception as e:  # noqa: BLE001 - a hint is advice: nothing about it may reach the engine
+            log.debug("kvstore: hint not sent: %s: %s", type(e).__name__, e)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.link is None or not self.load_enabled:
+        if self.link is None:
             return 0, False
+        self._first_sight(request)
         # the last token (of the prompt, or of what a resumed request holds) is always computed by the engine
         usable = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
         start = num_computed_tokens // self.block_size
-        if usable <= start:
+        if not self.load_enabled or usable <= start:
             return 0, False
         ns = self.link.namespace(_adapter(request))
         if ns is None:
             return 0, False
-        try:
-            n = ns.lookup(self._hashes(request, start, usable))   # chained: a hit at `start` names the prefix
+        try:   # chained: a hit at `start` names the prefix
+            n = ns.lookup(self._hashes(request, start, usable), **with_context(self._context(request.request_id)))
         except KVStoreError as e:
             log.debug("kvstore lookup refused: %s", e)
             return 0, False
@@ -212,7 +250,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         start = self._hit_start.pop(request.request_id, request.num_computed_tokens // self.block_size)
         end = start + num_external_tokens // self.block_size
         self._loads[request.request_id] = RequestBlocks(request.request_id, _adapter(request),
-                                                        self._hashes(request, start, end), block_ids[start:end])
+                                                        self._hashes(request, start, end), block_ids[start:end],
+                                                        context=self._context(request.request_id))
         state.stored_upto = max(state.stored_upto, end)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -251,7 +290,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 meta.saves.append(RequestBlocks(req_id, _adapter(state.request),
                                                 self._hashes(state.request, state.stored_upto, hi),
                                                 state.block_ids[state.stored_upto:hi],
-                                                self.durable or _asks_durable(state.request)))
+                                                self.durable or _asks_durable(state.request),
+                                                self._context(req_id)))
                 state.stored_upto = hi
         self._loads.clear()     # loads of requests not scheduled after all are asked again when they are
         return meta
@@ -259,6 +299,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         for d in (self._reqs, self._loads, self._hit_start):
             d.pop(request.request_id, None)
+        hints = self._hints.pop(request.request_id, None)
+        if hints is not None and (hints.workflow_end or hints.session_end) and self.link is not None:
+            ns = self.link.namespace(_adapter(request))   # its saves were committed within its last step
+            if ns is not None:
+                self._send(send_end, ns, hints)
         return False, None      # saves are synchronous within the step: nothing holds the blocks afterwards
 
     # ======================= worker side =======================
@@ -322,7 +367,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._load_errors.update(t.block_ids)
                 continue
             try:
-                lease = ns.acquire(t.hashes)
+                lease = ns.acquire(t.hashes, **with_context(t.context))
             except Exception as e:  # noqa: BLE001 - any failure here means: recompute these blocks
                 self._io_failed(e)
                 self._load_errors.update(t.block_ids)
@@ -332,7 +377,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.warning("kvstore: block %d of request %s does not match its checksum: recomputed", n, t.req_id)
             if n < len(t.hashes):     # evicted since the scheduler's lookup, or altered: the rest is recomputed
                 self._load_errors.update(t.block_ids[n:])
-            part = RequestBlocks(t.req_id, t.adapter, t.hashes[:n], t.block_ids[:n])
+            part = RequestBlocks(t.req_id, t.adapter, t.hashes[:n], t.block_ids[:n], context=t.context)
             done: set[int] = set()
             if self._cuda and part.block_ids:
                 try:
@@ -382,7 +427,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 if ns is None:
                     continue
                 try:
-                    self._reservations.append((t, ns.reserve(t.hashes), set()))
+                    self._reservations.append((t, ns.reserve(t.hashes, **with_context(t.context)), set()))
                 except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
                     self._io_failed(e)
         a = self.geometry.layer_range(li)[0]
