@@ -12,7 +12,16 @@ repetition, the median of `--reps` repetitions after an untimed warm-up. Cold: e
 its own (at 10 million entries each key is then a memory miss: the target is read on this figure); warm: the
 warm-up's lookups again (a hot set of 64 000 keys that the caches may hold, like popular prefixes).
 
+With `--policy lru,workflow` (issue 14 parts 2 and 3) it also measures the host pool's eviction policy over the
+native table, at each size: bytes per block of table + policy books, and per operation the index's calls of a read
+(pin, touch, unpin), an eviction (victim, removed, key-table remove) and a commit (key-table insert, added), each
+the median of `--reps` runs of 20 000; for `workflow`, also a workflow's end (per block it regroups). Blocks sit
+at gids as in the host pool (segments of 16384 slots: 64 MiB of 4 KiB blocks), in 4 classes; under `workflow`,
+256 active workflows, each block tagged by the one that stored it (runs of 1000 blocks) and one in four also by
+the next one (a shared prefix), every operation with a hint context (a read: the workflow that stored the block).
+
     python bench/bench_index.py [--sizes 10000,1000000,10000000] [--reps 5] [--py-max 1000000]
+                                [--policy lru,workflow]
 """
 from __future__ import annotations
 
@@ -31,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Table, progress, write_json  # noqa: E402
 
 from kvstore.index.keytable import PyKeyTable  # noqa: E402
+from kvstore.policy import make_policy  # noqa: E402
+from kvstore.policy.workflow import Touch, Workflows  # noqa: E402
 
 try:
     from kvstore._kvindex import KeyTable as NativeKeyTable
@@ -109,14 +120,122 @@ def lookup_times(kind: str, table: Any, hashes: np.ndarray, reps: int) -> tuple[
     return cold, warm
 
 
+SEG_SLOTS = 16384             # slots of a host segment: 64 MiB of 4 KiB blocks
+FLOWS = 256                   # active workflows (policy runs)
+OPS = 20_000                  # operations per timed repetition (policy runs)
+
+
+def gid_of(i: int) -> int:
+    return (i // SEG_SLOTS + 1) << 32 | i % SEG_SLOTS
+
+
+def policy_run(policy: str, raw: bytes, n: int, reps: int) -> dict[str, Any]:
+    """The host pool's policy over a native table of n blocks: memory and per-operation costs (module docstring)."""
+    assert NativeKeyTable is not None
+    extra: dict[int, bytes] = {}
+
+    def key_at(gid: int) -> bytes:
+        i = ((gid >> 32) - 1) * SEG_SLOTS + (gid & 0xFFFFFFFF)
+        got = extra.get(i)
+        return got if got is not None else NS + raw[16 * i:16 * i + 16]
+
+    gc.collect()
+    before = rss()
+    table = NativeKeyTable()
+    flows = Workflows()
+    touches = [Touch(f"w{j}", "agent") for j in range(FLOWS)]
+    for t in touches:
+        flows.call(t.workflow, t.agent, "bench")
+    pol = make_policy(policy, table, flows, key_at, lambda seg: SEG_SLOTS)
+    t0 = time.perf_counter()
+    for i in range(n):
+        key = NS + raw[16 * i:16 * i + 16]
+        table.insert(key, gid_of(i), i & 3)
+        pol.added(key, i & 3, touches[i // 1000 % FLOWS])
+    for i in range(0, n, 4):                       # a shared prefix: the next workflow reads it too
+        pol.accessed(NS + raw[16 * i:16 * i + 16], touches[(i // 1000 + 1) % FLOWS])
+    build_s = time.perf_counter() - t0
+    gc.collect()
+    books = getattr(pol, "nbytes", lambda: 0)()
+    out: dict[str, Any] = {"policy": policy, "entries": n, "bytes_per_entry": (table.nbytes() + books) / n,
+                           "policy_bytes_per_entry": books / n, "rss_bytes_per_entry": (rss() - before) / n,
+                           "build_us": build_s / n * 1e6}
+    rng = np.random.default_rng(n + 1)
+    reads, evicts, commits = [], [], []
+    fresh = n
+    ops = min(OPS, n // 2)
+    for _ in range(reps):
+        picks = [(NS + raw[16 * i:16 * i + 16], touches[i // 1000 % FLOWS])
+                 for i in map(int, rng.integers(0, n, ops))]
+        picks = [(k, t) for k, t in picks if k in table]     # read by the workflow that stored it
+        t0 = time.perf_counter()
+        for key, touch in picks:
+            pol.pinned(key)
+            pol.accessed(key, touch)
+            pol.unpinned(key)
+        reads.append((time.perf_counter() - t0) / len(picks))
+        freed = []
+        t0 = time.perf_counter()
+        for j in range(ops):
+            victim = pol.victim(j & 3)
+            assert victim is not None
+            pol.removed(victim)
+            freed.append((table.remove(victim), j & 3))
+        evicts.append((time.perf_counter() - t0) / ops)
+        new = []
+        for gid, _ in freed:
+            i = ((gid >> 32) - 1) * SEG_SLOTS + (gid & 0xFFFFFFFF)
+            extra[i] = NS + fresh.to_bytes(16, "big")
+            fresh += 1
+            new.append(extra[i])
+        t0 = time.perf_counter()
+        for j, ((gid, cls), key) in enumerate(zip(freed, new)):
+            table.insert(key, gid, cls)
+            pol.added(key, cls, touches[j % FLOWS])
+        commits.append((time.perf_counter() - t0) / ops)
+    out.update(read_us=statistics.median(reads) * 1e6, evict_us=statistics.median(evicts) * 1e6,
+               commit_us=statistics.median(commits) * 1e6)
+    if policy == "workflow":
+        counts = pol.counts()  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        flows.end(touches[0].workflow)
+        secs = time.perf_counter() - t0
+        moved = pol.counts()["retired"] - counts["retired"]  # type: ignore[attr-defined]
+        out.update(end_moved=moved, end_us_per_block=secs / max(moved, 1) * 1e6)
+    del pol, table
+    gc.collect()
+    return out
+
+
+def policy_table(runs: list[dict[str, Any]]) -> Table:
+    t = Table(["policy", "entries", "bytes/entry (table + policy)", "of which policy", "RSS/entry", "build",
+               "read (pin+touch+unpin)", "eviction", "commit", "workflow end", "target"])
+    for r in runs:
+        end = f"{r['end_us_per_block']:.2f} µs/block ({r['end_moved']:,})" if "end_moved" in r else ""
+        target = ""
+        if r["entries"] >= TARGET_AT:
+            target = f"≤{TARGET_BYTES} B: " + ("PASS" if r["bytes_per_entry"] <= TARGET_BYTES else "FAIL")
+        t.add([r["policy"], f"{r['entries']:,}", f"{r['bytes_per_entry']:.0f}", f"{r['policy_bytes_per_entry']:.0f}",
+               f"{r['rss_bytes_per_entry']:.0f}", f"{r['build_us']:.2f} µs",
+               f"{r['read_us']:.2f} µs ({1 / r['read_us']:.2f} M/s)",
+               f"{r['evict_us']:.2f} µs ({1 / r['evict_us']:.2f} M/s)",
+               f"{r['commit_us']:.2f} µs ({1 / r['commit_us']:.2f} M/s)", end, target])
+    return t
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="10000,1000000,10000000", help="entry counts, comma-separated")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions of the 2000 lookups")
     p.add_argument("--py-max", type=int, default=1_000_000, help="largest size for the fallback and the dict")
+    p.add_argument("--policy", default="", help="also measure these host eviction policies (lru,workflow)")
+    p.add_argument("--kinds", default="native,python,dict", help="which tables to measure")
     args = p.parse_args()
     sizes = sorted(int(s.replace("_", "")) for s in args.sizes.split(","))
-    kinds = (["native"] if NativeKeyTable else []) + ["python", "dict"]
+    wanted = args.kinds.split(",")
+    kinds = [k for k in (["native"] if NativeKeyTable else []) + ["python", "dict"] if k in wanted]
+    policies = [x for x in args.policy.split(",") if x]
+    runs: list[dict[str, Any]] = []
     if NativeKeyTable is None:
         progress("the native table is not built: measuring the fallback and the dict only")
     results = []
@@ -134,6 +253,9 @@ def main() -> None:
                             "warm_lookup32_us": statistics.median(warm) * 1e6})
             del table
             gc.collect()
+        for policy in policies if NativeKeyTable is not None else []:
+            progress(f"native + {policy} policy: {n:,} entries")
+            runs.append(policy_run(policy, raw, n, args.reps))
         del hashes, raw
     smallest = {}
     for r in results:
@@ -156,7 +278,10 @@ def main() -> None:
                  f"{r['vs_smallest']:.2f}", f"{r['warm_lookup32_us']:.2f} µs", f"{r['warm_vs_smallest']:.2f}",
                  target])
     print(out)
-    path = write_json("index", {"sizes": sizes, "reps": args.reps, "lookups_per_rep": LOOKUPS,
+    if runs:
+        print()
+        print(policy_table(runs))
+    path = write_json("index", {"policies": runs,"sizes": sizes, "reps": args.reps, "lookups_per_rep": LOOKUPS,
                                 "targets": {"bytes_per_entry": TARGET_BYTES, "lookup_ratio": TARGET_RATIO,
                                             "at_entries": TARGET_AT},
                                 "targets_met": all(verdicts) if verdicts else None, "results": results})

@@ -18,11 +18,15 @@ segment are dropped with its last block. Workflow numbers are 32-bit and wrap af
 may then alias a new workflow, which only makes one old block look touched by it (hints are advice).
 
 Cost: added / accessed / removed / pinned / unpinned are O(budget) plus a key-table lookup; a workflow's end moves
-the blocks of its groups (each block once per tag it got); `victim` is O(1) while no hint came since the last one
-and its group still has blocks, else O(active groups of the class).
+the blocks of its groups (each block once per tag it got). `victim`: the active groups of a class are kept in a
+heap by (score, age); a group's score changes only when one of its workflows gets a hint (its value is cached by
+`Workflows` until then), so a victim costs O(log groups) plus, once per hint, re-scoring the hinted workflow's
+groups. (The variants whose scores move with every hint, `inherit=False` and `Workflows.timed`, take the minimum
+over the class's active groups at each victim, as the reference does.)
 """
 from __future__ import annotations
 
+import heapq
 import math
 import sys
 from array import array
@@ -68,12 +72,13 @@ class _Chunk:
 
 
 class _Group:
-    __slots__ = ("id", "cls", "sig", "head", "tail", "size", "seq")
+    __slots__ = ("id", "cls", "sig", "head", "tail", "size", "seq", "ver")
 
     def __init__(self, gid: int, cls: int, sig: frozenset[int] | int, seq: int) -> None:
         self.id, self.cls, self.sig, self.seq = gid, cls, sig, seq
         self.head = self.tail = NIL
         self.size = 0
+        self.ver = 0                # its entry in the class's heap is the one of this version
 
 
 class CompactWorkflowPolicy:
@@ -89,6 +94,7 @@ class CompactWorkflowPolicy:
         self.table = table
         self.flows = workflows
         self.flows.retire_hooks.append(self._retired)
+        self.flows.change_hooks.append(self._changed)
         self.key_at = key_at
         self.slots_of = slots_of
         self.budget = tag_budget
@@ -100,8 +106,12 @@ class CompactWorkflowPolicy:
         self._retired_of: dict[int, list[_Group | None]] = {}    # class → retired group per touch count
         self._with: dict[int, set[int]] = {}                     # workflow number → group ids with it
         self._free_ids: list[int] = []
+        self._no_tags, self._no_masks = array("I", [0]) * tag_budget, array("B", [0]) * tag_budget
+        self._single: dict[int, frozenset[int]] = {}               # one workflow's signature, made once
         self._seq = 0
-        self._best: dict[int, tuple[int, int, _Group]] = {}      # class → (hints version, groups made, best)
+        self._heap: dict[int, list[tuple[float, int, int, _Group]]] = {}   # class → (score, seq, ver, group)
+        self._unscored: dict[int, set[_Group]] = {}                # class → groups made or hinted since
+        self._hinted: set[int] = set()                             # workflows hinted since the last re-scoring
 
     # ----- the EvictionPolicy hooks -----
     def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
@@ -112,8 +122,8 @@ class CompactWorkflowPolicy:
         if ch.group[i] != ABSENT:
             self._drop(ch, i, gid)
         b = self.budget
-        ch.tags[i * b:i * b + b] = array("I", [0]) * b
-        ch.masks[i * b:i * b + b] = array("B", [0]) * b
+        ch.tags[i * b:i * b + b] = self._no_tags
+        ch.masks[i * b:i * b + b] = self._no_masks
         ch.touched[i] = 0
         ch.live += 1
         self._tag(ch, i, touch)
@@ -197,32 +207,43 @@ class CompactWorkflowPolicy:
         w = self.flows.active.get(touch.workflow)
         if w is None:
             return
+        num, bit = w.num, 1 << min(w.agents.get(touch.agent, 0), 7)
         b = self.budget
         base = i * b
-        tags = [t for t in ch.tags[base:base + b] if t]
-        masks = list(ch.masks[base:base + len(tags)])
-        bit = 1 << min(w.agents.get(touch.agent, 0), 7)
-        if w.num in tags:
-            j = tags.index(w.num)
-            mask = masks.pop(j) | bit
-            tags.pop(j)
-        else:
+        tags, masks = ch.tags, ch.masks
+        n, j = 0, -1                             # tags in the row; where `num` is among them
+        while n < b and tags[base + n]:
+            if tags[base + n] == num:
+                j = n
+            n += 1
+        if j < 0:
             ch.touched[i] = min(255, ch.touched[i] + 1)
-            mask = bit
-            if len(tags) >= b:                   # the budget: the least recent tag goes
-                tags.pop(0)
-                masks.pop(0)
-        tags.append(w.num)
-        masks.append(mask)
-        pad = b - len(tags)
-        ch.tags[base:base + b] = array("I", tags + [0] * pad)
-        ch.masks[base:base + b] = array("B", masks + [0] * pad)
+            if n < b:
+                tags[base + n] = num
+                masks[base + n] = bit
+                return
+            j, mask = 0, bit                     # the budget: the least recent tag goes
+        else:
+            mask = masks[base + j] | bit
+        last = base + n - 1
+        for x in range(base + j, last):          # the tags after it move up: it becomes the most recent
+            tags[x] = tags[x + 1]
+            masks[x] = masks[x + 1]
+        tags[last] = num
+        masks[last] = mask
 
     def _sig(self, ch: _Chunk, i: int) -> frozenset[int] | int:
         b = self.budget
         live = self.flows.nums
-        sig = frozenset(t for t in ch.tags[i * b:i * b + b] if t and t in live)
-        return sig if sig else min(ch.touched[i], b)
+        act = [t for t in ch.tags[i * b:i * b + b] if t and t in live]
+        if not act:
+            return min(ch.touched[i], b)
+        if len(act) > 1:
+            return frozenset(act)
+        sig = self._single.get(act[0])
+        if sig is None:
+            sig = self._single[act[0]] = frozenset(act)
+        return sig
 
     # ----- groups -----
     def _group(self, cls: int, sig: frozenset[int] | int) -> _Group:
@@ -237,6 +258,7 @@ class CompactWorkflowPolicy:
             slots[sig] = g
         else:
             self._active.setdefault(cls, {})[gid] = g
+            self._unscored.setdefault(cls, set()).add(g)
             for n in sig:
                 self._with.setdefault(n, set()).add(gid)
         return g
@@ -249,6 +271,7 @@ class CompactWorkflowPolicy:
             self._retired_of[g.cls][g.sig] = None
             return
         del self._active[g.cls][g.id]
+        self._unscored.get(g.cls, set()).discard(g)
         for n in g.sig:
             ids = self._with.get(n)
             if ids is not None:
@@ -297,26 +320,44 @@ class CompactWorkflowPolicy:
         masks = {t: ch.masks[i * b + j] for j, t in enumerate(tags) if t}
         return math.fsum(flows.agent_value(flows.nums[n].wid, masks.get(n, 0)) for n in g.sig)
 
+    def _changed(self, w: Workflow) -> None:
+        """A hint about `w`: its value is recomputed, so its groups are re-scored at the next victim of their
+        class (then, not now: the value is computed when the reference model would compute it)."""
+        self._hinted.add(w.num)
+
     def _best_active(self, cls: int) -> _Group | None:
-        """The active group of the class with the lowest score (the oldest such group among equals); cached
-        while no hint changed a value and no group was made, as long as it has blocks."""
-        cached = self._best.get(cls)
-        stamp = self.flows.version
-        if cached is not None and cached[0] == stamp and cached[1] == self._seq and self.inherit \
-                and not self.flows.timed:
-            g = cached[2]
-            if self.groups.get(g.id) is g:
-                return g
+        """The active group of the class with the lowest score (the oldest such group among equals)."""
         groups = self._active.get(cls)
         if not groups:
             return None
-        best = min(groups.values(), key=lambda g: (self._score(g), g.seq))
-        self._best[cls] = (stamp, self._seq, best)
-        return best
+        if not self.inherit or self.flows.timed:
+            return min(groups.values(), key=lambda g: (self._score(g), g.seq))
+        if self._hinted:
+            for n in self._hinted:
+                for x in self._with.get(n, ()):
+                    g = self.groups[x]
+                    self._unscored.setdefault(g.cls, set()).add(g)
+            self._hinted.clear()
+        heap = self._heap.setdefault(cls, [])
+        fresh = self._unscored.pop(cls, None)
+        if fresh:
+            if len(heap) > 2 * len(groups) + 64:       # stale entries: start over
+                heap.clear()
+                fresh = set(groups.values())
+            for g in fresh:
+                g.ver += 1
+                heapq.heappush(heap, (self._score(g), g.seq, g.ver, g))
+        while heap:
+            _, _, ver, g = heap[0]
+            if ver == g.ver and self.groups.get(g.id) is g:
+                return g
+            heapq.heappop(heap)
+        return None
 
     def _retired(self, w: Workflow) -> None:
         """A workflow ended: the blocks of its groups move to the groups of the workflows still active on them (or
         retired), group by group in the order they were made, each from its least recent block."""
+        self._single.pop(w.num, None)
         ids = self._with.pop(w.num, set())
         for g in sorted((self.groups[x] for x in ids if x in self.groups), key=lambda g: g.seq):
             while self.groups.get(g.id) is g:

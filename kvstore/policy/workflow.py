@@ -79,6 +79,7 @@ class Workflows:
         self.version = 0                                        # bumps with every hint that may change a value
         self.retire_hooks: list[Callable[[Workflow], None]] = []   # each policy's: a workflow ended (already out
         self._next_num = 0                                      # of `active` and `nums`)
+        self.change_hooks: list[Callable[[Workflow], None]] = []   # each policy's: the workflow's value may change
 
     def begin(self, wid: str, wtype: str = "") -> Workflow:
         w = self.active.get(wid)
@@ -105,6 +106,8 @@ class Workflows:
         w.agents.setdefault(agent, len(w.agents))
         self._value.pop(wid, None)
         self.version += 1
+        for hook in self.change_hooks:
+            hook(w)
         return w
 
     def end(self, wid: str) -> None:
