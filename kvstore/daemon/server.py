@@ -161,9 +161,12 @@ class Daemon:
                         "within the lease", session.peer, n, self.config.server.reservation_lease_s)
 
     def _retire_idle_workflows(self) -> None:
-        """Workflows and sessions idle past hints.idle_s are retired: O(retired), under the state lock."""
+        """Workflows and sessions idle past hints.idle_s are retired: O(retired), under the state lock. The keys
+        looked up since the last tick are hashed into the hit-rate ceiling's sketch after it (kvstore.hll)."""
         with self.state.lock:
             n = self.state.hints.sweep()
+            looked_up = self.state.looked_up.take()
+        self.state.looked_up.fold(looked_up)
         if n:
             log.debug("retired %d workflow(s) idle for %g s (hints.idle_s)", n, self.config.hints.idle_s)
 
