@@ -13,6 +13,8 @@ is 200 tokens: 6 full blocks saved (the 7th holds the last prompt token, always 
 - A chat session ("chat-9", never ended) stores 6 blocks, then the tester runs with `workflow_end`: w1 ends.
 - Five more one-shot workflows store 30 blocks: now w1's blocks, retired, go before the session's older but active
   blocks; LRU would evict the session's blocks before w1's newer ones.
+- Last, the newest request's prompt again with garbage hints (`{"workflow": 7, ...}`): no hint at all, so it hits
+  like any request and the daemon's hint counters do not move.
 Everything is asserted from the daemon's own listing of its keys (`kvstore ls`'s `list` op) and its workflow stats.
 
 `pool.eviction: workflow` is what the survival assertions need (marked POLICY): where the daemon does not have that
@@ -90,10 +92,14 @@ def test_an_active_workflow_survives_other_traffic_and_goes_first_once_ended(tmp
     planner, coder = agent("planner", 1, ["coder"]), agent("coder", 2, ["tester"])
     tester = agent("tester", 3, [], end=True)
     chat = {"tokens": tokens(200), "kv_transfer_params": {"session": "chat-9", "agent": "assistant"}}
+    last = batch(10)
+    garbage = {"tokens": last["tokens"], "kv_transfer_params": {"workflow": 7, "agent": ["x"], "step": "3"}}
     steps = [planner, coder, *[batch(i) for i in range(6)], {"check": "pressure"},
-             chat, tester, *[batch(i) for i in range(6, 11)], {"check": "after_end"}]
+             chat, tester, *[batch(i) for i in range(6, 10)], last, {"check": "after_end"},
+             garbage, {"check": "garbage"}]
     results, checks = run_engine(model, daemon, steps, tmp_path / "engine.log")
     r_planner, r_coder, *r_batch1, r_chat, r_tester = results[:10]
+    r_last, r_garbage = results[-2:]
     w1_before = r_planner["keys"] + r_coder["keys"][4:]          # the shared prefix, the planner's and the coder's
     w1 = w1_before + r_tester["keys"][4:]
     assert r_planner["keys"][:4] == r_coder["keys"][:4] == r_tester["keys"][:4]      # one prefix, three agents
@@ -102,20 +108,24 @@ def test_an_active_workflow_survives_other_traffic_and_goes_first_once_ended(tmp
     assert r_planner["num_cached_tokens"] == 0 and r_coder["num_cached_tokens"] == 128
     pressure, after = checks["pressure"], checks["after_end"]
     assert len(pressure["keys"]) == len(after["keys"]) == 32                       # the pool is full both times
-    assert held(after, results[-1]["keys"]) == 6                                    # the newest request's blocks
+    assert held(after, r_last["keys"]) == 6                                         # the newest request's blocks
     if EVICTION == "workflow":                                                      # POLICY
         assert held(pressure, w1_before) == 8            # 36 batch blocks later, the active workflow's 8 are all held
         assert r_tester["num_cached_tokens"] == 128      # so the tester hits the shared prefix
         assert held(after, w1) == 0                      # ended: w1's 10 blocks went first...
         assert held(after, r_chat["keys"]) == 6          # ...before the active session's older blocks
+        assert after["workflows"]["blocks"] == {"retired": 26, "active": 6}    # the daemon's own count agrees
     else:                                                # LRU: the oldest blocks go, whoever needs them next
         assert held(pressure, w1_before) < 8
         assert r_tester["num_cached_tokens"] < 128
         assert held(after, r_chat["keys"]) < 6
-    books = after["workflows"]
-    if books is not None:                                # the daemon's books (hints, issue 14 part 1)
-        assert books["active"] == 1                      # the chat session; w1 and the 11 batches ended
-        assert sum(books.get("ignored", {}).values()) == 0
+    books = after["workflows"]                           # the daemon's books (hints, issue 14 part 1)
+    assert books["active"] == 1                          # the chat session; w1 and the 11 batches ended
+    assert books["retired_by"]["ended"] == 12 and books["ignored"] == {}   # every context named an active workflow
+    # garbage hints are no hints: the request hits as any other, and the daemon heard nothing of it
+    assert r_garbage["num_cached_tokens"] == 192 and r_garbage["output"] == r_last["output"]
+    later = checks["garbage"]["workflows"]
+    assert later["hints"] == books["hints"] and later["ignored"] == {}
     print(f"\n{EVICTION}: w1 blocks held under pressure {held(pressure, w1_before)}/8, after its end "
           f"{held(after, w1)}/10; the session's {held(after, r_chat['keys'])}/6; tester hit "
           f"{r_tester['num_cached_tokens']} tokens")
