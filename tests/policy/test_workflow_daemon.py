@@ -1,0 +1,63 @@
+"""The workflow policy in the daemon (pool.eviction: workflow, KVSTORE_POOL_EVICTION): hints through the real client,
+evictions by the daemon's host pool. Retired blocks go first, an active workflow's blocks stay; without hints it
+evicts as LRU; a re-store refreshes a prefix tail first (issue 14 part 5), under either policy."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import block, hashes, spec
+
+SLOTS = 256                     # 2 MiB of 8 KiB blocks
+WORKFLOW = {"KVSTORE_POOL_EVICTION": "workflow"}
+
+
+def test_a_retired_workflows_blocks_go_before_an_active_ones(start_daemon):
+    """A's blocks are the older, but B has ended: a put of A's evicts B's, tail first (under LRU: A's own)."""
+    d = start_daemon(capacity="2MiB", segment="1MiB", env=WORKFLOW)
+    with d.client() as c:
+        ns = c.namespace(spec())
+        a, b = c.workflow("A", type="chain"), c.workflow("B", type="chain")
+        a.call("writer")
+        b.call("writer")
+        ha, hb = hashes(128, tag=b"A"), hashes(128, tag=b"B")
+        ns.put(ha, [block(i) for i in range(128)], context=a.context("writer"))
+        ns.put(hb, [block(i) for i in range(128)], context=b.context("writer"))      # the pool is full
+        assert c.stats()["workflows"]["blocks"] == {"retired": 0, "active": 256}
+        b.end()
+        assert c.stats()["workflows"]["blocks"] == {"retired": 128, "active": 128}
+        more = hashes(64, tag=b"A2")
+        ns.put(more, [block(i) for i in range(64)], context=a.context("writer"))      # 64 evictions
+        assert c.stats()["counters"]["evictions"] == 64
+        assert ns.lookup(ha) == 128 and ns.lookup(more) == 64
+        assert ns.lookup(hb) == 64                                                  # B's tail went
+
+
+@pytest.mark.parametrize("policy", ["lru", "workflow"])
+def test_without_hints_it_evicts_as_lru(start_daemon, policy):
+    d = start_daemon(capacity="2MiB", segment="1MiB", env={"KVSTORE_POOL_EVICTION": policy})
+    with d.client() as c:
+        ns = c.namespace(spec())
+        old, new = hashes(128, tag=b"old"), hashes(128, tag=b"new")
+        ns.put(old, [block(i) for i in range(128)])
+        ns.put(new, [block(i) for i in range(128)])
+        assert ns.get(old[:32], [bytearray(len(block(0))) for _ in range(32)]) == 32    # old's head: recent
+        ns.put(hashes(64, tag=b"more"), [block(i) for i in range(64)])
+        assert ns.lookup(old) == 64                                   # old's tail went, from its end
+        assert sum(ns.lookup([h]) for h in old[64:]) == 0
+        assert ns.lookup(new) == 128
+
+
+@pytest.mark.parametrize("policy", ["lru", "workflow"])
+def test_a_re_store_refreshes_a_prefix_tail_first(start_daemon, policy):
+    """Before: the blocks of each batch of a re-store were refreshed head first, so a later eviction took the
+    head of the prefix's last batch (lookup 192), not its tail."""
+    d = start_daemon(capacity="2MiB", segment="1MiB", env={"KVSTORE_POOL_EVICTION": policy})
+    with d.client() as c:
+        ns = c.namespace(spec())
+        hs, other = hashes(200), hashes(56, tag=b"other")
+        ns.put(hs, [block(i) for i in range(200)])
+        ns.put(other, [block(i) for i in range(56)])                 # the pool is full
+        assert ns.put(hs, [block(i) for i in range(200)]).stored == 0   # stored again: refreshed
+        ns.put(hashes(60, tag=b"more"), [block(i) for i in range(60)])   # other's 56, then 4 of hs
+        assert ns.lookup(other) == 0
+        assert ns.lookup(hs) == 196
