@@ -14,6 +14,11 @@ def is_int(v: Any) -> bool:
     return type(v) is int and 0 <= v <= MAX_INT
 
 
+def is_id(v: Any) -> bool:
+    """A workflow, session or agent id: a string of at most 256 bytes of UTF-8."""
+    return type(v) is str and len(v.encode("utf-8", "surrogatepass")) <= 256
+
+
 def kind_ok(kind: str, v: Any) -> bool:
     """Whether `v` is a valid value of a schema field kind."""
     if kind == "int":
@@ -26,6 +31,12 @@ def kind_ok(kind: str, v: Any) -> bool:
         return type(v) is dict
     if kind == "ints":
         return type(v) is list and len(v) <= MAX_KEYS and all(map(is_int, v))
+    if kind == "id":
+        return is_id(v)
+    if kind == "ids":
+        return type(v) is list and len(v) <= 16 and all(map(is_id, v))
+    if kind == "prio":
+        return is_int(v) or is_id(v)
     return type(v) is bytes and len(v) % 16 == 0 and len(v) <= MAX_KEYS * 16
 
 

@@ -106,6 +106,11 @@ class Gen:
             return r.random() < 0.5
         if kind == "str":
             return r.choice(["", "critical", "prefetch", "host", "ssd", "x" * r.randrange(257)])
+        if kind in ("id", "prio"):
+            return r.choice(["", "w1", "session:s", "é" * r.randrange(100, 130), "x" * r.randrange(257), *(
+                [r.randrange(MAX_INT)] if kind == "prio" else [])])
+        if kind == "ids":
+            return [r.choice(["a", "b", "x" * 257]) for _ in range(r.randrange(18))]
         if kind == "map":
             bad_geometry = {**GEOM.to_dict(), "kv": r.choice([0, 3, 1.0])}
             return r.choice([{}, {"model": "m"}, {"a": [1, {"b": None}]}, *self.ns_dicts,
