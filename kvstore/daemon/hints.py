@@ -131,14 +131,15 @@ class Hints:
     # ----- a request's context -----
     def touch(self, tenant: str, m: dict[str, Any]) -> Touch | None:
         """The hint context of a request (its `wf` and `agent` fields), or None; a request naming a workflow that
-        is not active is counted (`unknown_context`) and served without one."""
+        is not active is counted (`ended_context`: it ended, as a save finishing after its request's end does;
+        else `unknown_context`) and served without one."""
         name = m.get("wf")
         if not name:
             return None
         wid = scoped(tenant, name)
         info = self.recent.get(wid)
         if info is None:
-            self.ignored["unknown_context"] += 1
+            self.ignored["ended_context" if wid in self.ended else "unknown_context"] += 1
             return None
         info.seen = self.clock()
         self.recent.move_to_end(wid)

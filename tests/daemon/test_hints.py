@@ -74,8 +74,9 @@ def test_meaningless_hints_are_counted_and_answered_ok(daemon):
         r = c.workflow("w4").call("a", priority="urgent")                   # an unknown priority: the rest applies
         assert r["ignored"] == "priority" and r["active"] and rows(c)["w4"]["priority"] is None
         assert ns.lookup(hashes(2), context=("never-begun", "a")) == 0      # a context naming no active workflow
+        assert ns.lookup(hashes(2), context=("w1", "a")) == 0               # ... or an ended one
         assert books(c)["ignored"] == {"unknown_workflow": 1, "ended": 2, "unknown_kind": 1, "priority": 1,
-                                       "unknown_context": 1}
+                                       "unknown_context": 1, "ended_context": 1}
         assert w.begin()["active"]                                          # a begin opens an ended id again
         assert w.call("b")["steps"] == 1
         assert c.stats()["errors"] == {}
