@@ -8,6 +8,10 @@ the chunks it had to compute. Blocks are 64 KiB (the policy, not the copy, is un
 `capacity` of them (whole 1 MiB segments). With `--ssd` the daemon also has an SSD tier: hits then come from the
 host pool or the disk (promoted), and the table shows how many each.
 
+"kvstore workflow" is the same replay with `pool.eviction: workflow` and the trace's hints sent as an engine would
+(a `call` hint per request, its `(workflow, agent)` context on the get and the put, the `end` after a workflow's
+last request): issue 14's target is ≥ 60% of the LRU → oracle gap closed on every mix and capacity.
+
     .venv-bench/bin/python bench/bench_workflows.py [--quick] [--mixes codegen,chat,...] [--ssd]
 """
 from __future__ import annotations
@@ -38,9 +42,12 @@ FRACTIONS = (0.10, 0.25, 0.50)
 SIZES = {"codegen": (60, 12), "factcheck": (60, 12), "pipeline": (60, 12), "chat": (16, 6), "mixed": (60, 14)}
 
 
-def replay(trace: list[wf.Request], capacity: int, ssd: str | None) -> dict[str, Any]:
-    """The trace through a daemon whose host pool holds `capacity` chunks: chunks hit (host, SSD), stored."""
-    env = {"KVSTORE_SERVER_MAX_RESERVED_FRACTION": "1"}      # one trusted engine: a put may take the whole pool
+def replay(trace: list[wf.Request], capacity: int, ssd: str | None, policy: str = "lru") -> dict[str, Any]:
+    """The trace through a daemon whose host pool holds `capacity` chunks: chunks hit (host, SSD), stored. With
+    the workflow policy, the trace's hints go with it."""
+    env = {"KVSTORE_SERVER_MAX_RESERVED_FRACTION": "1",       # one trusted engine: a put may take the whole pool
+           "KVSTORE_POOL_EVICTION": policy}
+    hints = policy == "workflow"
     if ssd:
         env.update({"KVSTORE_SSD_DIR": ssd, "KVSTORE_SSD_CAPACITY": "4GiB"})
     d = Daemon(str(capacity * BLOCK), "1MiB", env).start()         # the cap: exactly `capacity` chunks
@@ -50,10 +57,16 @@ def replay(trace: list[wf.Request], capacity: int, ssd: str | None) -> dict[str,
             bufs = [np.zeros(BLOCK, np.uint8) for _ in range(max(len(r.hashes) for r in trace))]
             hit = stored = 0
             for r in trace:
-                n = ns.get(r.hashes, bufs[:len(r.hashes)])
+                ctx = None
+                if hints:
+                    c.workflow(r.workflow, type=r.family).call(r.agent)
+                    ctx = (r.workflow, r.agent)
+                n = ns.get(r.hashes, bufs[:len(r.hashes)], context=ctx)
                 hit += n
                 if n < len(r.hashes):
-                    stored += ns.put(r.hashes[n:], bufs[n:len(r.hashes)]).stored
+                    stored += ns.put(r.hashes[n:], bufs[n:len(r.hashes)], context=ctx).stored
+                if hints and r.last:
+                    c.workflow(r.workflow).end()
             counters = c.stats()["counters"]
         return {"hit": hit, "stored": stored, "promoted": counters.get("promoted", 0)}
     finally:
@@ -70,7 +83,8 @@ def main() -> None:
     load_before = warn_if_busy()
     base = tempfile.mkdtemp(prefix="kvs-workflows-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
     res: dict[str, Any] = {"chunk_tokens": wf.CHUNK, "block_bytes": BLOCK, "fractions": FRACTIONS, "mixes": {}}
-    t = Table(["mix", "capacity", "chunks", "ideal", "oracle", "LRU (offline)", "kvstore now", "gap closed"]
+    t = Table(["mix", "capacity", "chunks", "ideal", "oracle", "LRU (offline)", "kvstore LRU", "gap closed",
+               "workflow (offline)", "kvstore workflow", "gap closed (workflow)"]
               + (["kvstore+SSD (host/SSD)"] if args.ssd else []))
     try:
         for name in args.mixes.split(","):
@@ -89,11 +103,16 @@ def main() -> None:
                 lru, oracle = wf.hit_rates(trace, cap, "lru"), wf.hit_rates(trace, cap, "oracle")
                 now = replay(trace, cap, None)
                 gap = (now["hit"] - lru) / (oracle - lru) if oracle > lru else 1.0
+                offline = wf.hit_rates(trace, cap, "workflow")
+                wfp = replay(trace, cap, None, "workflow")
+                wgap = (wfp["hit"] - lru) / (oracle - lru) if oracle > lru else 1.0
                 cell = {"fraction": frac, "capacity_chunks": cap, "oracle_hit_rate": oracle / looked,
                         "lru_offline_hit_rate": lru / looked, "kvstore": {**now, "hit_rate": now["hit"] / looked},
-                        "gap_closed": gap}
+                        "gap_closed": gap, "workflow_offline_hit_rate": offline / looked,
+                        "kvstore_workflow": {**wfp, "hit_rate": wfp["hit"] / looked}, "gap_closed_workflow": wgap}
                 row = [name, f"{frac:.0%}", cap, f"{ideal / looked:.1%}", f"{oracle / looked:.1%}",
-                       f"{lru / looked:.1%}", f"{now['hit'] / looked:.1%}", f"{gap:.0%}"]
+                       f"{lru / looked:.1%}", f"{now['hit'] / looked:.1%}", f"{gap:.0%}",
+                       f"{offline / looked:.1%}", f"{wfp['hit'] / looked:.1%}", f"{wgap:.0%}"]
                 if args.ssd:
                     d = os.path.join(base, f"{name}-{frac}")
                     withssd = replay(trace, cap, d)

@@ -300,6 +300,12 @@ class SsdStore:
         self.per_ns[key[:16]] -= 1
         return where
 
+    def refresh(self, key: bytes) -> None:
+        """A block the tier holds was stored again (demoted again, or written through again): it is refreshed in
+        the eviction order, as a read refreshes it (issue 14 part 5)."""
+        with self.lock:
+            self.touch_locked(key)
+
     def touch_locked(self, key: bytes) -> None:
         """Make `key` the most recently used, if it is still booked."""
         if key in self.index:
