@@ -58,6 +58,8 @@ class Info:
 
 
 class Hints:
+    """The hint ops and request contexts of every tenant, applied to the one `Workflows` the policy reads."""
+
     def __init__(self, workflows: Workflows, cfg: HintsConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.flows = workflows
         self.idle_s = cfg.idle_s
