@@ -88,7 +88,8 @@ def send_start(client: Client, hints: RequestHints, log: logging.Logger) -> None
         _logged(w.call(hints.agent, step=hints.step, next=list(hints.next) or None, priority=hints.priority),
                 "call", hints.workflow, log)
     if hints.session is not None:
-        _logged(client.session(hints.session).turn(agent=hints.agent), "turn", hints.session, log)
+        _logged(client.session(hints.session).turn(agent=hints.agent, priority=hints.priority), "turn",
+                hints.session, log)
 
 
 def send_end(client: Client, hints: RequestHints, log: logging.Logger) -> None:
