@@ -234,7 +234,7 @@ def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
                 break                                   # still in flight: the prefix so far
             continue
         before = len(gids)
-        gids += st.promotion.promote(ns, rest, h, lane, stream.publish if stream.emit else None)
+        gids += st.promotion.promote(ns, rest, h, lane, stream.publish if stream.emit else None, touch)
         lower += len(gids) - before
         if len(gids) == before:
             break

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from threading import Condition, Lock
 
 from kvstore.index import Holdings, Index, NamespaceEntry
+from kvstore.policy.workflow import Touch
 from kvstore.tiers import LowerTiers
 from kvstore.tiers.host import HostPool
 from kvstore.traffic import Lane
@@ -52,10 +53,11 @@ class Promotion:
         return True
 
     def promote(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings, lane: Lane,
-                early: Early | None = None) -> list[int]:
+                early: Early | None = None, touch: Touch | None = None) -> list[int]:
         """(Under the state lock, released during the read.) Promote the leading blocks that one lower tier holds
         into pinned host slots; returns their gids in key order — except those already handed to `early`, which
-        gets the blocks verified so far while later ones are still being read."""
+        gets the blocks verified so far while later ones are still being read. `touch`: the request's hint
+        context, which the promoted blocks are tagged with (kvstore.policy.workflow)."""
         tier = self.lower.holder(ns.block_id(hashes[0]))
         if tier is None:
             return []
@@ -74,7 +76,8 @@ class Promotion:
                 if done[1]:
                     return
                 chunk = plan[done[0]:n]
-                part = self.index.finish_promotion(ns, chunk, len(chunk), holder, crcs=crcs[done[0]:n])
+                part = self.index.finish_promotion(ns, chunk, len(chunk), holder, crcs=crcs[done[0]:n],
+                                                   touch=touch)
                 done[0], done[1] = n, len(part) < len(chunk)    # deleted meanwhile: the prefix ends there
                 self.changed.notify_all()
                 assert early is not None
@@ -95,6 +98,6 @@ class Promotion:
         rest: list[int] = []
         if done[0] < len(plan):
             rest = self.index.finish_promotion(ns, plan[done[0]:], 0 if done[1] else max(n - done[0], 0), holder,
-                                               crcs=crcs[done[0]:])
+                                               crcs=crcs[done[0]:], touch=touch)
         self.changed.notify_all()
         return rest
