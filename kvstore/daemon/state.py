@@ -83,10 +83,10 @@ def build_state(config: Config) -> State:
     changed = Condition(lock)
     counters: Counter[str] = Counter()
     traffic = TrafficManager(config.traffic)
-    lower = open_lower_tiers(config, traffic)
+    workflows = Workflows(idle_s=config.hints.idle_s)
+    lower = open_lower_tiers(config, traffic, workflows)
     pool = HostPool(config.pool.capacity, config.pool.segment_bytes)
     demotion = Demotion(lower.first, pool, counters) if lower else None
-    workflows = Workflows(idle_s=config.hints.idle_s)
     index = Index(pool, config.pool.eviction, demotion, counters, workflows=workflows)
     prefetcher = Prefetcher(index, pool, lower, changed, counters) if lower else None
     promotion = Promotion(index, pool, lower, lock, changed, partial(copy_deferred, demotion, index, lock, False),

@@ -41,6 +41,7 @@ import numpy as np
 from kvstore.checksum import crc32c
 from kvstore.daemon.config import Config, SsdConfig
 from kvstore.daemon.crash import fault_point
+from kvstore.policy.workflow import Workflows
 from kvstore.tiers import StagingBuffer, TierUnavailable, TierWrite
 from kvstore.tiers.ssd.store import SsdStore, StoreLocked
 from kvstore.traffic import Lane, Path
@@ -67,9 +68,9 @@ class Pending:
 class SsdTier:
     name = "ssd"
 
-    def __init__(self, cfg: SsdConfig, path: Path | None = None) -> None:
+    def __init__(self, cfg: SsdConfig, path: Path | None = None, workflows: Workflows | None = None) -> None:
         self.cfg = cfg
-        self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path, cfg.io, cfg.eviction)
+        self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path, cfg.io, cfg.eviction, workflows)
         self.path = self.store.path
         self.staging: dict[bytes, bytes | bytearray | mmap.mmap | Pending] = {}
         self.staged_crcs: dict[bytes, int | None] = {}  # the writer's CRC-32C of each staged block (None: none)
@@ -124,6 +125,9 @@ class SsdTier:
         with self.lock:
             if key in self.staging or self.store.has(key):
                 self.rewrites_saved += 1
+                if key not in self.staging:
+                    self.store.refresh(key)     # stored again: fresh in the SSD's order too (the store's lock
+                    #                             is only ever taken inside this one, never the other way)
                 return True
             if self.staged_bytes + nbytes > self.cfg.staging_bytes:
                 self.dropped += 1
@@ -424,14 +428,15 @@ def _call(gone: list[tuple[bytes, list[Callable[[bytes], None]]]]) -> None:
             done(key)
 
 
-def open_tier(config: Config, traffic: TrafficManager) -> SsdTier | None:
-    """The SSD tier `ssd.dir` asks for (None when empty), open and scanning; TierUnavailable says why not."""
+def open_tier(config: Config, traffic: TrafficManager, workflows: Workflows | None = None) -> SsdTier | None:
+    """The SSD tier `ssd.dir` asks for (None when empty), open and scanning; TierUnavailable says why not.
+    `workflows`: the daemon's hint books, which `ssd.eviction: workflow` reads."""
     cfg = config.ssd
     if not cfg.dir:
         return None
     path = traffic.path("ssd", config.traffic.ssd_in_flight)
     try:
-        return SsdTier(cfg, path).open()
+        return SsdTier(cfg, path, workflows).open()
     except StoreLocked as e:
         raise TierUnavailable(str(e)) from None
     except OSError as e:
