@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.tiers.test_ssd_deletes import NS, PAYLOAD, RECORD, h, payload
+from tests.tiers.ssd_blocks import NS, PAYLOAD, RECORD, h, payload
 
 
 def test_a_staged_copy_that_fails_its_writers_crc_is_a_miss(tmp_path: Path) -> None:
