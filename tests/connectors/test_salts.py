@@ -30,7 +30,8 @@ except Exception as e:  # noqa: BLE001 - any import failure means: no engine her
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = str(ROOT / "tests" / "vllm_engine_run.py")
 RUN = str(ROOT / "tests" / "connectors" / "salted_engine_run.py")
-PROMPT = [random.Random(11).randrange(4, 1024) for _ in range(200)]
+_RNG = random.Random(11)
+PROMPT = [_RNG.randrange(4, 1024) for _ in range(200)]     # (one generator: not one token 200 times)
 HIT = 192          # 6 blocks of 32; the 7th holds the last prompt token
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
        "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}

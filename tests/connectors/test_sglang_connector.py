@@ -485,7 +485,8 @@ def test_real_vllm_and_sglang_engines_share_one_daemon(start_daemon, tmp_path):
     for b in builds:
         assert b.proc.wait(180) == 0, (b.log.read_text(errors="replace"))[-4000:]
 
-    prompt = [random.Random(7).randrange(4, 1024) for _ in range(200)]      # 6 full vLLM blocks + 8 tokens
+    rng = random.Random(7)
+    prompt = [rng.randrange(4, 1024) for _ in range(200)]                   # 6 full vLLM blocks + 8 tokens
 
     def both(tag: str, *sglang_args: str) -> tuple[list[dict], dict]:
         """Both engines at once: each starts, then waits for `go` (created once both wait), then generates; vLLM

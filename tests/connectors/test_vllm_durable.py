@@ -24,7 +24,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means: no engine her
     engine_missing("vllm", e)
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN = str(ROOT / "tests" / "connectors" / "durable_engine_run.py")
+RUN = str(ROOT / "tests" / "connectors" / "workflow_engine_run.py")     # steps with kv_transfer_params
 BUILD = str(ROOT / "tests" / "vllm_engine_run.py")
 ENV = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
        "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}

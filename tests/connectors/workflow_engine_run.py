@@ -1,5 +1,6 @@
-"""Run by tests/connectors/test_vllm_workflow.py in a fresh process: one vLLM engine (CPU, block size 32, the tiny
-Llama that tests/vllm_engine_run.py builds) with kvstore's connector, going through steps of two kinds:
+"""Run by tests/connectors/test_vllm_workflow.py and test_vllm_durable.py in a fresh process: one vLLM engine (CPU,
+block size 32, the tiny Llama that tests/vllm_engine_run.py builds) with kvstore's connector, going through steps of
+two kinds:
 
     python tests/connectors/workflow_engine_run.py MODEL SOCKET EXTRA_JSON STEPS_JSON
 

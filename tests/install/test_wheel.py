@@ -32,7 +32,8 @@ WHEEL_DIR = Path(os.environ.get("KVSTORE_WHEEL_DIR") or ROOT / "build" / "wheel"
 WHEEL_DIR = WHEEL_DIR if WHEEL_DIR.is_absolute() else ROOT / WHEEL_DIR
 PY, CLI = VENV / "bin" / "python", VENV / "bin" / "kvstore"
 ENGINE_SCRIPT = ROOT / "tests" / "vllm_engine_run.py"
-PROMPT = [random.Random(7).randrange(4, 1024) for _ in range(200)]
+_RNG = random.Random(7)
+PROMPT = [_RNG.randrange(4, 1024) for _ in range(200)]     # (one generator: not one token 200 times)
 HIT = 192                                  # 6 full blocks of 32; the 7th holds the last prompt token
 
 
