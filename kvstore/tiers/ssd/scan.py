@@ -72,6 +72,7 @@ class RestartScan:
         self.found: dict[tuple[ClassFile, int], bytes] = {}   # (file, record) → its header's fields, booked by
         #                                                        a full scan: the entries of the map it rebuilds
         self.damaged: dict[ClassFile, set[int]] = {}   # records whose map entry is damaged, header not read yet
+        self.unread: set[ClassFile] = set()             # files a full scan could not read whole: map not completed
         self._thread: threading.Thread | None = None
 
     def start(self, progress: Progress | None, wait: bool) -> None:
@@ -180,8 +181,8 @@ class RestartScan:
                         todo[cf].append((rec, entry))
                 self.found = {}
             for cf, entries in todo.items():
-                if cf.map is None or s.files.get(cf.payload) is not cf:
-                    continue
+                if cf.map is None or s.files.get(cf.payload) is not cf or cf in self.unread:
+                    continue                    # (a file not read whole: a complete map would lose what it missed)
                 try:
                     cf.map.put(entries)
                     cf.map.mark(COMPLETE)
@@ -250,8 +251,14 @@ class RestartScan:
         return None
 
     def _scan_chunk(self, cf: ClassFile, start: int, end: int) -> None:
-        """(A path worker.) Read the headers of records start .. end-1, then book them all under the lock."""
-        raws = _read_headers(cf, range(start, end))
+        """(A path worker.) Read the headers of records start .. end-1, then book them all under the lock. A chunk
+        that cannot be read leaves its file's map incomplete: the next start scans that file again."""
+        try:
+            raws = _read_headers(cf, range(start, end))
+        except OSError:
+            with self.store.lock:
+                self.unread.add(cf)
+            raise
         with self.store.lock:
             for rec, raw in raws:
                 self._book_header_locked(cf, rec, raw)
