@@ -56,6 +56,8 @@ def prompt(tag: int) -> list[int]:
 def key(p: list[int]) -> str:
     return json.dumps(p)
 
+RETRY_S = 5.0                  # the connector's default retry_s
+
 
 class Engine:
     """The engine process: `send` a command, `next(tag)` its answer lines; everything it prints goes to `log`."""
@@ -63,7 +65,7 @@ class Engine:
     def __init__(self, model: str, socket: str, log: Path) -> None:
         self.log_path = log
         # retry_s as configured by default: a restarted daemon must not wait for it
-        extra = json.dumps({"retry_s": 5.0, "timeout_s": 5.0})
+        extra = json.dumps({"retry_s": RETRY_S, "timeout_s": 5.0})
         self.proc = subprocess.Popen([sys.executable, RUN, "--model", model, "--socket", socket, "--extra", extra],
                                      env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
@@ -215,6 +217,11 @@ def test_engine_serves_through_graceful_and_kill9_restarts_and_hits_durable_bloc
         # 5. the base prompt's blocks were durable before both restarts: a full hit, the same output
         last = engine.generate([base])
         assert (last["cached"], last["outputs"]) == ([FULL_HIT], [refs[key(base)]])
+        # a role whose request timed out while the daemon stopped sits out retry_s (5 s) before it asks again (on
+        # a slow machine a graceful stop can take that long): past it, every role has found the daemon again
+        time.sleep(RETRY_S + 0.5)
+        after = engine.generate([base])
+        assert after["outputs"] == [refs[key(base)]]
         log = engine.finish()
     finally:
         engine.kill()
