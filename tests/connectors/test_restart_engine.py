@@ -56,6 +56,7 @@ def prompt(tag: int) -> list[int]:
 def key(p: list[int]) -> str:
     return json.dumps(p)
 
+
 RETRY_S = 5.0                  # the connector's default retry_s
 
 
