@@ -147,6 +147,7 @@ def test_traffic_per_path_and_lane_equals_the_stats_op(start_daemon, tmp_path):
         # tail of the put was evicted first, so it is on SSD)
         ssd_settled(c)                                            # ... which evicted (and demoted) 4 others
         assert ns.put([hashes(201)[-1]], [block(201)], durable=True).durability == "durable"
+        ssd_settled(c)                                            # (its store evicted one more: demoted)
         stats = c.stats()
         (path,) = stats["traffic"]
         m = scrape(port)
