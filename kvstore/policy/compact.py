@@ -119,7 +119,7 @@ class CompactWorkflowPolicy:
         gid = self.table.get(key)
         if gid is None:
             return
-        ch, i = self._row(gid, create=True)
+        ch, i = self._new_row(gid)
         if ch.group[i] != ABSENT:
             self._drop(ch, i, gid)
         b = self.budget
@@ -180,18 +180,27 @@ class CompactWorkflowPolicy:
         return None if best is None else self.key_at(best.head)
 
     # ----- rows -----
-    def _row(self, gid: int, create: bool = False) -> tuple[_Chunk, int]:
+    def _row(self, gid: int) -> tuple[_Chunk | None, int]:
+        """The chunk and row of a slot; no chunk when none was made for it (a slot never added)."""
+        seg, i = gid >> 32, gid & SLOT_MASK
+        ch = self.chunks.get(seg)
+        return (ch, i) if ch is not None and i < len(ch.group) else (None, i)
+
+    def _new_row(self, gid: int) -> tuple[_Chunk, int]:
+        """The chunk and row of a slot being added, made (or grown) on first use."""
         seg, i = gid >> 32, gid & SLOT_MASK
         ch = self.chunks.get(seg)
         if ch is None:
-            if not create:
-                return None, i  # type: ignore[return-value]
             n = self.slots_of(seg) if self.slots_of is not None else 0
             ch = self.chunks[seg] = _Chunk(max(n, i + 1), self.budget)
         elif i >= len(ch.group):
-            if not create:
-                return None, i  # type: ignore[return-value]
             ch.grow(max(i + 1, 2 * len(ch.group)), self.budget)
+        return ch, i
+
+    def _linked_row(self, gid: int) -> tuple[_Chunk, int]:
+        """The row of a slot in a group (a group's head: its row exists)."""
+        ch, i = self._row(gid)
+        assert ch is not None, f"slot {gid:#x} heads a group but has no row"
         return ch, i
 
     def _drop(self, ch: _Chunk, i: int, gid: int) -> None:
@@ -315,7 +324,7 @@ class CompactWorkflowPolicy:
         assert isinstance(g.sig, frozenset)
         if self.inherit:
             return math.fsum(flows.value(flows.nums[n].wid) for n in g.sig)
-        ch, i = self._row(g.head)
+        ch, i = self._linked_row(g.head)
         b = self.budget
         tags = ch.tags[i * b:i * b + b]
         masks = {t: ch.masks[i * b + j] for j, t in enumerate(tags) if t}
@@ -363,7 +372,7 @@ class CompactWorkflowPolicy:
         for g in sorted((self.groups[x] for x in ids if x in self.groups), key=lambda g: g.seq):
             while self.groups.get(g.id) is g:
                 gid = g.head
-                ch, i = self._row(gid)
+                ch, i = self._linked_row(gid)
                 self._unlink(ch, i, gid)
                 self._link(ch, i, gid, g.cls)
 
