@@ -196,8 +196,7 @@ class Writer:
         transfer in `lane`, waited for. A header is written only once its map entry is synced (recmap.py)."""
         cfs = {cf for cf, _, _ in headers}
         path = self.store.path
-        path.submit(lane, 0, lambda: self._write_map(headers)).result()
-        path.submit(lane, 0, lambda: self._sync(cfs, "always", "batch")).result()
+        path.submit(lane, 0, lambda: self._map_then_sync(headers, cfs)).result()
         crash_point("after_payload")
         path.submit(lane, len(headers) * HEADER_BYTES, lambda: self._write_headers(headers)).result()
         path.submit(lane, 0, lambda: self._sync(cfs, "always", "batch")).result()
@@ -245,6 +244,11 @@ class Writer:
                 diskio.pwritev(cf.fd, [buf], rec * cf.record)
                 if i == len(headers) // 2:
                     crash_point("mid_header")
+
+    def _map_then_sync(self, headers: list[Written], cfs: set[ClassFile]) -> None:
+        """(A path worker.) The records' map entries, then the sync of payloads and entries: one transfer."""
+        self._write_map(headers)
+        self._sync(cfs, "always", "batch")
 
     def _write_map(self, headers: list[Written]) -> None:
         """(A path worker.) Each record's map entry (buffered writes; synced with the payloads)."""
