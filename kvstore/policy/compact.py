@@ -32,9 +32,9 @@ import math
 import sys
 from array import array
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvstore.policy.workflow import Touch, Workflow, Workflows
+from kvstore.policy.workflow import Touch, Workflow, Workflows, agent_names
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
@@ -89,7 +89,8 @@ class CompactWorkflowPolicy:
     name = "workflow"
 
     def __init__(self, table: KeyTable, workflows: Workflows, key_at: Callable[[int], bytes | None],
-                 slots_of: Callable[[int], int] | None = None, tag_budget: int = 4, inherit: bool = True) -> None:
+                 slots_of: Callable[[int], int] | None = None, tag_budget: int = 4, inherit: bool = True,
+                 pick_s: float = 0.005) -> None:
         if not 1 <= tag_budget <= MAX_BUDGET:
             raise ValueError(f"tag_budget must be in 1..{MAX_BUDGET}, got {tag_budget}")
         self.table = table
@@ -113,6 +114,8 @@ class CompactWorkflowPolicy:
         self._heap: dict[int, list[tuple[float, int, int, _Group]]] = {}   # class → (score, seq, ver, group)
         self._unscored: dict[int, set[_Group]] = {}                # class → groups made or hinted since
         self._hinted: set[int] = set()                             # workflows hinted since the last re-scoring
+        self._picked: dict[int, tuple[_Group, int, int, float]] = {}   # class → (group, version, seq, when)
+        self.pick_s = pick_s
 
     # ----- the EvictionPolicy hooks -----
     def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
@@ -171,13 +174,31 @@ class CompactWorkflowPolicy:
             self._link(ch, i, gid, self.table.cls_of(key))
 
     def victim(self, cls: int) -> bytes | None:
-        retired = self._retired_of.get(cls)
-        if retired:
-            for g in retired:
-                if g is not None:
-                    return self.key_at(g.head)
+        retired = self.retired_victim(cls)
+        if retired is not None:
+            return retired
         best = self._best_active(cls)
         return None if best is None else self.key_at(best.head)
+
+    def retired_victim(self, cls: int) -> bytes | None:
+        """The next retired block of the class, or None: never an active one (room a prefetch may take)."""
+        for g in self._retired_of.get(cls) or ():
+            if g is not None:
+                return self.key_at(g.head)
+        return None
+
+    def describe(self, key: bytes) -> dict[str, Any] | None:
+        """A block's standing and tags (`kvstore ls --tags`), or None if the policy has no row for it."""
+        gid = self.table.get(key)
+        ch, i = self._row(gid) if gid is not None else (None, 0)
+        if ch is None or ch.group[i] == ABSENT:
+            return None
+        b = self.budget
+        live = self.flows.nums
+        tags = {live[t]: ch.masks[i * b + j] for j, t in enumerate(ch.tags[i * b:i * b + b]) if t and t in live}
+        standing = "pinned" if ch.group[i] == PINNED else "active" if tags else "retired"
+        return {"standing": standing, "workflows": [w.wid for w in tags],
+                "agents": {w.wid: agent_names(w, m) for w, m in tags.items()}, "touched": ch.touched[i]}
 
     # ----- rows -----
     def _row(self, gid: int) -> tuple[_Chunk | None, int]:
@@ -341,7 +362,7 @@ class CompactWorkflowPolicy:
         if not groups:
             return None
         if not self.inherit or self.flows.timed:
-            return min(groups.values(), key=lambda g: (self._score(g), g.seq))
+            return self._pick(cls, groups)
         if self._hinted:
             for n in self._hinted:
                 for x in self._with.get(n, ()):
@@ -363,6 +384,21 @@ class CompactWorkflowPolicy:
                 return g
             heapq.heappop(heap)
         return None
+
+    def _pick(self, cls: int, groups: dict[int, _Group]) -> _Group:
+        """The lowest-scored group when scores move with the clock: a minimum over the class's active groups, kept
+        for `pick_s` while no hint came and no group was made (a put's evictions come in a burst: one scan, not
+        one per block)."""
+        now = self.flows.clock()
+        got = self._picked.get(cls)
+        if got is not None:
+            g, version, seq, at = got
+            if (version == self.flows.version and seq == self._seq and now - at < self.pick_s
+                    and self.groups.get(g.id) is g):
+                return g
+        g = min(groups.values(), key=lambda g: (self._score(g), g.seq))
+        self._picked[cls] = (g, self.flows.version, self._seq, now)
+        return g
 
     def _retired(self, w: Workflow) -> None:
         """A workflow ended: the blocks of its groups move to the groups of the workflows still active on them (or

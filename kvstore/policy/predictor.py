@@ -12,7 +12,8 @@ It also keeps its own score: top-1 accuracy of the 1-step and 3-step predictions
 """
 from __future__ import annotations
 
-from collections import Counter
+from bisect import bisect_right
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -119,3 +120,64 @@ def _top(dist: dict[str, float]) -> str:
 def survival(ahead: Sequence[dict[str, float]]) -> list[float]:
     """P(the workflow is still running at step k), k = 1..K, from a lookahead (END absorbing)."""
     return [1.0 - d.get(END, 0.0) for d in ahead]
+
+
+class Gaps:
+    """When a workflow calls again: the seconds between its calls, learned online per (type, agent of the earlier
+    call), for the eviction policy's time-aware score and the predictive prefetch's timing.
+
+    Agent workflows wait between calls on the engine's decode and on tools (tests run, documents are fetched, a user
+    thinks), and those waits are not memoryless: a workflow that just called is the one least likely to call next.
+    So the estimate is the expected *residual* wait given the time already waited, E[G − e | G > e], from the last
+    `keep` gaps of the key (its empirical distribution): under memoryless gaps it stays near the mean whatever e is,
+    and the score falls back to the plain lookahead order. A workflow that has waited longer than every gap seen is
+    treated as ever less likely to come back soon (residual = mean + how far past the largest gap it is).
+    Keys are bounded (`max_keys`, the oldest-made goes): hint strings come from clients.
+    """
+
+    def __init__(self, keep: int = 64, max_keys: int = 4096) -> None:
+        self.keep = keep
+        self.max_keys = max_keys
+        self._samples: dict[tuple[str, str], deque[float]] = {}
+        self._sorted: dict[tuple[str, str], tuple[list[float], list[float]]] = {}   # sorted gaps, suffix sums
+        self.total = 0.0                      # over every key: the mean gap is the scale of the score
+        self.count = 0
+
+    def observe(self, wtype: str, agent: str, gap: float) -> None:
+        gap = max(0.0, gap)
+        self.total += gap
+        self.count += 1
+        for key in ((wtype, agent), (wtype, ANY)):
+            s = self._samples.get(key)
+            if s is None:
+                if len(self._samples) >= self.max_keys:
+                    old = next(iter(self._samples))
+                    del self._samples[old]
+                    self._sorted.pop(old, None)
+                s = self._samples[key] = deque(maxlen=self.keep)
+            s.append(gap)
+            self._sorted.pop(key, None)
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+    def residual(self, wtype: str, agent: str, elapsed: float) -> float | None:
+        """Expected seconds until the next call of a workflow of `wtype` whose last call (by `agent`) was `elapsed`
+        seconds ago; None while nothing is learned for the type."""
+        key = (wtype, agent) if (wtype, agent) in self._samples else (wtype, ANY)
+        s = self._samples.get(key)
+        if not s:
+            return None
+        got = self._sorted.get(key)
+        if got is None:
+            gaps = sorted(s)
+            suffix = [0.0] * (len(gaps) + 1)
+            for i in range(len(gaps) - 1, -1, -1):
+                suffix[i] = suffix[i + 1] + gaps[i]
+            got = self._sorted[key] = (gaps, suffix)
+        gaps, suffix = got
+        j = bisect_right(gaps, elapsed)
+        if j == len(gaps):                    # past every gap seen: ever less likely to come back soon
+            return suffix[0] / len(gaps) + (elapsed - gaps[-1])
+        return suffix[j] / (len(gaps) - j) - elapsed

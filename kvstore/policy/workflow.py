@@ -34,8 +34,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvstore.policy.predictor import END, START, TransitionModel, survival
+from kvstore.policy.predictor import END, START, Gaps, TransitionModel, survival
 
 RETIRED = frozenset[str]()
 Signature = frozenset[str]
@@ -63,7 +64,7 @@ class Workflows:
     """The hints' books: which workflows are active, what each called last, and its lookahead value."""
 
     def __init__(self, predictor: TransitionModel | None = None, horizon: int = 3, gamma: float = 0.7,
-                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic, timed: bool = True) -> None:
         self.predictor = predictor or TransitionModel(horizon)
         self.horizon = horizon
         self.gamma = gamma
@@ -72,9 +73,8 @@ class Workflows:
         self.active: dict[str, Workflow] = {}
         self.ignored = 0                        # hints about unknown workflows, counted and dropped
         self._value: dict[str, float] = {}
-        self.gaps: dict[tuple[str, str], float] = {}   # (type, agent) → mean seconds to the workflow's next call
-        self.timed = False                             # weigh each value by how soon the workflow calls again (off:
-        #                                                worse on memoryless gaps, bench/workflows.py)
+        self.gaps = Gaps()                      # seconds between a workflow's calls, per (type, agent)
+        self.timed = timed                      # weigh each value by how soon the workflow is expected back
         self.nums: dict[int, Workflow] = {}                   # the active workflows by number
         self.version = 0                                        # bumps with every hint that may change a value
         self.retire_hooks: list[Callable[[Workflow], None]] = []   # each policy's: a workflow ended (already out
@@ -97,9 +97,7 @@ class Workflows:
         self.predictor.called(wid, w.wtype, w.agent, agent)
         now = self.clock()
         if w.steps:
-            key = (w.wtype, w.agent)
-            old = self.gaps.get(key)
-            self.gaps[key] = now - w.seen if old is None else 0.8 * old + 0.2 * (now - w.seen)
+            self.gaps.observe(w.wtype, w.agent, now - w.seen)
         w.agent = agent
         w.steps += 1
         w.seen = now
@@ -143,9 +141,10 @@ class Workflows:
             hook(w)
 
     def value(self, wid: str) -> float:
-        """The workflow's lookahead reuse value for a block every later agent reuses (0 when not active); timed,
-        divided by how long until its next call is expected (learned per (type, agent)): Belady's farthest next
-        use, estimated."""
+        """The workflow's reuse value for a block every later agent reuses (0 when not active): its K-step lookahead
+        Σ γ^(k-1)·P(running at step k); timed (the default), scaled by how soon its next call is expected — the
+        mean gap over the expected residual wait (`Gaps`), so Belady's farthest next use is what goes first. A
+        workflow whose type has no gaps learned yet counts as due within one mean gap."""
         got = self._value.get(wid)
         if got is None:
             w = self.active.get(wid)
@@ -156,11 +155,22 @@ class Workflows:
             got = self._value[wid] = sum(self.gamma ** k * alive[k] for k in range(len(alive)))
         if not self.timed:
             return got
-        w = self.active[wid]
-        gap = self.gaps.get((w.wtype, w.agent))
-        if gap is None:
+        mean = self.gaps.mean
+        if mean is None:
             return got
-        return got / (1.0 + max(0.0, w.seen + gap - self.clock()) / max(gap, 1e-3))
+        w = self.active[wid]
+        due = self.gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
+        return got if due is None else got * mean / (due + 0.05 * mean)
+
+    def expect(self, wid: str) -> tuple[float, float | None]:
+        """(p_next, due_s) of an active workflow: the probability that it calls again, and the expected seconds until
+        it does given the time since its last call (None while no gaps are learned for its type); (0.0, None) if it
+        is not active. For the predictive prefetch."""
+        w = self.active.get(wid)
+        if w is None:
+            return 0.0, None
+        p = survival(self.predictor.lookahead(w.wtype, w.agent, 1))[0]
+        return p, self.gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
 
     def agent_value(self, wid: str, mask: int) -> float:
         """The value for a block only the agents in `mask` touched (the plain PBKV score, without inheritance)."""
@@ -170,6 +180,11 @@ class Workflows:
         names = [a for a, bit in w.agents.items() if mask >> bit & 1]
         ahead = self.predictor.lookahead(w.wtype, w.agent, self.horizon)
         return sum(self.gamma ** k * sum(d.get(a, 0.0) for a in names) for k, d in enumerate(ahead))
+
+
+def agent_names(w: Workflow, mask: int) -> list[str]:
+    """The agents of `w` in a block's agent mask (bit min(agent index, 7): the eighth and later share a bit)."""
+    return [a for a, bit in w.agents.items() if mask >> min(bit, 7) & 1]
 
 
 class WorkflowPolicy:
@@ -227,9 +242,9 @@ class WorkflowPolicy:
         groups = self.groups.get(cls)
         if not groups:
             return None
-        retired = [g for g in groups if isinstance(g, int) and groups[g]]
-        if retired:
-            return next(iter(groups[min(retired)]))
+        retired = self.retired_victim(cls)
+        if retired is not None:
+            return retired
         best: tuple[float, bytes] | None = None
         for sig, keys in groups.items():
             if keys and isinstance(sig, frozenset):
@@ -238,6 +253,22 @@ class WorkflowPolicy:
                 if best is None or score < best[0]:
                     best = (score, head)
         return None if best is None else best[1]
+
+    def retired_victim(self, cls: int) -> bytes | None:
+        """The next retired block of the class, or None: never an active one (room a prefetch may take)."""
+        groups = self.groups.get(cls)
+        retired = [g for g in groups if isinstance(g, int) and groups[g]] if groups else None
+        return next(iter(groups[min(retired)])) if groups and retired else None
+
+    def describe(self, key: bytes) -> dict[str, Any] | None:
+        """A block's standing and tags (`kvstore ls --tags`), or None if the policy does not hold it."""
+        if key not in self.where:
+            return None
+        tags = {w: m for w, m in self.tags.get(key, {}).items() if w in self.flows.active}
+        standing = "pinned" if key in self.pins else "active" if tags else "retired"
+        return {"standing": standing, "workflows": list(tags),
+                "agents": {w: agent_names(self.flows.active[w], m) for w, m in tags.items()},
+                "touched": self.touched.get(key, 0)}
 
     # ----- inside -----
     def _score(self, sig: Signature, key: bytes) -> float:

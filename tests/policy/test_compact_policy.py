@@ -20,12 +20,12 @@ class Both:
 
     def __init__(self, budget: int, inherit: bool, per_segment: int, timed: bool = False) -> None:
         self.now = 0.0
-        self.flows = Workflows(idle_s=50.0, clock=lambda: self.now)
-        self.flows.timed = timed
+        self.flows = Workflows(idle_s=50.0, clock=lambda: self.now, timed=timed)
         self.ref = WorkflowPolicy(self.flows, tag_budget=budget, inherit=inherit)
         self.table = KeyTable()
         self.keys: dict[int, bytes] = {}
-        self.new = CompactWorkflowPolicy(self.table, self.flows, self.keys.get, tag_budget=budget, inherit=inherit)
+        self.new = CompactWorkflowPolicy(self.table, self.flows, self.keys.get, tag_budget=budget, inherit=inherit,
+                                         pick_s=0.0)
         self.per_segment = per_segment
         self.free: list[int] = []
         self.next_slot = 0
@@ -60,11 +60,13 @@ class Both:
         assert self.new.counts() == self.ref.counts()
 
 
-@pytest.mark.parametrize("seed,budget,inherit", [(1, 4, True), (2, 4, False), (3, 2, True), (4, 1, True),
-                                                 (5, 3, False), (6, 4, True), (7, 8, True)])
-def test_the_compact_form_evicts_like_the_reference(seed: int, budget: int, inherit: bool) -> None:
+@pytest.mark.parametrize("seed,budget,inherit,timed", [(1, 4, True, False), (2, 4, False, False),
+                                                       (3, 2, True, False), (4, 1, True, False), (5, 3, False, False),
+                                                       (6, 4, True, False), (7, 8, True, False), (8, 4, True, True),
+                                                       (9, 2, True, True), (10, 4, False, True)])
+def test_the_compact_form_evicts_like_the_reference(seed: int, budget: int, inherit: bool, timed: bool) -> None:
     rng = random.Random(seed)
-    b = Both(budget, inherit, per_segment=rng.choice([3, 16, 64]))
+    b = Both(budget, inherit, per_segment=rng.choice([3, 16, 64]), timed=timed)
     wids: list[str] = []
     made = 0
     for _ in range(3000):
