@@ -99,6 +99,17 @@ class HintsConfig:
 
 
 @dataclass(slots=True)
+class PrefetchConfig:
+    """The predictive prefetch (kvstore.movers.predictive): SSD blocks of a workflow expected back soon are promoted
+    into free or retired host space ahead of its request."""
+    enabled: bool = True                # needs a lower tier; off: only clients' explicit prefetches
+    min_p: float = 0.5                  # the timed trigger: P(the workflow calls again) at least this ...
+    lead_s: float = 1.0                 # ... and its next call due within this many seconds (0: no timed trigger)
+    max_chain_blocks: int = 4096        # per active workflow, the head of its latest chain kept (16 B a block)
+    blocks_per_tick: int = 256          # blocks queued at most per server tick or per `next` hint
+
+
+@dataclass(slots=True)
 class LogConfig:
     level: str = "info"
 
@@ -111,6 +122,7 @@ class Config:
     traffic: TrafficConfig = field(default_factory=TrafficConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     hints: HintsConfig = field(default_factory=HintsConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     log: LogConfig = field(default_factory=LogConfig)
     tenants: list[TenantConfig] = field(default_factory=list)
 
@@ -122,7 +134,8 @@ class Config:
 
 
 SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "traffic": TrafficConfig,
-            "metrics": MetricsConfig, "hints": HintsConfig, "log": LogConfig}
+            "metrics": MetricsConfig, "hints": HintsConfig, "prefetch": PrefetchConfig,
+            "log": LogConfig}
 SIZE_FIELDS = {("server", "max_frame_bytes"), ("server", "min_block_bytes"), ("pool", "capacity"),
                ("pool", "segment_bytes"), ("ssd", "capacity"), ("ssd", "staging_bytes")}
 LISTS = ("tenants",)    # top-level lists, not sections: set by file only (a secret does not belong in the env)
@@ -326,6 +339,7 @@ def _check(cfg: Config) -> list[str]:
                       f"seconds, got {d.durable_timeout_s}")
     errors += _check_traffic(cfg.traffic)
     errors += _check_hints(cfg.hints)
+    errors += _check_prefetch(cfg.prefetch)
     if cfg.log.level not in LOG_LEVELS:
         errors.append(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}")
     return errors
@@ -355,6 +369,19 @@ def _check_hints(h: HintsConfig) -> list[str]:
         errors.append(f"hints.idle_s: must be 0.05..604800 seconds, got {h.idle_s}")
     if not 1 <= h.max_workflows <= 10_000_000:
         errors.append(f"hints.max_workflows: must be 1..10000000, got {h.max_workflows}")
+    return errors
+
+
+def _check_prefetch(p: PrefetchConfig) -> list[str]:
+    errors = []
+    if not 0 <= p.min_p <= 1:
+        errors.append(f"prefetch.min_p: must be a probability, 0..1, got {p.min_p}")
+    if not 0 <= p.lead_s <= 3600:
+        errors.append(f"prefetch.lead_s: must be 0..3600 seconds (0: no timed trigger), got {p.lead_s}")
+    if not 1 <= p.max_chain_blocks <= 1 << 20:
+        errors.append(f"prefetch.max_chain_blocks: must be 1..1048576, got {p.max_chain_blocks}")
+    if not 1 <= p.blocks_per_tick <= 65536:
+        errors.append(f"prefetch.blocks_per_tick: must be 1..65536, got {p.blocks_per_tick}")
     return errors
 
 

@@ -17,7 +17,8 @@ after its end, a kind this daemon does not know, a priority word it does not kno
   hints.max_workflows the least recently active one is retired at once. Both walk `recent`, ordered by activity,
   from its old end: a sweep costs O(workflows retired), never O(workflows).
 - What the policy does not need (the step, the agents expected next, the priority) is kept here for
-  `kvstore workflows` and later users (prefetch), per workflow.
+  `kvstore workflows`, per workflow; each call of an active workflow is told to `on_call` (the predictive prefetch:
+  a call re-arms its prefetch, and one naming the agents expected `next` asks for it at once).
 """
 from __future__ import annotations
 
@@ -60,8 +61,12 @@ class Info:
 class Hints:
     """The hint ops and request contexts of every tenant, applied to the one `Workflows` the policy reads."""
 
-    def __init__(self, workflows: Workflows, cfg: HintsConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, workflows: Workflows, cfg: HintsConfig, clock: Callable[[], float] = time.monotonic,
+                 on_call: Callable[[str, bool], None] | None = None,
+                 prefetch_stats: Callable[[], dict[str, Any]] | None = None) -> None:
         self.flows = workflows
+        self.on_call = on_call                  # (books' id, whether the call names agents expected next)
+        self.prefetch_stats = prefetch_stats    # the predictive prefetch's figures, shown with the hints
         self.idle_s = cfg.idle_s
         self.max_workflows = cfg.max_workflows
         self.clock = clock
@@ -101,6 +106,8 @@ class Hints:
         if prio is not None:
             info.priority = prio
         self._cap()
+        if kind == "call" and self.on_call is not None and wid in self.flows.active:
+            self.on_call(wid, bool(info.next))
         return self._reply(name, wid, why)
 
     def _end(self, name: str, wid: str) -> dict[str, Any]:
@@ -204,7 +211,8 @@ class Hints:
                 "retired_by": {r: self.retired[r] for r in ("ended", "idle", "over_max")},
                 "ignored": dict(self.ignored), "hints": dict(self.kinds),
                 "accuracy": {"top1_1": acc.rate(1), "top1_3": acc.rate(3)},
-                "predictions": {"top1_1": acc.total[1], "top1_3": acc.total[3]}}
+                "predictions": {"top1_1": acc.total[1], "top1_3": acc.total[3]},
+                "prefetch": self.prefetch_stats() if self.prefetch_stats is not None else None}
 
 
 def _target(kind: str, m: dict[str, Any], tenant: str) -> tuple[str, str, str]:

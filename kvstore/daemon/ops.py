@@ -7,7 +7,9 @@ Each op gets the connection (`Conn`: its holdings, peer and role). `hello` fixes
 connection's own tenant's segments; `reserve` gives each reservation a lease (server.reservation_lease_s). A durable
 `commit` and `flush` wait for the disk without the state lock (kvstore.movers.durability). `hint` and the hint
 context of lookup, acquire, reserve and commit (`wf`, `agent`) are kept by kvstore.daemon.hints, per tenant; the
-context reaches the index as a `Touch`, for the eviction policy."""
+context reaches the index as a `Touch`, for the eviction policy; the keys of a lookup, acquire or reserve naming a
+workflow are that workflow's chain for the predictive prefetch (kvstore.movers.predictive), which a `call` hint
+with `next` starts at once and which learns from acquires which of its blocks were used."""
 from __future__ import annotations
 
 import os
@@ -95,8 +97,8 @@ def op_lookup(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     """The longest prefix held by any tier, and how much of it is in the host pool. Every key asked counts toward
     the hit-rate ceiling (st.looked_up: distinct keys against keys looked up)."""
     ns = st.index.namespace(m["ns"], h)
-    _touch(st, h, m)                                # a lookup is activity; it changes no block's standing
     blob = m["keys"]
+    _touch(st, h, m, ns)                            # a lookup is activity; it changes no block's standing
     asked = len(blob) // HASH_BYTES
     st.looked_up.add_keys(blob, int.from_bytes(ns.prefix, "little"))
     n = host = st.index.host_prefix(ns, blob)
@@ -113,15 +115,19 @@ def op_lookup(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     return {"n": n, "host": host}
 
 
-def _touch(st: State, h: Conn, m: dict[str, Any]) -> Touch | None:
-    """The request's hint context (its `wf` and `agent` fields) for the index's policy; None without one."""
-    return st.hints.touch(tenant_of(st.config, h), m) if "wf" in m else None
+def _touch(st: State, h: Conn, m: dict[str, Any], ns: NamespaceEntry | None = None) -> Touch | None:
+    """The request's hint context (its `wf` and `agent` fields) for the index's policy; None without one. With
+    `ns`, the request's keys become the workflow's chain (the predictive prefetch)."""
+    touch = st.hints.touch(tenant_of(st.config, h), m) if "wf" in m else None
+    if touch is not None and ns is not None and st.predictive is not None:
+        st.predictive.saw(ns, touch, m["keys"])
+    return touch
 
 
 def op_reserve(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     ns = st.index.namespace(m["ns"], h)
     lease_until = time.monotonic() + st.config.server.reservation_lease_s
-    gids, status = st.index.reserve(ns, split_keys(m["keys"]), h, lease_until, touch=_touch(st, h, m))
+    gids, status = st.index.reserve(ns, split_keys(m["keys"]), h, lease_until, touch=_touch(st, h, m, ns))
     return {"slots": gids, "status": [int(s) for s in status], "generation": st.pool.generation}
 
 
@@ -211,7 +217,7 @@ def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         lane = parse_lane(m.get("lane", "critical"))
     except ValueError as e:
         raise ProtocolError(Code.BAD_REQUEST, f"acquire: {e}") from None
-    touch = _touch(st, h, m)
+    touch = _touch(st, h, m, ns)
     stream = Stream(st.index, st.pool, h, st.lock, m.get("_emit") if m.get("stream") else None)
     gids = stream.gids
     lower = 0                                           # blocks of the prefix promoted by this request
@@ -239,6 +245,8 @@ def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         if len(gids) == before:
             break
     _count_acquire(st, len(hashes), len(gids), lower)
+    if st.predictive is not None:
+        st.predictive.acquired(ns, hashes, gids)
     part = stream.rest()
     return {"slots": part, "crcs": st.index.crcs_of(part), "generation": st.pool.generation}
 
@@ -251,8 +259,12 @@ def _count_acquire(st: State, asked: int, got: int, lower: int) -> None:
 
 
 def op_hint(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
-    """Advice about a workflow or chat session (kvstore.daemon.hints): answered ok even when ignored."""
-    return st.hints.apply(tenant_of(st.config, h), m)
+    """Advice about a workflow or chat session (kvstore.daemon.hints): answered ok even when ignored. A call naming
+    the agents expected `next` starts the workflow's predictive prefetch before the reply."""
+    reply = st.hints.apply(tenant_of(st.config, h), m)
+    if st.predictive is not None and m.get("next"):
+        st.predictive.run_now()
+    return reply
 
 
 def op_workflows(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:

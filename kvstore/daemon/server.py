@@ -7,8 +7,9 @@ the exit. A client over the cap gets a `too_many_connections` error frame; its c
 
 Each accepted connection is identified by the kernel (SO_PEERCRED: pid, uid, gid; kvstore.daemon.tenants). The
 accept loop's tick (every LEASE_SWEEP_S at least) also aborts reservations older than server.reservation_lease_s,
-so a client that reserves and walks away cannot keep slots from the others, and retires workflows without activity
-for hints.idle_s (kvstore.daemon.hints)."""
+so a client that reserves and walks away cannot keep slots from the others, retires workflows without activity
+for hints.idle_s (kvstore.daemon.hints), and starts the predictive prefetch of workflows due soon
+(kvstore.movers.predictive)."""
 from __future__ import annotations
 
 import errno
@@ -133,6 +134,7 @@ class Daemon:
                 if now >= self._next_sweep:
                     self._expire_reservations(now)
                     self._retire_idle_workflows()
+                    self._predict()
                 self._drain_moves()
                 try:
                     conn, _ = self.listener.accept()
@@ -169,6 +171,19 @@ class Daemon:
         self.state.looked_up.fold(looked_up)
         if n:
             log.debug("retired %d workflow(s) idle for %g s (hints.idle_s)", n, self.config.hints.idle_s)
+
+    def _predict(self) -> None:
+        """The predictive prefetch's tick (bounded work: prefetch.blocks_per_tick blocks queued at most). The
+        retired blocks it evicts for room are copied down without the state lock, as a request's are."""
+        st = self.state
+        if st.predictive is None:
+            return
+        st.defer_copies()
+        try:
+            with st.lock:
+                st.predictive.tick()
+        finally:
+            st.copy_deferred()
 
     def _drain_moves(self) -> None:
         """While a lent segment is being emptied (kvstore.index.capacity: memory moving to another block size or

@@ -6,7 +6,8 @@ writes every committed block with ssd.write_through, and the blocks of durable c
 
 The hints' books are one `Workflows` (st.workflows, kvstore.policy.workflow), read by the index's eviction policy and
 fed by `hints` (kvstore.daemon.hints: per tenant, idle retirement); `looked_up` counts distinct keys looked up, for
-the hit-rate ceiling (kvstore.hll).
+the hit-rate ceiling (kvstore.hll). `predictive` (kvstore.movers.predictive) prefetches the lower-tier blocks of
+workflows expected back soon; None without a lower tier or with prefetch.enabled false.
 
 `lock` guards the books (index, pool, connection count, hints); `changed` (on it) is notified when a promotion or a
 prefetch finishes or a mover has work. Ops run under `lock`; block copies never do (see movers.demotion).
@@ -25,6 +26,7 @@ from kvstore.daemon.metrics import OpMetrics
 from kvstore.hll import HyperLogLog
 from kvstore.index import Index
 from kvstore.movers.demotion import Demotion
+from kvstore.movers.predictive import PredictivePrefetch
 from kvstore.movers.prefetch import Prefetcher
 from kvstore.movers.promotion import Promotion
 from kvstore.movers.writethrough import DurableTier, WriteThrough
@@ -51,6 +53,7 @@ class State:
     write_through: WriteThrough | None
     workflows: Workflows
     hints: Hints
+    predictive: PredictivePrefetch | None
     looked_up: HyperLogLog = field(default_factory=HyperLogLog)
     metrics: OpMetrics = field(default_factory=OpMetrics)
     connections: int = 0
@@ -89,15 +92,22 @@ def build_state(config: Config) -> State:
     demotion = Demotion(lower.first, pool, counters) if lower else None
     index = Index(pool, config.pool.eviction, demotion, counters, workflows=workflows)
     prefetcher = Prefetcher(index, pool, lower, changed, counters) if lower else None
-    promotion = Promotion(index, pool, lower, lock, changed, partial(copy_deferred, demotion, index, lock, False),
+    copy_evicted = partial(copy_deferred, demotion, index, lock, False)
+    promotion = Promotion(index, pool, lower, lock, changed, copy_evicted,
                           prefetcher.escalate if prefetcher is not None else _no_flight)
+    predictive = None
+    if prefetcher is not None and config.prefetch.enabled:
+        predictive = PredictivePrefetch(config.prefetch, workflows, index, pool, lower, prefetcher, lock,
+                                        copy_evicted)
     write_through = None
     if lower and isinstance(lower.first, DurableTier):     # durable commits and flushes, even without write_through
         write_through = WriteThrough(index, pool, lower.first, changed, counters, config.ssd.staging_bytes,
                                      enabled=config.ssd.write_through, synced=config.ssd.sync != "never",
                                      pin_cap=int(config.pool.capacity * config.server.max_reserved_fraction))
+    hints = Hints(workflows, config.hints, on_call=predictive.called if predictive is not None else None,
+                  prefetch_stats=predictive.stats if predictive is not None else None)
     return State(config, lock, changed, counters, pool, index, traffic, lower, promotion, demotion, prefetcher,
-                 write_through, workflows, Hints(workflows, config.hints))
+                 write_through, workflows, hints, predictive)
 
 
 def _no_flight(key: bytes) -> bool:

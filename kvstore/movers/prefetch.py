@@ -5,11 +5,17 @@ block is one transfer in the traffic manager's prefetch lane, whose bounded queu
 that does not fit is refused at once with `busy` and queues nothing. A get that meets a block still queued moves
 its transfer up to the critical lane and waits for it instead of reading it twice; a delete of a block still queued
 cancels its transfer, and a delete that races a read in progress wins: the block is never published.
+
+The daemon's own predictive prefetch (kvstore.movers.predictive) queues through `submit` too, with the workflow's
+hint context (the blocks land tagged with it, in its group of the eviction policy) and a callback told of each
+block's outcome; it makes room from retired blocks itself before it submits, so this mover still only fills free
+space.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
@@ -17,9 +23,12 @@ from threading import Condition
 from typing import Any
 
 from kvstore.index import Holdings, Index, NamespaceEntry
+from kvstore.policy.workflow import Touch
 from kvstore.tiers import LowerTier, LowerTiers
 from kvstore.tiers.host import HostPool
 from kvstore.traffic import Busy, Lane
+
+Outcome = Callable[[bytes, int | None], None]   # (index key, its gid if it landed, else None): under the state lock
 
 
 class LaneFull(Exception):
@@ -46,6 +55,8 @@ class _Flight:
     ticket: Ticket
     view: memoryview
     future: Future[Any] | None = None
+    touch: Touch | None = None
+    outcome: Outcome | None = None
 
     @property
     def block_id(self) -> bytes:
@@ -64,9 +75,15 @@ class Prefetcher:
         self.flights: dict[bytes, _Flight] = {}  # index key → its transfer
         self._closed = False
 
-    def submit(self, ns: NamespaceEntry, hashes: list[bytes]) -> Ticket:
-        """(Under the state lock.) Queue the blocks' reads, or refuse them all (LaneFull) if they do not fit."""
-        room = min(t.path.room(Lane.PREFETCH) for t in self.lower)
+    def room(self) -> int:
+        """How many more blocks the prefetch lane takes now (0 once closed)."""
+        return 0 if self._closed else min(t.path.room(Lane.PREFETCH) for t in self.lower)
+
+    def submit(self, ns: NamespaceEntry, hashes: list[bytes], touch: Touch | None = None,
+               outcome: Outcome | None = None) -> Ticket:
+        """(Under the state lock.) Queue the blocks' reads, or refuse them all (LaneFull) if they do not fit.
+        `touch`: the hint context the landed blocks are tagged with; `outcome`: told of each queued block's end."""
+        room = self.room()
         if room < len(hashes) or self._closed:
             self.counters["prefetch_busy"] += 1
             raise LaneFull(f"prefetch: the prefetch lane has room for {max(room, 0)} more blocks; {len(hashes)} do "
@@ -79,7 +96,7 @@ class Prefetcher:
             if not plan or tier is None:
                 self._skip(ticket)
                 continue
-            flight = _Flight(ns, tier, plan, ticket, self.pool.view(plan[0][1]))
+            flight = _Flight(ns, tier, plan, ticket, self.pool.view(plan[0][1]), touch=touch, outcome=outcome)
             try:
                 flight.future = tier.read_async(ns.block_id(h), flight.view, Lane.PREFETCH,
                                                 partial(self._landed, flight))
@@ -105,20 +122,27 @@ class Prefetcher:
         """(Under the state lock.)"""
         flight.view.release()
         self.flights.pop(flight.ns.key(flight.plan[0][0]), None)
-        got = self.index.finish_promotion(flight.ns, flight.plan, int(ok), self.holder, pin=False, crcs=[crc])
+        got = self.index.finish_promotion(flight.ns, flight.plan, int(ok), self.holder, pin=False, crcs=[crc],
+                                          touch=flight.touch)
         if got:
             flight.ticket.done += 1
             self.counters["prefetched"] += 1
         else:
             self._skip(flight.ticket)
+        if flight.outcome is not None:
+            flight.outcome(flight.ns.key(flight.plan[0][0]), got[0] if got else None)
         self.changed.notify_all()
 
     def cancel(self, ns: NamespaceEntry, hashes: list[bytes]) -> int:
         """(Under the state lock.) Drop the queued reads of these keys (they are being deleted); a read already
         running is left to finish, and the index does not publish it. Returns how many were cancelled."""
+        return self.cancel_keys(ns.key(h) for h in hashes)
+
+    def cancel_keys(self, keys: Iterable[bytes]) -> int:
+        """(Under the state lock.) `cancel` by index keys (a workflow whose prefetch is still queued ended)."""
         n = 0
-        for h in hashes:
-            flight = self.flights.get(ns.key(h))
+        for key in keys:
+            flight = self.flights.get(key)
             if flight is not None and flight.tier.path.cancel(flight.block_id):
                 self.counters["prefetch_cancelled"] += 1
                 self._finish(flight, ok=False)
