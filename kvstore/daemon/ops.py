@@ -115,19 +115,21 @@ def op_lookup(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     return {"n": n, "host": host}
 
 
-def _touch(st: State, h: Conn, m: dict[str, Any], ns: NamespaceEntry | None = None) -> Touch | None:
+def _touch(st: State, h: Conn, m: dict[str, Any], ns: NamespaceEntry | None = None,
+           forward: bool = True) -> Touch | None:
     """The request's hint context (its `wf` and `agent` fields) for the index's policy; None without one. With
-    `ns`, the request's keys become the workflow's chain (the predictive prefetch)."""
+    `ns`, the request's keys become the workflow's chain (the predictive prefetch; `forward`: see its `saw`)."""
     touch = st.hints.touch(tenant_of(st.config, h), m) if "wf" in m else None
     if touch is not None and ns is not None and st.predictive is not None:
-        st.predictive.saw(ns, touch, m["keys"])
+        st.predictive.saw(ns, touch, m["keys"], forward)
     return touch
 
 
 def op_reserve(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     ns = st.index.namespace(m["ns"], h)
     lease_until = time.monotonic() + st.config.server.reservation_lease_s
-    gids, status = st.index.reserve(ns, split_keys(m["keys"]), h, lease_until, touch=_touch(st, h, m, ns))
+    touch = _touch(st, h, m, ns, forward=False)     # a put's batches come tail first
+    gids, status = st.index.reserve(ns, split_keys(m["keys"]), h, lease_until, touch=touch)
     return {"slots": gids, "status": [int(s) for s in status], "generation": st.pool.generation}
 
 

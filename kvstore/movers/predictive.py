@@ -29,6 +29,7 @@ copy them down (`copy_evicted`) before their slots are reused; it checks the wor
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from kvstore.tiers import LowerTiers
 from kvstore.tiers.host import HostPool
 
 SCAN_WORKFLOWS = 256        # armed workflows whose timing one tick looks at (the others at the next ticks)
+BURST_S = 1.0               # requests of a workflow this close together are batches of one request (`merge_chain`)
+SCAN_BLOCKS = 4096          # blocks of a chain past its host prefix one run looks at (the rest at the next tick)
 COUNTERS = ("predicted", "predicted_next", "predicted_timed", "queued", "landed", "used", "wasted", "wasted_bytes",
             "cancelled", "failed", "refused_lane_full", "skipped_host", "skipped_no_room", "evicted_retired")
 
@@ -55,6 +58,7 @@ class _Watch:
     chain: bytes                        # the block hashes of its latest request, HASH_BYTES each
     agent: str
     armed: bool = False                 # a call came since its last prefetch: the timed trigger may fire
+    seen: float = 0.0                   # when a request last named it
     at: int | None = None               # a run in progress: the next block of the chain to look at
     trigger: str = ""                   # what started the run in progress ("next" or "timed")
     queued: set[bytes] = field(default_factory=set)       # index keys of its reads in flight
@@ -63,8 +67,10 @@ class _Watch:
 
 class PredictivePrefetch:
     def __init__(self, cfg: PrefetchConfig, workflows: Workflows, index: Index, pool: HostPool, lower: LowerTiers,
-                 prefetcher: Prefetcher, lock: Lock, copy_evicted: Callable[[], None]) -> None:
+                 prefetcher: Prefetcher, lock: Lock, copy_evicted: Callable[[], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.flows = workflows
         self.index = index
         self.pool = pool
@@ -80,19 +86,24 @@ class PredictivePrefetch:
         workflows.retire_hooks.append(self._retired)
 
     # ----- what the daemon tells it -----
-    def saw(self, ns: NamespaceEntry, touch: Touch, keys: bytes) -> None:
-        """A request naming an active workflow: its keys (a blob of hashes) become the workflow's chain, unless they
-        are a prefix of the chain kept."""
-        chain = keys[:self.cfg.max_chain_blocks * HASH_BYTES]
+    def saw(self, ns: NamespaceEntry, touch: Touch, keys: bytes, forward: bool = True) -> None:
+        """A request naming an active workflow: its keys (a blob of hashes) become the workflow's chain (see
+        `merge_chain`: a request's batches are put back together). `forward`: the client sends a long request's
+        batches head first (lookups, gets) rather than tail first (puts)."""
+        now = self.clock()
         w = self.watches.get(touch.workflow)
         if w is None:
             if touch.workflow in self.flows.active:     # armed: it was called (or begun) before this request
-                self.watches[touch.workflow] = _Watch(ns, chain, touch.agent, armed=True)
+                head = keys[:self.cfg.max_chain_blocks * HASH_BYTES]
+                self.watches[touch.workflow] = _Watch(ns, head, touch.agent, armed=True, seen=now)
                 self.armed[touch.workflow] = None
             return
-        if w.ns is ns and w.chain.startswith(chain):
+        burst = w.ns is ns and now - w.seen <= BURST_S
+        chain = merge_chain(w.chain if w.ns is ns else b"", keys, burst, forward)
+        w.seen = now
+        if chain is None:
             return
-        w.ns, w.chain, w.agent = ns, chain, touch.agent
+        w.ns, w.chain, w.agent = ns, chain[:self.cfg.max_chain_blocks * HASH_BYTES], touch.agent
         if w.at is not None:
             w.at = 0                            # a run in progress starts over on the new chain
 
@@ -177,12 +188,13 @@ class PredictivePrefetch:
             self.counts["refused_lane_full"] += 1    # the lane is full: the run goes on at the next tick
             return 0
         start = w.at
-        want, w.at = self._candidates(w, min(room, budget))
+        want, w.at, skipped = self._candidates(w, min(room, budget))
         if not want:
-            if w.at is None and w.trigger == "timed" and not w.queued:
-                w.armed = True                       # nothing was below: not a prediction tried
+            if w.at is None and w.trigger:
+                w.armed = True                       # nothing was below: no prediction was tried
                 self.armed[wid] = None
             return 0
+        self.counts["skipped_host"] += skipped       # (counted for runs that found blocks below only)
         if w.trigger:
             self.counts["predicted"] += 1
             self.counts["predicted_" + w.trigger] += 1
@@ -194,23 +206,29 @@ class PredictivePrefetch:
             return 0
         return self._submit(wid, w, fits, start)
 
-    def _candidates(self, w: _Watch, limit: int) -> tuple[list[bytes], int | None]:
-        """Up to `limit` blocks of the chain from `w.at` held only below: (them, where to go on; None at the end).
-        The chain stops at a block no tier holds (what follows it is no use without it)."""
+    def _candidates(self, w: _Watch, limit: int) -> tuple[list[bytes], int | None, int]:
+        """Up to `limit` blocks of the chain from `w.at` held only below: (them, where to go on — None at the end —,
+        blocks passed over as in the host pool or on their way there). The chain stops at a block no tier holds
+        (what follows it is no use without it). The host pool's prefix is passed over at once (the common case: a
+        workflow whose blocks are all up), then at most SCAN_BLOCKS blocks are looked at."""
         ns, chain, at = w.ns, w.chain, w.at or 0
+        n = len(chain) // HASH_BYTES
         idx = self.index
+        skipped = idx.host_prefix(ns, chain[at * HASH_BYTES:])
+        at += skipped
+        end = min(n, at + SCAN_BLOCKS)
         out: list[bytes] = []
-        while at * HASH_BYTES < len(chain) and len(out) < limit:
+        while at < end and len(out) < limit:
             h = chain[at * HASH_BYTES:(at + 1) * HASH_BYTES]
             key = ns.key(h)
             if key in idx.table or key in idx.pending or key in idx.promoting:
-                self.counts["skipped_host"] += 1
+                skipped += 1
             elif key in idx.deleting or self.lower.holder(ns.block_id(h)) is None:
-                return out, None
+                return out, None, skipped
             else:
                 out.append(h)
             at += 1
-        return out, (at if at * HASH_BYTES < len(chain) else None)
+        return out, (at if at < n else None), skipped
 
     def _room_for(self, ns: NamespaceEntry, want: list[bytes]) -> list[bytes]:
         """The head of `want` that free host space, plus space of retired blocks evicted now, can take."""
@@ -302,6 +320,30 @@ class PredictivePrefetch:
         out["watched"] = len(self.watches)
         out["in_flight"] = sum(len(w.queued) for w in self.watches.values())
         return out
+
+
+def merge_chain(chain: bytes, keys: bytes, burst: bool, forward: bool) -> bytes | None:
+    """A workflow's chain after a request for `keys`; None to keep it as it is. Clients split a long request into
+    batches (a get head first, a put tail first), so: keys the chain holds already (a part of it, such as one
+    batch or a shorter prefix) keep it; keys that begin inside it go on from there; within a burst (`burst`:
+    requests of the workflow less than BURST_S apart) other keys are the next batch, after the chain (`forward`)
+    or before it; otherwise they are the workflow's new chain."""
+    i = _find(chain, keys[:HASH_BYTES]) if keys else -1
+    if i >= 0 and chain[i:i + len(keys)] == keys:
+        return None
+    if i > 0:
+        return chain[:i] + keys
+    if not burst or i == 0:
+        return keys
+    return chain + keys if forward else keys + chain
+
+
+def _find(chain: bytes, h: bytes) -> int:
+    """The offset of hash `h` in the chain (on a hash boundary), or -1."""
+    i = chain.find(h)
+    while i >= 0 and i % HASH_BYTES:
+        i = chain.find(h, i + 1)
+    return i
 
 
 def free_slots(pool: HostPool, slot_bytes: int, tenant: str) -> int:

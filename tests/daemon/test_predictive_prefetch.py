@@ -141,6 +141,25 @@ def test_a_workflow_due_soon_is_prefetched_without_a_next_hint(daemons):
         assert prefetch(c)["used"] == 16
 
 
+def test_a_run_the_prefetch_lane_cannot_take_at_once_goes_on_at_the_next_ticks(daemons):
+    """The prefetch lane's queue holds 4 transfers and a tick queues at most 4 blocks: a chain of 40 lands whole,
+    a few blocks at a time (the run goes on from where it stopped), and its blocks are used."""
+    d = daemon(daemons, KVSTORE_TRAFFIC_QUEUE_PREFETCH="4", KVSTORE_PREFETCH_BLOCKS_PER_TICK="4")
+    with d.client() as c:
+        ns = c.namespace(spec())
+        a = c.workflow("A", type="qa")
+        ha = hashes(40, tag=b"A")
+        a.call("reader")
+        put(ns, ha, 0, a.context("reader"))
+        c.evict(everything=True)
+        ssd_settled(c)
+        a.call("reader", next=["writer"])
+        p = landed(c, 40)
+        assert (p["predicted"], p["queued"], p["landed"], p["skipped_no_room"]) == (1, 40, 40, 0), p
+        get_all(ns, ha, 0, a.context("reader"))
+        assert prefetch(c)["used"] == 40
+
+
 def test_disabled_or_without_an_ssd_tier_there_is_no_predictive_prefetch(daemons):
     d = daemon(daemons, KVSTORE_PREFETCH_ENABLED="false")
     with d.client() as c:
