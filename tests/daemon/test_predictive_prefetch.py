@@ -141,6 +141,31 @@ def test_a_workflow_due_soon_is_prefetched_without_a_next_hint(daemons):
         assert prefetch(c)["used"] == 16
 
 
+def test_reads_still_queued_when_the_workflow_ends_are_cancelled(daemons):
+    """One SSD transfer at a time, 200 blocks to bring up: the end hint right after the call finds most of them
+    still queued, and they are cancelled; every block is accounted for (landed or cancelled) and those that landed
+    are wasted."""
+    d = ssd_daemon(daemons, capacity="2MiB", segment="1MiB", KVSTORE_POOL_EVICTION="workflow",
+                   KVSTORE_PREFETCH_LEAD_S="0", KVSTORE_TRAFFIC_SSD_IN_FLIGHT="1")
+    with d.client() as c:
+        ns = c.namespace(spec())
+        a = c.workflow("A", type="qa")
+        ha = hashes(200, tag=b"A")
+        a.call("reader")
+        put(ns, ha, 0, a.context("reader"))
+        c.evict(everything=True)
+        ssd_settled(c)
+        a.call("reader", next=["writer"])
+        a.end()
+        deadline = time.monotonic() + 20
+        while (p := prefetch(c))["landed"] + p["cancelled"] < 200 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert p["queued"] == 200 and p["landed"] + p["cancelled"] == 200 and p["cancelled"] > 0, p
+        assert (p["wasted"], p["used"], p["watched"]) == (p["landed"], 0, 0), p
+        assert c.stats()["counters"]["prefetch_cancelled"] == p["cancelled"]
+        assert in_host(c, ns, ha) == p["landed"]
+
+
 def test_a_run_the_prefetch_lane_cannot_take_at_once_goes_on_at_the_next_ticks(daemons):
     """The prefetch lane's queue holds 4 transfers and a tick queues at most 4 blocks: a chain of 40 lands whole,
     a few blocks at a time (the run goes on from where it stopped), and its blocks are used."""
