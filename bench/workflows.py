@@ -117,17 +117,21 @@ MIXES = {
 }
 
 
-# Seconds between a workflow's calls (tool runs, user think time) and a request's own service time, per family:
-# a request is sent when its workflow's previous call returned and the gap has passed, so the next request is the
-# one that became ready first, not a random live workflow's.
+# Seconds between a workflow's calls (the engine decoding the reply, then tool runs or a user's think time: mean per
+# family) and a request's own service time: a request is sent when its workflow's previous call returned and the
+# gap has passed, so the next request is the one that became ready first, not a random live workflow's. Gaps are
+# gamma distributed with shape GAP_SHAPE (4: a coefficient of variation of 0.5, as a decode plus a tool run are:
+# neither is memoryless); shape 1 makes them exponential (memoryless: how long a workflow has waited then says
+# nothing of when it calls again, the hardest case for any online policy).
 GAPS = {"codegen": 4.0, "factcheck": 2.0, "pipeline": 1.0, "chat": 20.0}
+GAP_SHAPE = 4.0
 SERVICE_S = 0.5
 
 
-def mix(name: str, workflows: int, concurrency: int, seed: int = 11) -> list[Request]:
+def mix(name: str, workflows: int, concurrency: int, seed: int = 11, shape: float = GAP_SHAPE) -> list[Request]:
     """`workflows` workflows of the mix's families, at most `concurrency` live at once. Event driven: each live
-    workflow's next request is ready at its previous one's end plus an exponential gap (GAPS, mean per family);
-    the node serves them in order of readiness."""
+    workflow's next request is ready at its previous one's end plus a gamma(`shape`) gap (GAPS: the mean per
+    family); the node serves them in order of readiness."""
     rng = random.Random(seed)
     systems = {f: _tokens(rng, rng.randint(800, 1500)) for f in FAMILIES}
     weights = MIXES[name]
@@ -154,7 +158,7 @@ def mix(name: str, workflows: int, concurrency: int, seed: int = 11) -> list[Req
         out.append(req)
         now += SERVICE_S / concurrency                  # the node serves `concurrency` requests at a time
         tie += 1
-        heapq.heappush(ready, (now + SERVICE_S + rng.expovariate(1 / GAPS[f]), tie, f, w))
+        heapq.heappush(ready, (now + SERVICE_S + rng.gammavariate(shape, GAPS[f] / shape), tie, f, w))
     return out
 
 
@@ -210,8 +214,10 @@ def hit_rates(trace: list[Request], capacity: int, policy: str) -> int:
 
 
 def _workflow(trace: list[Request], capacity: int, hints: bool, **kw: object) -> int:
-    """The workflow-aware policy, offline: hints as an engine would send them (a call per request, the end after
-    a workflow's last); reads touch a prefix's head last, as the daemon's gets do."""
+    """The workflow-aware policy, offline, as the daemon applies it to a connector's requests: hints as an engine
+    sends them (a call per request, the end after a workflow's last); the get touches the hit prefix head last;
+    the put of the whole chain reserves the missing blocks (evicting as it goes), publishes them tail first and
+    then refreshes the blocks stored already, tail first: the chain leaves tail first."""
     from kvstore.policy.workflow import Touch, WorkflowPolicy, Workflows
 
     clock = [0.0]
@@ -229,18 +235,23 @@ def _workflow(trace: list[Request], capacity: int, hints: bool, **kw: object) ->
         hits += n
         for h in reversed(r.hashes[:n]):
             pol.accessed(h, touch)
+        new: list[bytes] = []
         for h in r.hashes[n:]:
-            if h in cached:
-                pol.accessed(h, touch)
+            if h in cached or h in new:
                 continue
-            if len(cached) >= capacity:
+            if len(cached) + len(new) >= capacity:
                 v = pol.victim(0)
                 if v is None:
                     break
                 pol.removed(v)
                 cached.discard(v)
+            new.append(h)
+        for h in reversed(new):
             pol.added(h, 0, touch)
             cached.add(h)
+        for h in reversed(r.hashes):
+            if h in cached and h not in new:
+                pol.accessed(h, touch)
         if hints and r.last:
             flows.end(r.workflow)
     return hits

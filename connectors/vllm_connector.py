@@ -42,6 +42,12 @@ the scheduler hands to the worker in the metadata, per request. Advice only: a r
 case) sends nothing more, and a hint that is malformed, refused or ignored by the daemon is logged at debug and
 changes nothing for the engine.
 
+Saves: each save reserves the request's whole chain so far (its last CHAIN_KEYS blocks for a longer one), not only
+the blocks new since the last: the daemon refreshes the blocks it holds already, tail first, and stores the rest,
+so the chain leaves the pool tail first (a put of the new blocks alone would leave them more recent than the loaded
+prefix, whose tail would go first and leave them behind a hole), a block evicted since the request loaded it is
+stored again, and, without a lower tier, the put never evicts the chain's own head to make room for its tail.
+
 The GPU path: the pool's segments are registered as pinned memory once, loads of every layer are queued on the
 connector's stream at `start_load_kv` (each attention layer waits only for its own layer's event), saves are queued
 after the layer's compute, and the blocks are committed in `wait_for_save` after one stream sync, so the last layer
@@ -50,7 +56,7 @@ never stalls the forward pass. On CPU the same movers copy at once (`kv_pages.py
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -93,6 +99,9 @@ class RequestBlocks:
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[RequestBlocks] = field(default_factory=list)
     saves: list[RequestBlocks] = field(default_factory=list)
+
+
+CHAIN_KEYS = 1024                 # the most blocks of a chain one save reserves (the daemon's default max_keys)
 
 
 @dataclass
@@ -286,10 +295,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             # blocks whose every token has KV once this step has run, and whose hash vLLM has computed
             done = (computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // self.block_size
             hi = min(done, len(state.request.block_hashes), len(state.block_ids))
-            if hi > state.stored_upto:
+            if hi > state.stored_upto:        # the whole chain so far: see "Saves" in the module docstring
+                lo = max(0, hi - CHAIN_KEYS)
                 meta.saves.append(RequestBlocks(req_id, _adapter(state.request),
-                                                self._hashes(state.request, state.stored_upto, hi),
-                                                state.block_ids[state.stored_upto:hi],
+                                                self._hashes(state.request, lo, hi),
+                                                state.block_ids[lo:hi],
                                                 self.durable or _asks_durable(state.request),
                                                 self._context(req_id)))
                 state.stored_upto = hi
@@ -426,6 +436,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                 ns = self.link.namespace(t.adapter)
                 if ns is None:
                     continue
+                keep = self.link.client.max_keys if self.link.client is not None else CHAIN_KEYS
+                if len(t.hashes) > keep:          # a daemon configured for fewer keys a request: the chain's end
+                    t = replace(t, hashes=t.hashes[-keep:], block_ids=t.block_ids[-keep:])
                 try:
                     self._reservations.append((t, ns.reserve(t.hashes, **with_context(t.context)), set()))
                 except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse

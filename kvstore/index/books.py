@@ -189,15 +189,25 @@ class Index(CapacityBooks):
         gids, status = [], []
         waiting: list[bytes] = []                    # blocks stored already, since the last one reserved
         room = holder.reserved_share * self.pool.capacity if holder.reserved_share else None
+        # A put never drops its own chain's blocks to store later ones (they would follow a hole), nor blocks
+        # worth more than its own (`_allocate`); with a lower tier an eviction demotes instead of dropping, so
+        # there the chain may overflow the pool (its head read back from below).
+        mine = {ns.key(h) for h in hashes} if self.on_evict is None else None
+        stopped = False
         for h in hashes:
             key = ns.key(h)
+            if stopped:                              # the rest of the chain would follow a hole: not stored
+                gids.append(0)
+                status.append(EXISTS if key in self.table else NO_SPACE)
+                continue
             if room is not None and holder.reserved_bytes + ns.slot_bytes > room and key not in self.table \
                     and key not in self.pending:
                 self.counters["held_cap"] += 1           # server.max_reserved_fraction: the rest waits for commits
                 gids.append(0)
                 status.append(NO_SPACE)
                 continue
-            gid, st = self._reserve_one(key, ns, holder)
+            gid, st = self._reserve_one(key, ns, holder, protect=mine, touch=touch)
+            stopped = st == NO_SPACE and self._kept_own
             if st == EXISTS:
                 waiting.append(key)
             elif gid and waiting:
@@ -214,16 +224,21 @@ class Index(CapacityBooks):
             self.policy.accessed(key, touch)
         return gids, status
 
-    def _reserve_one(self, key: bytes, ns: NamespaceEntry, holder: Holdings,
-                     evict: bool = True) -> tuple[int, ReserveStatus]:
-        """A slot for one key not stored yet; without `evict`, from free space only (a prefetch)."""
+    def _reserve_one(self, key: bytes, ns: NamespaceEntry, holder: Holdings, evict: bool = True,
+                     protect: set[bytes] | None = None, touch: Touch | None = None) -> tuple[int, ReserveStatus]:
+        """A slot for one key not stored yet; without `evict`, from free space only (a prefetch). The blocks in
+        `protect` (the put's own chain) are never evicted for it, nor (with `touch`, under a policy that can tell)
+        a block worth more than the one coming: then NO_SPACE, and `_kept_own` says why — the rest of the chain
+        would be worth no more (see `_allocate`)."""
+        self._kept_own = False
         if key in self.table:
             return 0, EXISTS                          # refreshed by `reserve` (a promotion stops here)
         if key in self.pending:
             return 0, IN_PROGRESS
         if not self._may_hold(holder, ns.slot_bytes):
             return 0, NO_SPACE
-        gid = self._allocate(ns.slot_key, ns.cls) if evict else self.pool.allocate(ns.slot_bytes, ns.tenant)
+        gid = self._allocate(ns.slot_key, ns.cls, protect, touch) if evict else \
+            self.pool.allocate(ns.slot_bytes, ns.tenant)
         if gid is None:
             return 0, NO_SPACE
         self.pending[key] = gid

@@ -26,13 +26,16 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvstore.index.keytable import KeyTable
 from kvstore.index.namespaces import NamespaceEntry, Namespaces, SlotKey
 from kvstore.index.sweep import SlotCursor
 from kvstore.policy import EvictionPolicy
 from kvstore.tiers.host import HostPool, Segment, gid_of, split_gid
+
+if TYPE_CHECKING:
+    from kvstore.policy.workflow import Touch
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,7 @@ class CapacityBooks:
     zombies: dict[int, bytes]
     counters: Counter[str]
     on_evict: EvictionSink | None
+    _kept_own: bool = False     # the last allocation refused to evict a block of the put's own chain
 
     def _unpin(self, gid: int) -> None: raise NotImplementedError
 
@@ -169,14 +173,22 @@ class CapacityBooks:
         return sum(s.size for s in self.pool.segments.values() if s.draining)
 
     # ----- allocation -----
-    def _allocate(self, slot: SlotKey, cls: int) -> int | None:
-        """A slot of the class `slot` (tenant, slot bytes), whose eviction class is `cls`."""
+    def _allocate(self, slot: SlotKey, cls: int, protect: set[bytes] | None = None,
+                  touch: Touch | None = None) -> int | None:
+        """A slot of the class `slot` (tenant, slot bytes), whose eviction class is `cls`. With `protect` (a put's
+        own chain, given only where an eviction drops the block: no lower tier), None with `_kept_own` set rather
+        than evict one of its blocks, or — Belady's bypass, estimated — a block the policy values above the
+        block coming (`admits`, with the request's hint context `touch`)."""
         tenant, slot_bytes = slot
         while True:
             gid = self.pool.allocate(slot_bytes, tenant)
             if gid is not None:
                 return gid
             key = self.policy.victim(cls)
+            if protect is not None and key is not None and (key in protect or not self._admitted(key, touch)):
+                self.counters["kept_own_chain" if key in protect else "not_admitted"] += 1
+                self._kept_own = True
+                return None
             stale = self._staler_segment(slot, key) if len(self.pool.classes) > 1 else None
             if stale is not None:
                 self._retire(stale, for_room=True)   # memory moves to this class: a new segment fits
@@ -186,6 +198,12 @@ class CapacityBooks:
                     return gid
             elif not self._reclaim_other(slot):
                 return None
+
+    def _admitted(self, victim: bytes, touch: Touch | None) -> bool:
+        """Whether the policy would evict `victim` for a block of the request `touch` (always without a context
+        or under a policy that cannot tell: LRU admits everything)."""
+        admits = getattr(self.policy, "admits", None)
+        return touch is None or admits is None or admits(victim, touch)
 
     def _staler_segment(self, slot: SlotKey, victim: bytes | None) -> Segment | None:
         """An idle segment of another class (block size or tenant) whose next victim was used before ours: the

@@ -23,7 +23,7 @@ the blocks of its groups (each block once per tag it got). `victim`: the active 
 heap by (score, age); a group's score changes only when one of its workflows gets a hint (its value is cached by
 `Workflows` until then), so a victim costs O(log groups) plus, once per hint, re-scoring the hinted workflow's
 groups. (The variants whose scores move with every hint, `inherit=False` and `Workflows.timed`, take the minimum
-over the class's active groups at each victim, as the reference does.)
+over the class's active groups, as the reference does, kept for `pick_s` while nothing changes: `_pick`.)
 """
 from __future__ import annotations
 
@@ -186,6 +186,17 @@ class CompactWorkflowPolicy:
             if g is not None:
                 return self.key_at(g.head)
         return None
+
+    def admits(self, victim: bytes, touch: Touch) -> bool:
+        """As WorkflowPolicy.admits: evict `victim` for a block of `touch` unless it is worth more."""
+        gid = self.table.get(victim)
+        if touch.workflow not in self.flows.active or gid is None:
+            return True
+        ch, i = self._row(gid)
+        if ch is None or ch.group[i] < 0:
+            return True
+        g = self.groups[ch.group[i]]
+        return isinstance(g.sig, int) or self._score(g) < self.flows.value(touch.workflow)
 
     def describe(self, key: bytes) -> dict[str, Any] | None:
         """A block's standing and tags (`kvstore ls --tags`), or None if the policy has no row for it."""

@@ -15,13 +15,24 @@ The engine (or an agent framework) tells the daemon which workflow, agent and se
    workflow reuses what an earlier one touched: the "later agents inherit" variant of PBKV §5, the default
    (`inherit=False` scores only the agents that touched the block themselves). A chat session is a workflow whose
    every turn reuses its whole history.
+   **Timed** (the default): each value is scaled by how soon the workflow is expected back — the mean gap
+   between calls over its expected residual wait, E[G − e | G > e], e the time since its last call and G the gaps
+   learned per (type, agent) (`predictor.Gaps`). Agents wait on decodes and tools, and those waits are not
+   memoryless: the workflow that just called is the least likely to call next, so this is Belady's farthest next
+   use, estimated (under memoryless gaps it falls back to the lookahead order).
    Blocks are kept in groups of one signature (the set of active workflows that touched them), each an LRU list:
    a score is computed per group, not per block, and a workflow's step changes the value of its groups only.
 3. Within a group, least recently used first: a read touches a prefix's head last, so tails go before heads.
 Pinned blocks are never candidates.
 
+**Admission** (`admits`, Belady's bypass): a block coming in with a request's context enters its workflow's group;
+the index evicts a victim for it only if the victim's score is below the workflow's value, else the put stops
+there (without a lower tier, where an eviction drops the block for good). So a request never evicts its own
+workflow's blocks, nor a prefix other live workflows share, to store blocks worth less.
+
 Cost: a touch is O(tags); an end re-groups the ended workflow's blocks (each block pays once per tag it got); a
-victim costs O(groups of the class) — the active workflows, not the blocks.
+victim costs O(groups of the class) — the active workflows, not the blocks (the compact form keeps a timed pick
+for a few milliseconds: a put's evictions come in a burst).
 
 Two forms with one order: `WorkflowPolicy` here keeps dicts per block (the reference model, and the SSD tier's
 policy, whose books are dicts already); `kvstore.policy.compact.CompactWorkflowPolicy` keeps fixed rows per host
@@ -259,6 +270,16 @@ class WorkflowPolicy:
         groups = self.groups.get(cls)
         retired = [g for g in groups if isinstance(g, int) and groups[g]] if groups else None
         return next(iter(groups[min(retired)])) if groups and retired else None
+
+    def admits(self, victim: bytes, touch: Touch) -> bool:
+        """Whether to evict `victim` for a block the request `touch` stores: only if the victim is worth less than
+        the block coming, which enters the group of `touch`'s workflow alone (Belady's bypass, estimated: the
+        block whose next use is expected farthest is not stored; the workflow's own blocks, worth as much, are
+        never evicted for it). Without an active workflow, always."""
+        if touch.workflow not in self.flows.active or victim not in self.where:
+            return True
+        group = self.where[victim][1]
+        return not isinstance(group, frozenset) or self._score(group, victim) < self.flows.value(touch.workflow)
 
     def describe(self, key: bytes) -> dict[str, Any] | None:
         """A block's standing and tags (`kvstore ls --tags`), or None if the policy does not hold it."""

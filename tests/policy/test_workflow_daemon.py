@@ -61,3 +61,27 @@ def test_a_re_store_refreshes_a_prefix_tail_first(start_daemon, policy):
         ns.put(hashes(60, tag=b"more"), [block(i) for i in range(60)])   # other's 56, then 4 of hs
         assert ns.lookup(other) == 0
         assert ns.lookup(hs) == 196
+
+
+def test_a_put_does_not_evict_blocks_worth_more_than_its_own(start_daemon):
+    """Belady's bypass, estimated: a prefix two active workflows use is worth more to keep than a third workflow's
+    new blocks, so the third's put stores what fits in free or retired space and no more; LRU evicts the prefix.
+    (Without a lower tier: there an eviction demotes instead, and the put stores everything.)"""
+    for policy, kept in (("workflow", 256), ("lru", 128)):
+        d = start_daemon(capacity="2MiB", segment="1MiB",
+                         env={"KVSTORE_POOL_EVICTION": policy, "KVSTORE_SERVER_MAX_RESERVED_FRACTION": "1"})
+        with d.client() as c:
+            ns = c.namespace(spec())
+            a, b, n = c.workflow("A", type="t"), c.workflow("B", type="t"), c.workflow("N", type="t")
+            shared = hashes(256, tag=b"shared")
+            a.call("x")
+            ns.put(shared, [block(i) for i in range(256)], context=a.context("x"))       # the pool is full
+            b.call("x")
+            assert ns.get(shared, [bytearray(len(block(0))) for _ in range(256)], context=b.context("x")) == 256
+            n.call("x")
+            with ns.reserve(hashes(128, tag=b"new"), context=n.context("x")) as r:     # as a connector saves
+                r.write_and_commit([block(i) for i in range(128)])
+            stored = sum(s.name == "RESERVED" for s in r.status)
+            assert ns.lookup(shared) == kept, policy
+            assert stored == 256 - kept, policy
+        d.stop()

@@ -3,7 +3,7 @@ blocks first (fewest touching workflows first), then active blocks by lookahead 
 blocks never; the transition model's lookahead and accuracy."""
 from __future__ import annotations
 
-from kvstore.policy.predictor import END, TransitionModel, survival
+from kvstore.policy.predictor import END, Gaps, TransitionModel, survival
 from kvstore.policy.workflow import Touch, WorkflowPolicy, Workflows
 
 
@@ -103,3 +103,53 @@ def test_retiring_one_workflow_moves_its_blocks_and_teaches_no_end() -> None:
     assert pol.counts() == {"retired": 1, "active": 1, "workflows": 1}
     assert flows.predictor.next_of("t", "coder") == {}          # no END learned
     assert drain(pol) == [0, 1]
+
+
+def test_gaps_give_the_expected_residual_wait() -> None:
+    gaps = Gaps()
+    assert gaps.residual("t", "a", 0.0) is None and gaps.mean is None
+    for g in range(1, 11):                        # 1..10 s after agent a of type t
+        gaps.observe("t", "a", float(g))
+    assert gaps.residual("t", "a", 0.0) == 5.5
+    assert gaps.residual("t", "a", 5.0) == 3.0   # E[G - 5 | G > 5] over 6..10
+    assert gaps.residual("t", "a", 12.0) == 7.5  # past every gap seen: the mean, plus how far past the largest
+    assert gaps.residual("t", "other", 5.0) == 3.0   # an agent not seen: its type's gaps
+    assert gaps.residual("u", "a", 0.0) is None
+
+
+def test_timed_the_workflow_that_just_called_goes_first() -> None:
+    """Gaps of ~10 s learned: a workflow that called 9 s ago is due in ~1 s, one that called 1 s ago in ~9 s: the
+    latter's blocks go first (untimed, the two are worth the same and LRU decides: the former's, older, go first)."""
+    for timed, first in ((True, "b"), (False, "a")):
+        now = [0.0]
+        flows = Workflows(clock=lambda: now[0], timed=timed)
+        pol = WorkflowPolicy(flows)
+        for i in range(5):                        # teach the gaps: type t calls every 10 s
+            flows.call("teach", "x", "t")
+            now[0] += 10.0
+        flows.end("teach")
+        flows.call("a", "x", "t")
+        pol.added(k(1), 0, Touch("a", "x"))
+        now[0] += 8.0
+        flows.call("b", "x", "t")
+        pol.added(k(2), 0, Touch("b", "x"))
+        now[0] += 1.0
+        p_a, due_a = flows.expect("a")
+        p_b, due_b = flows.expect("b")
+        assert p_a == p_b and due_a is not None and due_b is not None and due_a < due_b
+        assert drain(pol)[0] == (1 if first == "a" else 2), timed
+
+
+def test_a_put_is_not_admitted_over_blocks_worth_more() -> None:
+    flows = Workflows(timed=False)
+    pol = WorkflowPolicy(flows)
+    for wid in ("a", "b", "n"):
+        flows.call(wid, "x", "t")
+    pol.added(k(0), 0, Touch("a", "x"))
+    pol.accessed(k(0), Touch("b", "x"))           # two live workflows' prefix: worth two
+    pol.added(k(1), 0, Touch("a", "x"))           # a's own: worth one
+    pol.added(k(2), 0)                            # no hint: retired
+    assert pol.admits(k(2), Touch("n", "x"))
+    assert not pol.admits(k(1), Touch("n", "x")) and not pol.admits(k(0), Touch("n", "x"))
+    assert not pol.admits(k(1), Touch("a", "x"))  # a workflow's own blocks are never evicted for it
+    assert pol.admits(k(1), Touch("gone", "x"))   # no live workflow: no opinion
