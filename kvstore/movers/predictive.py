@@ -4,9 +4,11 @@ instead of waiting on the SSD.
 
 - **A workflow's blocks** are the chain (namespace, block hashes) of its latest lookup, acquire or reserve naming it
   in the request's context (`saw`), the head of it only (prefetch.max_chain_blocks: prefixes matter, and a block is
-  worth nothing without those before it). A request for a prefix of the chain kept does not shorten it. The chain
-  is forgotten when the workflow retires (ends, goes idle or is one too many): memory is bounded by
-  hints.max_workflows × max_chain_blocks × 16 bytes.
+  worth nothing without those before it). A request for a part of the chain kept does not shorten it, and the
+  batches of one long request (a get's head first, a put's tail first, less than BURST_S apart) are put back
+  together (`merge_chain`). The chain is forgotten when the workflow retires (ends, goes idle or is one too many):
+  memory is bounded by hints.max_workflows × max_chain_blocks × 16 bytes. Measured: a tick with 1000 armed
+  workflows whose 4096-block chains are all in the host pool holds the lock ~7 ms (256 of them looked at).
 - **Triggers.** A `call` hint with `next` (the caller says who comes next: speculative prefill) prefetches the
   workflow's chain at once. On the server's tick, workflows whose next call is due (`Workflows.expect`: P(it calls
   again) >= prefetch.min_p and the expected wait, learned from the gaps between its type's calls, within
