@@ -90,7 +90,7 @@ def replay(trace: list[wf.Request], capacity: int, ssd: str | None, policy: str,
                "promoted": stats["counters"].get("promoted", 0), "lag_s": round(lag, 2)}
         flows = stats.get("workflows") or {}
         if hints:
-            out["predictor"] = flows.get("predictor")
+            out["predictor_top1"] = flows.get("accuracy")
         if flows.get("prefetch"):
             out["prefetch"] = flows["prefetch"]
         return out
