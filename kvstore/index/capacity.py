@@ -316,6 +316,14 @@ class CapacityBooks:
         self._remove(key, evicted=True, keep=True)
         return gid
 
+    def evict_block(self, key: bytes) -> bool:
+        """Evict one unpinned block (a retired one, to make room for a prefetch), handed to the eviction sink like
+        any eviction. False if the pool does not hold it."""
+        gid = self.table.get(key)
+        if gid is None or self.pins[gid]:
+            return False
+        return self._remove(key, evicted=True)
+
     def _remove(self, key: bytes, evicted: bool = False, keep: bool = False) -> bool:
         """Take a block out of the host pool; an evicted one goes to the eviction sink, which may hold its slot.
         With `keep` (only from `_evict_for_slot`), its unpinned slot stays allocated for the caller."""

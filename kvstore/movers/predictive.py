@@ -360,9 +360,5 @@ def free_slots(pool: HostPool, slot_bytes: int, tenant: str) -> int:
 
 def evict_block(index: Index, key: bytes) -> None:
     """Evict one unpinned block (a retired one, for a prefetch's room): handed to the eviction sink (demotion) like
-    any eviction. TODO(lead): a public `Index.evict_block(key)` in kvstore.index; until then, its `_remove`."""
-    public = getattr(index, "evict_block", None)
-    if public is not None:
-        public(key)
-    else:
-        index._remove(key, evicted=True)
+    any eviction."""
+    index.evict_block(key)
