@@ -87,7 +87,8 @@ def replay(trace: list[wf.Request], capacity: int, ssd: str | None, policy: str,
             lag = time.monotonic() - start - trace[-1].at / speed
             stats = c.stats()
         out = {"hit": hit, "hit_tokens": hit_tokens, "stored": stored,
-               "promoted": stats["counters"].get("promoted", 0), "lag_s": round(lag, 2)}
+               "hit_lower": stats["counters"].get("acquired_lower", 0),
+               "dropped": stats["counters"].get("dropped", 0), "lag_s": round(lag, 2)}
         flows = stats.get("workflows") or {}
         if hints:
             out["predictor_top1"] = flows.get("accuracy")
@@ -160,8 +161,8 @@ def main() -> None:
                                    recomputed_tokens=tokens - run["hit_tokens"])
                         below[p] = run
                     cell["kvstore_ssd"] = below
-                    row.append(" / ".join(f"{below[p]['hit_rate']:.1%} ({below[p]['hit'] - below[p]['promoted']}"
-                                          f"+{below[p]['promoted']})" for p in POLICIES))
+                    row.append(" / ".join(f"{below[p]['hit_rate']:.1%} ({below[p]['hit'] - below[p]['hit_lower']}"
+                                          f"+{below[p]['hit_lower']})" for p in POLICIES))
                 m["cells"].append(cell)
                 t.add(row)
                 progress(" ".join(str(x) for x in row))
