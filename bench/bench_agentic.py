@@ -9,6 +9,10 @@ engine side does what a connector does: look up the prompt's full 256-token chun
 prefix, and store the chunks it had to compute. Both systems replay the same turns, one after the other, turn by
 turn. The ideal hit rate (every chunk ever stored still there) is computed from the trace itself.
 
+Three systems in the same run: kvstore under LRU, kvstore under `pool.eviction: workflow` with each turn's session
+hint (issue 14: above LMCache and ≥ 0.9× the ideal with DRAM only), and LMCache. kvstore saves as its vLLM connector
+does: the whole chain in one reserve.
+
 Variants: `dram` (kvstore host pool 256 MiB; LMCache L1 256 MiB with its default eviction: at 80% usage it evicts
 20%) and `disk` (the same DRAM tiers plus kvstore's SSD tier / LMCache's fs tier, page cache: its default).
 
@@ -60,17 +64,31 @@ def trace(sessions: int, turns: int, seed: int = 7, system: int = 1024, first: i
 
 
 class KVAgent:
-    def __init__(self, env: dict[str, str] | None, max_chunks: int) -> None:
+    """kvstore as the vLLM connector drives it: get the prompt's longest cached prefix, then save the whole chain
+    in one reserve (the hit blocks refreshed, the computed ones stored). `hints`: the pool runs
+    `pool.eviction: workflow` and each turn is a chat session's turn (a `session` hint and the session's context
+    on the get and the save), as an engine passing `kv_transfer_params: {"session": ...}` sends it."""
+
+    def __init__(self, env: dict[str, str] | None, max_chunks: int, hints: bool = False) -> None:
+        env = {**(env or {}), "KVSTORE_SERVER_MAX_RESERVED_FRACTION": "1",     # one engine: a save may take it all
+               "KVSTORE_POOL_EVICTION": "workflow" if hints else "lru"}
+        self.hints = hints
         self.d = Daemon("256MiB", "64MiB", env).start()
         self.c = self.d.client()
         self.ns = self.c.namespace(NamespaceSpec("agentic", GEOM))
         self.bufs = [np.full(BLOCK, 7, np.uint8) for _ in range(max_chunks)]
 
-    def turn(self, tokens: list[int]) -> tuple[int, int]:
+    def turn(self, session: int, tokens: list[int]) -> tuple[int, int]:
         hs = chain_hashes(tokens, CHUNK)
-        hit = self.ns.get(hs, self.bufs[:len(hs)])
-        r = self.ns.put(hs[hit:], self.bufs[hit:len(hs)]) if hit < len(hs) else None
-        return hit, (r.stored if r else 0)
+        ctx = None
+        if self.hints:
+            s = self.c.session(f"s{session}")
+            s.turn()
+            ctx = s.context()
+        hit = self.ns.get(hs, self.bufs[:len(hs)], context=ctx)
+        with self.ns.reserve(hs, context=ctx) as r:
+            r.write_and_commit(self.bufs[:len(hs)])
+        return hit, len(r.reserved)
 
     def close(self) -> None:
         self.c.close()
@@ -82,7 +100,7 @@ class LMAgent:
         self.srv = lm.LMCacheServer(0.25, fs_dir).start()       # 256 MiB, as kvstore's pool
         self.c = lm.LMCacheClient(self.srv, BASE + max_chunks * lm.PAGES_PER_CHUNK)
 
-    def turn(self, tokens: list[int]) -> tuple[int, int]:
+    def turn(self, session: int, tokens: list[int]) -> tuple[int, int]:
         t = tuple(tokens)
         hit = self.c.lookup_retrieve(t, BASE)
         full = len(t) // CHUNK
@@ -100,12 +118,15 @@ def replay(turns: list[tuple[int, list[int]]], variant: str, base: str, run: int
     kv_env = {"KVSTORE_SSD_DIR": os.path.join(base, f"kv-{run}"), "KVSTORE_SSD_CAPACITY": "8GiB"} \
         if variant == "disk" else None
     fs = os.path.join(base, f"lm-{run}") if variant == "disk" else None
-    systems = {"kvstore": KVAgent(kv_env, max_chunks), "lmcache": LMAgent(fs, max_chunks)}
+    hinted_env = {**kv_env, "KVSTORE_SSD_DIR": kv_env["KVSTORE_SSD_DIR"] + "-h"} if kv_env else None
+    systems: dict[str, KVAgent | LMAgent] = {"kvstore": KVAgent(kv_env, max_chunks),
+                                             "lmcache": LMAgent(fs, max_chunks),
+                                             "kvstore+hints": KVAgent(hinted_env, max_chunks, hints=True)}
     seen: set[bytes] = set()
-    out = {s: {"hit": 0, "stored": 0, "seconds": 0.0, "turn_s": []} for s in systems}
+    out: dict[str, dict[str, Any]] = {s: {"hit": 0, "stored": 0, "seconds": 0.0, "turn_s": []} for s in systems}
     looked = ideal = 0
     try:
-        for i, (_, tokens) in enumerate(turns):
+        for i, (session, tokens) in enumerate(turns):
             hs = chain_hashes(tokens, CHUNK)
             looked += len(hs)
             ideal += next((k for k, h in enumerate(hs) if h not in seen), len(hs))
@@ -113,7 +134,7 @@ def replay(turns: list[tuple[int, list[int]]], variant: str, base: str, run: int
             names = list(systems) if i % 2 else list(systems)[::-1]
             for name in names:
                 t0 = time.perf_counter()
-                hit, stored = systems[name].turn(tokens)
+                hit, stored = systems[name].turn(session, tokens)
                 dt = time.perf_counter() - t0
                 o = out[name]
                 o["hit"] += hit
@@ -165,7 +186,7 @@ def main() -> None:
                 progress(f"{variant}: replay {run + 1}/{runs}")
                 rs.append(replay(turns, variant, base, run))
             res["variants"][variant] = rs
-            for name in ("kvstore", "lmcache"):
+            for name in ("kvstore", "kvstore+hints", "lmcache"):
                 hr = [r[name]["hit_rate"] for r in rs]
                 s = summary(hr)
                 t.add([variant, name, f"{s['median']:.1%} ({s['min']:.1%}–{s['max']:.1%})",

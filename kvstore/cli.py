@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--ns", type=int, help="also list this namespace's block hashes")
     c.add_argument("--tier", choices=["host", "ssd"], default="host", help="ssd: blocks on SSD per namespace")
     c.add_argument("--limit", type=int, default=20)
+    c.add_argument("--tags", action="store_true", help="with --ns: each block's standing and the workflows (agents) "
+                   "that touched it (pool.eviction: workflow)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_ls)
     c = sub.add_parser("resize", help="grow or shrink a tier online: `resize 16GiB` (host), `resize ssd 1TiB`")
@@ -278,7 +280,7 @@ def _us(seconds: float | None) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        data = c.list(args.ns, args.limit)
+        data = c.list(args.ns, args.limit, tags=args.tags)
     if args.tier == "ssd":
         if "ssd" not in data:
             raise ValueError("this daemon has no SSD tier (set ssd.dir)")
@@ -294,11 +296,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
             row.insert(1, n.get("tenant") or "-")
     text = _table(headers, rows)
     if "keys" in data:
-        text += "\n\n" + _table(["hash", "slot"], [[k.hex(), f"{gid >> 32}:{gid & 0xFFFFFFFF}"]
-                                                   for k, gid in data["keys"]])
+        krows = [[k.hex(), f"{gid >> 32}:{gid & 0xFFFFFFFF}"] for k, gid in data["keys"]]
+        kheads = ["hash", "slot"]
+        if "tags" in data:
+            kheads += ["standing", "touched by", "workflows (agents)"]
+            for row, t in zip(krows, data["tags"]):
+                row += [t["standing"], t["touched"], _workflows_cell(t["workflows"])] if t else ["-", "-", "-"]
+        text += "\n\n" + _table(kheads, krows)
         data["keys"] = [[k.hex(), gid] for k, gid in data["keys"]]
     _out(args, data, text)
     return 0
+
+
+def _workflows_cell(flows: dict[str, list[str]]) -> str:
+    return ", ".join(f"{w} ({'/'.join(a) or '-'})" for w, a in flows.items()) or "-"
 
 
 def cmd_resize(args: argparse.Namespace) -> int:

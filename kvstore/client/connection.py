@@ -378,8 +378,12 @@ class Client:
     def stats(self) -> dict[str, Any]:
         return self.call("stats")
 
-    def list(self, ns: int | None = None, limit: int = 100) -> dict[str, Any]:
-        return self.call("list", **({"ns": ns, "limit": limit} if ns is not None else {}))
+    def list(self, ns: int | None = None, limit: int = 100, tags: bool = False) -> dict[str, Any]:
+        """Namespaces; with `ns`, up to `limit` of its blocks, and with `tags` each one's standing and the workflows
+        that touched it (under pool.eviction: workflow; None per block otherwise)."""
+        if ns is None:
+            return self.call("list")
+        return self.call("list", ns=ns, limit=limit, **({"tags": True} if tags else {}))
 
     def resize(self, nbytes: int, tier: str = "host") -> dict[str, Any]:
         return self.call("resize", bytes=nbytes, tier=tier)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import __version__, workers
 from kvstore.daemon import process
+from kvstore.daemon.hints import unscoped
 from kvstore.daemon.pauses import pause_point
 from kvstore.daemon.tenants import Conn, forbidden, tenant_of
 from kvstore.index import NamespaceEntry
@@ -29,7 +30,7 @@ COUNTERS = ("lookups", "hits", "hits_host", "hits_lower", "misses", "acquired_as
             "acquired_lower", "puts", "gets", "evictions", "deletes", "aborts", "demotions", "dropped",
             "promotions", "prefetched", "prefetch_skipped", "prefetch_busy", "prefetch_cancelled", "written_through",
             "write_through_skipped", "held_cap", "reservations_expired", "idle_closed", "segment_moves",
-            "segment_moves_inline", "admin_chunks")
+            "segment_moves_inline", "admin_chunks", "kept_own_chain", "not_admitted")
 CHUNK_BLOCKS = 256          # blocks evicted or listed per hold of the state lock
 CHUNK_SLOTS = 8192          # slots of a namespace's class looked at per hold
 
@@ -68,7 +69,23 @@ def op_list(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         if ns is None:
             raise ProtocolError(Code.UNKNOWN_NAMESPACE, f"list: no namespace {m['ns']}")
         reply["keys"] = _keys(st, ns, min(m.get("limit", 100), 10000))
+        if m.get("tags"):
+            reply["tags"] = [_tags(st, ns, k, tenant) for k, _ in reply["keys"]]
     return reply
+
+
+def _tags(st: State, ns: NamespaceEntry, block_hash: bytes, tenant: str | None) -> dict[str, Any] | None:
+    """A listed block's standing and tags under the workflow policy (None under LRU, or gone since the listing):
+    the workflows by their own ids — of the connection's tenant only; the admin sees every tenant's, as
+    "tenant/id" where tenants are configured."""
+    describe = getattr(st.index.policy, "describe", None)
+    got = describe(ns.key(block_hash)) if describe is not None else None
+    if got is None:
+        return None
+    mine = [(w, unscoped(w)) for w in got["workflows"] if tenant is None or unscoped(w)[0] == tenant]
+    return {"standing": got["standing"], "touched": got["touched"],
+            "workflows": {f"{t}/{name}" if tenant is None and t else name: got["agents"].get(w, [])
+                          for w, (t, name) in mine}}
 
 
 def _keys(st: State, ns: NamespaceEntry, limit: int) -> list[list[Any]]:

@@ -206,10 +206,10 @@ class CompactWorkflowPolicy:
             return None
         b = self.budget
         live = self.flows.nums
-        tags = {live[t]: ch.masks[i * b + j] for j, t in enumerate(ch.tags[i * b:i * b + b]) if t and t in live}
+        tags = [(live[t], ch.masks[i * b + j]) for j, t in enumerate(ch.tags[i * b:i * b + b]) if t and t in live]
         standing = "pinned" if ch.group[i] == PINNED else "active" if tags else "retired"
-        return {"standing": standing, "workflows": [w.wid for w in tags],
-                "agents": {w.wid: agent_names(w, m) for w, m in tags.items()}, "touched": ch.touched[i]}
+        return {"standing": standing, "workflows": [w.wid for w, _ in tags],
+                "agents": {w.wid: agent_names(w, m) for w, m in tags}, "touched": ch.touched[i]}
 
     # ----- rows -----
     def _row(self, gid: int) -> tuple[_Chunk | None, int]:

@@ -34,7 +34,7 @@ SCHEMAS: dict[str, Schema] = {
     "release": {"slots": ("ints", True)},
     "delete": _KEYS,
     "stats": {},
-    "list": {"ns": ("int", False), "limit": ("int", False)},
+    "list": {"ns": ("int", False), "limit": ("int", False), "tags": ("bool", False)},
     "resize": {"bytes": ("int", True), "tier": ("str", False)},
     "evict": {"ns": ("int", False), "bytes": ("int", False), "all": ("bool", False)},
     "prefetch": {"ns": ("int", True), "keys": ("keys", True), "wait": ("bool", False)},

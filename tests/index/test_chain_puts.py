@@ -48,7 +48,8 @@ def test_a_put_may_evict_other_chains_but_not_its_own(start_daemon, policy):
         other, mine = hashes(128, tag=b"other"), hashes(300, tag=b"mine")
         ns.put(other, bufs(128))
         ns.put(mine[:100], bufs(100))
-        assert save(ns, mine) == ["EXISTS"] * 100 + ["RESERVED"] * 156 + ["NO_SPACE"] * 44   # 28 free, the other's 128
+        # 28 free slots, then the other chain's 128; the rest refused
+        assert save(ns, mine) == ["EXISTS"] * 100 + ["RESERVED"] * 156 + ["NO_SPACE"] * 44
         assert ns.lookup(mine) == 256
         assert ns.lookup(other) == 0
 

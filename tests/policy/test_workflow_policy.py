@@ -122,9 +122,9 @@ def test_timed_the_workflow_that_just_called_goes_first() -> None:
     latter's blocks go first (untimed, the two are worth the same and LRU decides: the former's, older, go first)."""
     for timed, first in ((True, "b"), (False, "a")):
         now = [0.0]
-        flows = Workflows(clock=lambda: now[0], timed=timed)
+        flows = Workflows(clock=lambda now=now: now[0], timed=timed)   # type: ignore[misc]
         pol = WorkflowPolicy(flows)
-        for i in range(5):                        # teach the gaps: type t calls every 10 s
+        for _ in range(5):                        # teach the gaps: type t calls every 10 s
             flows.call("teach", "x", "t")
             now[0] += 10.0
         flows.end("teach")

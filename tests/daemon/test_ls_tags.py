@@ -1,0 +1,70 @@
+"""`kvstore ls --ns N --tags` (issue 14 part 8): under pool.eviction: workflow, each listed block's standing
+(active, retired, pinned), the workflows that touched it (their own ids, the tenant's only) and their agents."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvstore.client import KVStoreError
+from tests.conftest import DaemonProc, block, hashes, spec
+from tests.daemon.test_cli import kvstore
+
+WORKFLOW = {"KVSTORE_POOL_EVICTION": "workflow"}
+NOT_ME = 4242424                          # an admin uid that is not this test's: no client here is the admin
+
+
+def tags_of(c, ns) -> dict[bytes, dict]:
+    data = c.list(ns.id, 100, tags=True)
+    return {k: t for (k, _), t in zip(data["keys"], data["tags"])}
+
+
+def test_a_blocks_tags_follow_its_workflows(start_daemon):
+    d = start_daemon(env=WORKFLOW)
+    with d.client() as c:
+        ns = c.namespace(spec())
+        w = c.workflow("review-7", type="codegen")
+        w.call("coder")
+        hs = hashes(3)
+        ns.put(hs, [block(i) for i in range(3)], context=w.context("coder"))
+        w.call("tester")
+        ns.get(hs[:1], [bytearray(len(block(0)))], context=w.context("tester"))
+        tags = tags_of(c, ns)
+        assert tags[hs[0]] == {"standing": "active", "touched": 1, "workflows": {"review-7": ["coder", "tester"]}}
+        assert tags[hs[2]]["workflows"] == {"review-7": ["coder"]}
+        out = json.loads(kvstore("ls", "--ns", str(ns.id), "--tags", "--json", sock=d.socket).stdout)
+        assert out["tags"][0]["standing"] == "active"
+        text = kvstore("ls", "--ns", str(ns.id), "--tags", sock=d.socket).stdout
+        assert "review-7 (coder/tester)" in text
+        w.end()
+        assert {t["standing"] for t in tags_of(c, ns).values()} == {"retired"}
+        assert all(t["workflows"] == {} and t["touched"] == 1 for t in tags_of(c, ns).values())
+
+
+def test_under_lru_there_are_no_tags(start_daemon):
+    d = start_daemon()
+    with d.client() as c:
+        ns = c.namespace(spec())
+        ns.put(hashes(2), [block(0), block(1)])
+        assert c.list(ns.id, 10, tags=True)["tags"] == [None, None]
+        assert "tags" not in c.list(ns.id, 10)
+
+
+def test_a_tenant_sees_only_its_own_workflow_names(tmp_path: Path, daemons: list[DaemonProc]):
+    """With tenants, a's block lists a's workflow by its own id (not the books' tenant-scoped one), and b cannot
+    list a's namespace, tags or not."""
+    conf = tmp_path / "kvstore.yaml"
+    conf.write_text(yaml.safe_dump({"tenants": [{"name": "a", "secret": "sa"}, {"name": "b", "secret": "sb"}]}))
+    d = DaemonProc(env={"KVSTORE_CONFIG": str(conf), "KVSTORE_SERVER_ADMIN_UIDS": f"[{NOT_ME}]",
+                        **WORKFLOW}).start()
+    daemons.append(d)
+    with d.client(tenant="a", secret="sa") as a, d.client(tenant="b", secret="sb") as b:
+        ns = a.namespace(spec())
+        w = a.workflow("secret-plan")
+        w.call("x")
+        ns.put(hashes(1), [block(0)], context=w.context("x"))
+        assert list(tags_of(a, ns).values())[0]["workflows"] == {"secret-plan": ["x"]}
+        with pytest.raises(KVStoreError, match="did not say hello to"):
+            b.list(ns.id, 10, tags=True)
