@@ -106,6 +106,7 @@ def _workflow_metrics(w: dict[str, Any], rates: dict[str, Any]) -> Any:
                                     value=ceiling["hit_rate"])
         yield GaugeMetricFamily("kvstore_looked_up_distinct_blocks", "distinct blocks looked up (estimate)",
                                 value=ceiling["distinct"])
+        yield from _prefetch_metrics(w.get("prefetch"))
         if "blocks" in w:
             blocks = GaugeMetricFamily("kvstore_workflow_blocks", "host blocks by standing", labels=["standing"])
             for k, n in w["blocks"].items():
@@ -118,6 +119,23 @@ def _workflow_metrics(w: dict[str, Any], rates: dict[str, Any]) -> Any:
             if v is not None:
                 hr.add_metric([op, tier], v)
     yield hr
+
+
+PREFETCH_GAUGES = {"precision", "watched", "in_flight"}    # the rest of the predictive prefetch's figures count up
+
+
+def _prefetch_metrics(p: dict[str, Any] | None) -> Any:
+    """The predictive prefetch (kvstore.movers.predictive): kvstore_prefetch_<figure>, counters and gauges."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for k, v in (p or {}).items():
+        if v is None:
+            continue
+        if k in PREFETCH_GAUGES:
+            yield GaugeMetricFamily(f"kvstore_prefetch_{k}", f"predictive prefetch: {k.replace('_', ' ')}", value=v)
+        else:
+            yield CounterMetricFamily(f"kvstore_prefetch_{k}", f"predictive prefetch: {k.replace('_', ' ')}",
+                                      value=v)
 
 
 def _traffic_metrics(paths: list[dict[str, Any]]) -> Any:

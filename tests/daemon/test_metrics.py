@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -166,3 +167,30 @@ def test_traffic_per_path_and_lane_equals_the_stats_op(start_daemon, tmp_path):
     assert m[("kvstore_traffic_bandwidth_bytes_per_second", (("path", "ssd"),))] > 0
     assert m[("kvstore_tier_blocks", (("tier", "ssd"),))] >= 72
 
+
+
+def test_the_predictive_prefetch_figures_equal_the_stats_op(start_daemon, tmp_path):
+    port = free_port()
+    d = start_daemon(env={"KVSTORE_METRICS_ENABLED": "true", "KVSTORE_METRICS_PORT": str(port),
+                          "KVSTORE_SSD_DIR": str(tmp_path / "ssd"), "KVSTORE_POOL_EVICTION": "workflow"})
+    with d.client() as c:
+        ns = c.namespace(spec())
+        w = c.workflow("A", type="qa")
+        w.call("reader")
+        hs = hashes(8)
+        ns.put(hs, [block(i) for i in range(8)], context=w.context("reader"))
+        c.evict(everything=True)                                 # down to the SSD
+        ssd_settled(c)
+        w.call("reader", next=["reader"])                        # expected back: its chain comes up again
+        for _ in range(200):
+            if (c.stats()["workflows"]["prefetch"] or {}).get("landed") == 8:
+                break
+            time.sleep(0.05)
+        assert ns.get(hs, [bytearray(len(block(0))) for _ in hs], context=w.context("reader")) == 8
+        p = c.stats()["workflows"]["prefetch"]
+        m = scrape(port)
+    assert (p["landed"], p["used"], p["precision"]) == (8, 8, 1.0)
+    for k, v in p.items():
+        if v is not None:
+            name = f"kvstore_prefetch_{k}" + ("" if k in ("precision", "watched", "in_flight") else "_total")
+            assert m[(name, ())] == v, k
