@@ -1,6 +1,7 @@
-"""PNG pictures of the comparisons, from the results of bench_vs_lmcache.py and bench_agentic.py (matplotlib, Agg).
+"""PNG pictures of the comparisons, from the results of bench_vs_lmcache.py, bench_agentic.py and bench_workflows.py
+(matplotlib, Agg).
 
-    python bench/plots.py RESULT.json [OUTDIR]     # a vs_lmcache-*.json, agentic-*.json or a whole-run JSON
+    python bench/plots.py RESULT.json [OUTDIR]     # a vs_lmcache-*.json, agentic-*.json, workflows-*.json or a run's
 
 Each picture: throughput bars (median, whiskers p25–p75) with the hardware limit measured in the same run drawn as
 a horizontal line; latency CDFs per system.
@@ -17,10 +18,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"kvstore": "#1f77b4", "lmcache": "#ff7f0e", "lmcache_fs": "#ff7f0e", "lmcache_fs_odirect": "#d62728",
-          "raw_socket": "#7f7f7f"}
-LABELS = {"kvstore": "kvstore", "lmcache": "LMCache", "lmcache_fs": "LMCache fs (page cache)",
-          "lmcache_fs_odirect": "LMCache fs (O_DIRECT)", "raw_socket": "raw Unix socket"}
+COLORS = {"kvstore": "#1f77b4", "kvstore+hints": "#2ca02c", "lmcache": "#ff7f0e", "lmcache_fs": "#ff7f0e",
+          "lmcache_fs_odirect": "#d62728", "raw_socket": "#7f7f7f"}
+LABELS = {"kvstore": "kvstore", "kvstore+hints": "kvstore, workflow policy + hints", "lmcache": "LMCache",
+          "lmcache_fs": "LMCache fs (page cache)", "lmcache_fs_odirect": "LMCache fs (O_DIRECT)",
+          "raw_socket": "raw Unix socket"}
 
 
 def _q(xs: list[float], q: float) -> float:
@@ -121,14 +123,14 @@ def agentic(res: dict[str, Any], outdir: str, made: list[str]) -> None:
         return
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2))
     groups = list(variants)
-    _bars(a1, groups, {s: [[r[s]["hit_rate"] * 100 for r in variants[v]] for v in groups]
-                       for s in ("kvstore", "lmcache")},
+    systems = [s for s in ("kvstore", "kvstore+hints", "lmcache") if s in variants[groups[0]][0]]
+    _bars(a1, groups, {s: [[r[s]["hit_rate"] * 100 for r in variants[v]] for v in groups] for s in systems},
           [("ideal (unbounded cache)", [[r["ideal_hit_rate"] * 100 for r in variants[v]] for v in groups])],
           "hit rate, % of chunks looked up")
     a1.set_title(f"agentic trace: {res['sessions']} sessions × {res['turns']} turns")
-    width = 0.35
-    for i, s in enumerate(("kvstore", "lmcache")):
-        xs = [g + (i - 0.5) * width for g in range(len(groups))]
+    width = 0.8 / len(systems)
+    for i, s in enumerate(systems):
+        xs = [g + (i - (len(systems) - 1) / 2) * width for g in range(len(groups))]
         loaded = [variants[v][0][s]["bytes_loaded"] / 1e9 for v in groups]
         stored = [variants[v][0][s]["bytes_stored"] / 1e9 for v in groups]
         a2.bar(xs, loaded, width, color=COLORS[s], label=f"{LABELS[s]}: loaded")
@@ -142,6 +144,35 @@ def agentic(res: dict[str, Any], outdir: str, made: list[str]) -> None:
     _save(fig, outdir, "agentic.png", made)
 
 
+WORKFLOW_LINES = (("oracle_hit_rate", "Belady oracle (offline)", "k", "--"),
+                  ("lru_offline_hit_rate", "LRU (offline)", "#7f7f7f", ":"),
+                  ("lru", "kvstore, LRU", "#1f77b4", "-"),
+                  ("nohints", "kvstore, workflow policy, no hints", "#9467bd", "-."),
+                  ("hints", "kvstore, workflow policy + hints", "#2ca02c", "-"))
+
+
+def workflows(res: dict[str, Any], outdir: str, made: list[str]) -> None:
+    """One panel per mix: hit rate against host capacity (share of the peak live working set) per policy."""
+    mixes = res.get("mixes") or {}
+    if not mixes:
+        return
+    fig, axes = plt.subplots(1, len(mixes), figsize=(3.6 * len(mixes), 3.8), squeeze=False)
+    for ax, (name, m) in zip(axes[0], mixes.items()):
+        cells = m["cells"]
+        xs = [c["fraction"] * 100 for c in cells]
+        for key, label, color, style in WORKFLOW_LINES:
+            ys = [(c[key] if key in c else c["kvstore"][key]["hit_rate"]) * 100 for c in cells]
+            ax.plot(xs, ys, style, color=color, marker="o", ms=3, label=label)
+        ax.axhline(m["ideal_hit_rate"] * 100, color="#bbbbbb", lw=0.8, label="ideal (unbounded)")
+        ax.set_title(f"{name} ({m['requests']} requests)")
+        ax.set_xlabel("host capacity, % of peak live")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("hit rate, % of chunks looked up")
+    axes[0][0].legend(fontsize=6, loc="upper left")
+    fig.suptitle(f"agent workflow traces, gaps gamma(shape {res.get('gap_shape', '?')})", fontsize=10)
+    _save(fig, outdir, "workflows.png", made)
+
+
 def make(results: dict[str, Any], outdir: str) -> list[str]:
     """Every picture for a whole-run JSON ({"benchmarks": {name: result}}) or one benchmark's JSON."""
     os.makedirs(outdir, exist_ok=True)
@@ -151,6 +182,8 @@ def make(results: dict[str, Any], outdir: str) -> list[str]:
         vs_lmcache(benches["vs_lmcache"], outdir, made)
     if "agentic" in benches:
         agentic(benches["agentic"], outdir, made)
+    if "workflows" in benches:
+        workflows(benches["workflows"], outdir, made)
     return made
 
 

@@ -134,12 +134,34 @@ def agentic_md(r: dict[str, Any]) -> list[str]:
            "| variant | system | hit rate, median (min–max) | of ideal | GB loaded | GB stored = recomputed | "
            "replay s |", "|---|---|---|---|---|---|---|"]
     for v, runs in r["variants"].items():
-        for s in ("kvstore", "lmcache"):
+        for s in (s for s in ("kvstore", "kvstore+hints", "lmcache") if s in runs[0]):
             hr = [x[s]["hit_rate"] for x in runs]
-            out.append(f"| {v} | {'LMCache' if s == 'lmcache' else s} | {med(hr):.1%} ({min(hr):.1%}–{max(hr):.1%}) "
+            out.append(f"| {v} | {NAMES[s]} | {med(hr):.1%} ({min(hr):.1%}–{max(hr):.1%}) "
                        f"| {med([x[s]['of_ideal'] for x in runs]):.1%} | {runs[0][s]['bytes_loaded'] / 1e9:.2f} | "
                        f"{runs[0][s]['bytes_stored'] / 1e9:.2f} | {med([x[s]['seconds'] for x in runs]):.1f} |")
         out.append(f"| {v} | ideal | {runs[0]['ideal_hit_rate']:.1%} | 100% | | | |")
+    out.append("")
+    return out
+
+
+NAMES = {"kvstore": "kvstore (LRU)", "kvstore+hints": "kvstore (workflow policy + session hints)",
+         "lmcache": "LMCache"}
+
+
+def workflows_md(r: dict[str, Any]) -> list[str]:
+    out = ["## Agent workflow traces (issue 14)", "",
+           f"Traces of bench/workflows.py (gaps between a workflow's calls gamma, shape {r.get('gap_shape')}), "
+           "replayed through the daemon at 10/25/50% of each trace's peak live working set, against plain LRU and "
+           "Belady's oracle replayed offline. Gap closed = (policy − LRU) / (oracle − LRU).", "",
+           "| mix | capacity | oracle | LRU | kvstore LRU | workflow, no hints | workflow + hints | gap closed |",
+           "|---|---|---|---|---|---|---|---|"]
+    for name, m in r["mixes"].items():
+        for c in m["cells"]:
+            k = c["kvstore"]
+            out.append(f"| {name} | {c['fraction']:.0%} | {c['oracle_hit_rate']:.1%} | "
+                       f"{c['lru_offline_hit_rate']:.1%} | {k['lru']['hit_rate']:.1%} | "
+                       f"{k['nohints']['hit_rate']:.1%} | {k['hints']['hit_rate']:.1%} | "
+                       f"{k['hints']['gap_closed']:.0%} |")
     out.append("")
     return out
 
@@ -200,6 +222,8 @@ def main() -> None:
         md += vs_lmcache_md(results["vs_lmcache"])
     if "agentic" in results:
         md += agentic_md(results["agentic"])
+    if "workflows" in results:
+        md += workflows_md(results["workflows"])
     for p in pngs:
         rel = os.path.relpath(p, os.path.dirname(rundir))
         md.append(f"![{os.path.basename(p)[:-4]}]({rel})")
