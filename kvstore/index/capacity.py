@@ -185,13 +185,13 @@ class CapacityBooks:
             if gid is not None:
                 return gid
             key = self.policy.victim(cls)
-            if protect is not None and key is not None and (key in protect or not self._admitted(key, touch)):
-                self.counters["kept_own_chain" if key in protect else "not_admitted"] += 1
-                self._kept_own = True
-                return None
             stale = self._staler_segment(slot, key) if len(self.pool.classes) > 1 else None
             if stale is not None:
                 self._retire(stale, for_room=True)   # memory moves to this class: a new segment fits
+            elif protect is not None and key is not None and (key in protect or not self._admitted(key, touch)):
+                self.counters["kept_own_chain" if key in protect else "not_admitted"] += 1
+                self._kept_own = True
+                return None
             elif key is not None:
                 gid = self._evict_for_slot(key)
                 if gid:
