@@ -140,6 +140,10 @@ def agentic_md(r: dict[str, Any]) -> list[str]:
                        f"| {med([x[s]['of_ideal'] for x in runs]):.1%} | {runs[0][s]['bytes_loaded'] / 1e9:.2f} | "
                        f"{runs[0][s]['bytes_stored'] / 1e9:.2f} | {med([x[s]['seconds'] for x in runs]):.1f} |")
         out.append(f"| {v} | ideal | {runs[0]['ideal_hit_rate']:.1%} | 100% | | | |")
+        if v == "dram" and "capacity_bound_hit_rate" in r:
+            b = r["capacity_bound_hit_rate"]
+            out.append(f"| {v} | capacity bound (any cache of this size) | {b:.1%} | "
+                       f"{b / runs[0]['ideal_hit_rate']:.1%} | | | |")
     out.append("")
     return out
 
