@@ -196,7 +196,7 @@ class CompactWorkflowPolicy:
         if ch is None or ch.group[i] < 0:
             return True
         g = self.groups[ch.group[i]]
-        return isinstance(g.sig, int) or self._score(g) < self.flows.value(touch.workflow)
+        return isinstance(g.sig, int) or self._score(g) <= self.flows.value(touch.workflow)
 
     def describe(self, key: bytes) -> dict[str, Any] | None:
         """A block's standing and tags (`kvstore ls --tags`), or None if the policy has no row for it."""

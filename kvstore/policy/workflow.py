@@ -26,9 +26,10 @@ The engine (or an agent framework) tells the daemon which workflow, agent and se
 Pinned blocks are never candidates.
 
 **Admission** (`admits`, Belady's bypass): a block coming in with a request's context enters its workflow's group;
-the index evicts a victim for it only if the victim's score is below the workflow's value, else the put stops
-there (without a lower tier, where an eviction drops the block for good). So a request never evicts its own
-workflow's blocks, nor a prefix other live workflows share, to store blocks worth less.
+the index evicts a victim for it only if the victim's score is at most the workflow's value, else the put stops
+there (without a lower tier, where an eviction drops the block for good). So a request never evicts a prefix other
+live workflows share, nor a workflow due back sooner, to store blocks worth less (its own chain is kept by the
+index: a put never evicts the chain it stores).
 
 Cost: a touch is O(tags); an end re-groups the ended workflow's blocks (each block pays once per tag it got); a
 victim costs O(groups of the class) — the active workflows, not the blocks (the compact form keeps a timed pick
@@ -272,14 +273,15 @@ class WorkflowPolicy:
         return next(iter(groups[min(retired)])) if groups and retired else None
 
     def admits(self, victim: bytes, touch: Touch) -> bool:
-        """Whether to evict `victim` for a block the request `touch` stores: only if the victim is worth less than
+        """Whether to evict `victim` for a block the request `touch` stores: unless the victim is worth more than
         the block coming, which enters the group of `touch`'s workflow alone (Belady's bypass, estimated: the
-        block whose next use is expected farthest is not stored; the workflow's own blocks, worth as much, are
-        never evicted for it). Without an active workflow, always."""
+        block whose next use is expected farthest is not stored). Equals are evicted, least recent first, as LRU
+        would: workflows nothing tells apart (one-shot ones whose ends never come, say) must not freeze the pool
+        with the first ones' blocks. Without an active workflow, always."""
         if touch.workflow not in self.flows.active or victim not in self.where:
             return True
         group = self.where[victim][1]
-        return not isinstance(group, frozenset) or self._score(group, victim) < self.flows.value(touch.workflow)
+        return not isinstance(group, frozenset) or self._score(group, victim) <= self.flows.value(touch.workflow)
 
     def describe(self, key: bytes) -> dict[str, Any] | None:
         """A block's standing and tags (`kvstore ls --tags`), or None if the policy does not hold it."""

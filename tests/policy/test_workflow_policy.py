@@ -150,6 +150,18 @@ def test_a_put_is_not_admitted_over_blocks_worth_more() -> None:
     pol.added(k(1), 0, Touch("a", "x"))           # a's own: worth one
     pol.added(k(2), 0)                            # no hint: retired
     assert pol.admits(k(2), Touch("n", "x"))
-    assert not pol.admits(k(1), Touch("n", "x")) and not pol.admits(k(0), Touch("n", "x"))
-    assert not pol.admits(k(1), Touch("a", "x"))  # a workflow's own blocks are never evicted for it
+    assert not pol.admits(k(0), Touch("n", "x"))  # worth two against one
+    assert pol.admits(k(1), Touch("n", "x"))      # worth as much: evicted, as LRU would
     assert pol.admits(k(1), Touch("gone", "x"))   # no live workflow: no opinion
+
+
+def test_one_shot_workflows_without_ends_do_not_freeze_the_pool() -> None:
+    """Workflows of one call each whose ends never come, and no gaps learned: all worth the same, so a new one's
+    blocks may evict the oldest one's (LRU among equals), not find every block worth more."""
+    flows = Workflows()
+    pol = WorkflowPolicy(flows)
+    for i in range(4):
+        flows.call(f"w{i}", "x", "t")
+        pol.added(k(i), 0, Touch(f"w{i}", "x"))
+    flows.call("new", "x", "t")
+    assert pol.victim(0) == k(0) and pol.admits(k(0), Touch("new", "x"))
