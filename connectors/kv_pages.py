@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.checksum import copy_pages
+
 log = logging.getLogger("vllm.kvstore")
 
 CUDA_HOST_REGISTER_PORTABLE = 1
@@ -88,33 +90,38 @@ def storage_bytes(kv: Any) -> Any:
 
 
 class CpuMover:
-    """Copies at once, on the calling thread (numpy releases the GIL)."""
+    """Copies at once, on the calling thread: one native call per layer for every block's runs (GIL released), and
+    with `crcs` each block's CRC-32C continued over the bytes as they are copied (`checksum.copy_pages`)."""
 
     engine = "cpu"
+    checksums = True             # load_layer / save_layer continue the blocks' CRC-32C as they copy
 
     def __init__(self) -> None:
         self._flat: dict[int, np.ndarray] = {}
 
-    def _pairs(self, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray], a: int
-               ) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _move(self, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray], a: int,
+              crcs: np.ndarray | None, to_slots: bool) -> None:
+        if len(slots) < len(block_ids):
+            raise ValueError(f"{len(block_ids)} pages to move but only {len(slots)} slots")
         flat = self._flat.get(id(pages))
         if flat is None:
             flat = self._flat[id(pages)] = storage_bytes(pages.kv).numpy()
-        cb = pages.chunk_bytes
-        return [(flat[s:s + cb], run) for s, run in zip(pages.run_starts(block_ids).tolist(),
-                                                         pages.slot_runs(slots, a, len(block_ids)))]
+        copy_pages(flat, pages.run_starts(block_ids), slots[:len(block_ids)], a, pages.chunk_bytes, crcs,
+                   to_slots=to_slots, stream=to_slots)
 
     def load_layer(self, layer: int, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray],
-                   a: int) -> None:
-        for page, run in self._pairs(pages, block_ids, slots, a):
-            np.copyto(page, run)
+                   a: int, crcs: np.ndarray | None = None) -> None:
+        """Slots -> pages for one layer; `crcs` (one per block) continued over the bytes loaded."""
+        self._move(pages, block_ids, slots, a, crcs, to_slots=False)
 
     def wait_layer(self, layer: int) -> None:
         pass
 
-    def save_layer(self, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray], a: int) -> None:
-        for page, run in self._pairs(pages, block_ids, slots, a):
-            np.copyto(run, page)
+    def save_layer(self, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray], a: int,
+                   crcs: np.ndarray | None = None) -> None:
+        """Pages -> slots for one layer (written around the caches: a slot is not read again soon); `crcs`
+        continued over the bytes saved."""
+        self._move(pages, block_ids, slots, a, crcs, to_slots=True)
 
     def sync(self) -> None:
         pass
@@ -131,6 +138,8 @@ class CudaMover:
     layer (the compute stream waits on it in `wait_layer`); `save_layer` first waits for the compute stream; `sync`
     before a commit, so the daemon never publishes a slot still being written. `engine`: "auto" (the kernel where
     it proves itself, else copy_), "kernel" or "copy"."""
+
+    checksums = False            # the bytes move by DMA or a kernel: CRCs come from the slots, not the copy
 
     def __init__(self, device: Any, engine: str = "auto") -> None:
         import torch
@@ -255,7 +264,9 @@ class CudaMover:
             buf.close()
 
     def load_layer(self, layer: int, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray],
-                   a: int) -> None:
+                   a: int, crcs: np.ndarray | None = None) -> None:
+        """Queued on the mover's stream. `crcs` is not continued here (the device copies the bytes, not the CPU):
+        the caller checks the slots before it queues the load (`checksums` is False)."""
         torch = self.torch
         with torch.cuda.stream(self.stream):
             self._move(pages, block_ids, slots, a, to_device=True)
@@ -268,7 +279,8 @@ class CudaMover:
         if ev is not None:
             self.torch.cuda.current_stream(self.device).wait_event(ev)
 
-    def save_layer(self, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray], a: int) -> None:
+    def save_layer(self, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray], a: int,
+                   crcs: np.ndarray | None = None) -> None:
         torch = self.torch
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):

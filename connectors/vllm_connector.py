@@ -59,6 +59,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -109,6 +110,23 @@ class _ReqState:
     request: Any
     block_ids: list[int] = field(default_factory=list)
     stored_upto: int = 0          # blocks [0, stored_upto) are in the daemon or already handed to the worker
+
+
+@dataclass
+class _Move:
+    """One request's load (a lease) or save (a reservation) on the worker in this step: the layers moved so far and,
+    where the mover checksums as it copies, each block's CRC-32C continued layer by layer. The chain holds only if
+    the layers come in order 0, 1, ...; `in_order` says whether they did."""
+    part: RequestBlocks
+    ids: list[int]                # the engine's blocks moved, in slot order
+    done: set[int] = field(default_factory=set)
+    crcs: np.ndarray | None = None
+    in_order: bool = True
+    checked: bool = False         # a load's blocks were checked once after the forward pass
+
+    def moved(self, layer: int) -> None:
+        self.in_order = self.in_order and layer == len(self.done)
+        self.done.add(layer)
 
 
 def _asks_durable(request: Any) -> bool:
@@ -167,9 +185,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             log.warning("kvstore: copy_engine %r is not one of %s; using auto", self.copy_engine,
                         ", ".join(COPY_ENGINES))
             self.copy_engine = "auto"
-        self._leases: list[tuple[RequestBlocks, Lease, set[int]]] = []
-        self._reservations: list[tuple[RequestBlocks, Reservation, set[int]]] | None = None
-        self._to_commit: list[tuple[Reservation, bool]] = []
+        self._leases: list[tuple[_Move, Lease]] = []
+        self._reservations: list[tuple[_Move, Reservation]] | None = None
+        self._to_commit: list[tuple[_Move, Reservation]] = []
         self._load_errors: set[int] = set()
         tp_rank = 0
         if role == KVConnectorRole.WORKER:
@@ -382,22 +400,32 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._io_failed(e)
                 self._load_errors.update(t.block_ids)
                 continue
-            n = lease.verified_prefix() if self.verify else len(lease)   # bytes checked against their CRC-32C
-            if n < len(lease):
-                log.warning("kvstore: block %d of request %s does not match its checksum: recomputed", n, t.req_id)
+            n = len(lease)
+            if self.verify:           # a block committed without a CRC cannot be proven: it ends the load
+                n = next((i for i, c in enumerate(lease.crcs) if c is None), n)
+                if not self._mover.checksums:      # the device copies: check the slots before it reads them
+                    n = self._checked_slots(lease, n, t.req_id)
             if n < len(t.hashes):     # evicted since the scheduler's lookup, or altered: the rest is recomputed
                 self._load_errors.update(t.block_ids[n:])
             part = RequestBlocks(t.req_id, t.adapter, t.hashes[:n], t.block_ids[:n], context=t.context)
-            done: set[int] = set()
+            move = _Move(part, part.block_ids, crcs=np.zeros(n, np.uint32) if self.verify and self._mover.checksums
+                         else None)
             if self._cuda and part.block_ids:
                 try:
                     self._enqueue_loads(part, lease)
-                    done.update(range(self.geometry.layers))
+                    move.done.update(range(self.geometry.layers))
                 except Exception as e:  # noqa: BLE001 - a load not queued is a load error, never a crash
                     self._io_failed(e)
                     self._load_errors.update(part.block_ids)
                     part.block_ids = []
-            self._leases.append((part, lease, done))
+            self._leases.append((move, lease))
+
+    def _checked_slots(self, lease: Lease, n: int, req_id: str) -> int:
+        """How many of the first n blocks match their CRC-32C in their slots now (the GPU path's check)."""
+        m = lease.verified_prefix()
+        if m < n:
+            log.warning("kvstore: block %d of request %s does not match its checksum: recomputed", m, req_id)
+        return min(m, n)
 
     def _enqueue_loads(self, part: RequestBlocks, lease: Lease) -> None:
         """GPU: every layer's copies queued now on the mover's stream; each attention layer waits for its own."""
@@ -414,16 +442,42 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._mover.wait_layer(li)
             return
         a = self.geometry.layer_range(li)[0]
-        for t, lease, done in self._leases:
-            if li in done or not t.block_ids:
+        for move, lease in self._leases:
+            t = move.part
+            if li in move.done or not t.block_ids:
                 continue
             try:
-                self._mover.load_layer(li, self._pages[li], t.block_ids, lease.views, a)
-                done.add(li)
+                self._mover.load_layer(li, self._pages[li], t.block_ids, lease.views, a, move.crcs)
+                move.moved(li)
             except Exception as e:  # noqa: BLE001
                 self._io_failed(e)
                 self._load_errors.update(t.block_ids)
                 t.block_ids = []
+
+    def _check_loads(self) -> None:
+        """After the forward pass: every block loaded in full, and (CPU) its copy equal to its writer's CRC-32C,
+        checked on the bytes the engine read, not on the slot. A block that fails, and those after it, are load
+        errors: vLLM drops this step's output for the request and recomputes from there. Run by `wait_for_save`, and
+        by `get_block_ids_with_load_errors` where vLLM defers the first (a draft model's pass), once per load."""
+        for move, lease in self._leases:
+            t = move.part
+            if not t.block_ids or move.checked:
+                continue
+            move.checked = True
+            if len(move.done) < self.geometry.layers:
+                self._load_errors.update(t.block_ids)     # a layer was never loaded
+                continue
+            if move.crcs is None:
+                continue
+            if move.in_order:
+                bad = next((i for i, (got, want) in enumerate(zip(move.crcs.tolist(), lease.crcs)) if got != want),
+                           None)
+            else:                     # layers came out of order: the chain is not the slot's CRC; check the slots
+                m = lease.verified_prefix()
+                bad = m if m < len(t.block_ids) else None
+            if bad is not None:
+                log.warning("kvstore: block %d of request %s does not match its checksum: recomputed", bad, t.req_id)
+                self._load_errors.update(t.block_ids[bad:])
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         li = self._layers.get(layer_name)
@@ -431,41 +485,55 @@ class KVStoreConnector(KVConnectorBase_V1):
         if li is None or self.link is None or not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
             return
         if self._reservations is None:
-            self._reservations = []
-            for t in meta.saves:
-                ns = self.link.namespace(t.adapter)
-                if ns is None:
-                    continue
-                keep = self.link.client.max_keys if self.link.client is not None else CHAIN_KEYS
-                if len(t.hashes) > keep:          # a daemon configured for fewer keys a request: the chain's end
-                    t = replace(t, hashes=t.hashes[-keep:], block_ids=t.block_ids[-keep:])
-                try:
-                    self._reservations.append((t, ns.reserve(t.hashes, **with_context(t.context)), set()))
-                except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
-                    self._io_failed(e)
+            self._reservations = self._reserve(meta.saves)
         a = self.geometry.layer_range(li)[0]
-        for t, res, done in self._reservations:
-            if res.done or not res.reserved:
+        for move, res in self._reservations:
+            if res.done or not move.ids:
                 continue
             try:
                 if self._cuda and self.link.client is not None:
                     self._mover.pin(self.link.client)
-                ids = [t.block_ids[p] for p in res.reserved]     # res.views are the reserved slots, in order
-                self._mover.save_layer(self._pages[li], ids, res.views, a)
-                done.add(li)
-                if len(done) == self.geometry.layers:
+                self._mover.save_layer(self._pages[li], move.ids, res.views, a, move.crcs)
+                move.moved(li)
+                if len(move.done) == self.geometry.layers:
                     if self._cuda:
-                        self._to_commit.append((res, t.durable))   # committed in wait_for_save, after a sync
+                        self._to_commit.append((move, res))       # committed in wait_for_save, after a sync
                     else:
-                        self._commit(res, t.durable)
+                        self._commit(move, res)
             except Exception as e:  # noqa: BLE001
                 self._io_failed(e)
                 res.done = True
 
-    def _commit(self, res: Reservation, durable: bool = False) -> None:
+    def _reserve(self, saves: list[RequestBlocks]) -> list[tuple[_Move, Reservation]]:
+        """This step's reservations, one per request with blocks to save (at the first layer saved)."""
+        out: list[tuple[_Move, Reservation]] = []
+        assert self.link is not None
+        for t in saves:
+            ns = self.link.namespace(t.adapter)
+            if ns is None:
+                continue
+            keep = self.link.client.max_keys if self.link.client is not None else CHAIN_KEYS
+            if len(t.hashes) > keep:          # a daemon configured for fewer keys a request: the chain's end
+                t = replace(t, hashes=t.hashes[-keep:], block_ids=t.block_ids[-keep:])
+            try:
+                res = ns.reserve(t.hashes, **with_context(t.context))
+            except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
+                self._io_failed(e)
+                continue
+            ids = [t.block_ids[p] for p in res.reserved]     # res.views are the reserved slots, in order
+            checked = self.verify and self._mover.checksums
+            out.append((_Move(t, ids, crcs=np.zeros(len(ids), np.uint32) if checked else None), res))
+        return out
+
+    def _commit(self, move: _Move, res: Reservation) -> None:
+        """Publish a save with each block's CRC-32C (readers verify): the one computed while copying where the
+        layers came in order, else read from the slots."""
+        durable = move.part.durable
+        crcs: list[int] | None = None
+        if self.verify:
+            crcs = move.crcs.tolist() if move.crcs is not None and move.in_order else res.checksums()
         try:
-            res.commit(crcs=res.checksums() if self.verify else None,   # readers can verify
-                       durable=durable, durable_timeout_s=self.durable_wait_s if durable else None)
+            res.commit(crcs=crcs, durable=durable, durable_timeout_s=self.durable_wait_s if durable else None)
         except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
             self._io_failed(e)
             res.done = True
@@ -479,26 +547,24 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._cuda and self._reservations:
             self._mover.sync()                # every queued copy into a slot is done before it is published or
         if self._to_commit:                   # aborted (an aborted slot goes to another writer at once)
-            for res, durable in self._to_commit:
-                self._commit(res, durable)
+            for move, res in self._to_commit:
+                self._commit(move, res)
             self._to_commit = []
-        for _, res, _ in self._reservations or []:
+        for _, res in self._reservations or []:
             if not res.done:          # some layer never came: publish nothing half-written
                 try:
                     res.abort()
                 except Exception as e:  # noqa: BLE001
                     self._io_failed(e)
         self._reservations = None
-        for t, _lease, done in self._leases:
-            if t.block_ids and len(done) < self.geometry.layers:
-                self._load_errors.update(t.block_ids)     # a layer was never loaded
+        self._check_loads()
         self._release_leases()
 
     def _release_leases(self) -> None:
         leases, self._leases = self._leases, []
         if leases:
             self._mover.sync()                # no copy may still read a slot once it is unpinned
-        for _, lease, _ in leases:
+        for _, lease in leases:
             try:
                 lease.release()
             except Exception as e:  # noqa: BLE001
@@ -510,6 +576,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._io_failed(e)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._check_loads()
         errors, self._load_errors = self._load_errors, set()
         if errors:
             log.warning("kvstore: %d block(s) could not be loaded; vLLM recomputes them", len(errors))

@@ -4,3 +4,6 @@ from typing import Any
 HARDWARE: bool
 
 def copy_crc32c(dst: Any, src: Any, crc: int = 0, *, stream: bool = False) -> int: ...
+
+def copy_pages(pages: Any, offsets: Any, slots: Any, slot_offset: int, run_bytes: int, crcs: Any = None, *,
+               to_slots: bool, stream: bool = False) -> None: ...

@@ -18,6 +18,7 @@ CRC of the destination; both give the same value, and both are the CRC of the de
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,18 +32,19 @@ def crc32c(buf: Any) -> int:
     return int(_crc32c(buf))
 
 
-def _native() -> Any:
-    """The native copy_crc32c where it is built, enabled and backed by the CPU; else None."""
+def _module() -> Any:
+    """The native module where it is built and enabled; else None."""
     if os.environ.get("KVSTORE_NO_NATIVE", "") not in ("", "0"):
         return None
     try:
         import kvstore._kvcopy as _kvcopy
     except ImportError:
         return None
-    return _kvcopy.copy_crc32c if _kvcopy.HARDWARE else None
+    return _kvcopy
 
 
-_fused = _native()
+_kvcopy = _module()
+_fused = _kvcopy.copy_crc32c if _kvcopy is not None and _kvcopy.HARDWARE else None
 FUSED = _fused is not None
 
 
@@ -77,3 +79,32 @@ def _flat(buf: Any, name: str) -> np.ndarray:
     if not arr.flags.c_contiguous:
         raise ValueError(f"copy_crc32c: {name} is not C-contiguous (the copy never reorders bytes)")
     return arr.reshape(-1).view(np.uint8)
+
+
+def copy_pages(pages: np.ndarray, offsets: np.ndarray, slots: Sequence[Any], slot_offset: int, run_bytes: int,
+               crcs: np.ndarray | None = None, *, to_slots: bool, stream: bool = False) -> None:
+    """Move one layer of several blocks between an engine's flat KV storage and the blocks' slots in one call.
+
+    Block i's runs lie back to back in `slots[i]` from `slot_offset`; its run k is `pages[offsets[i*R + k]:]
+    [:run_bytes]` (R runs per block). `to_slots`: pages -> slots (a save), else slots -> pages (a load). With `crcs`
+    (uint32, one per block) each block's CRC-32C is continued over its runs in slot order while they are copied, so
+    moving a block's layers in order leaves the CRC of its whole slot with no second read of a byte. Natively one
+    call per layer (bounds checked, GIL released); otherwise a numpy copy per run and the `crc32c` package."""
+    need_hw = crcs is not None
+    if _kvcopy is not None and (_kvcopy.HARDWARE or not need_hw):
+        _kvcopy.copy_pages(pages, offsets, slots, slot_offset, run_bytes, crcs, to_slots=to_slots, stream=stream)
+        return
+    runs = len(offsets) // max(len(slots), 1)
+    if len(offsets) != runs * len(slots):
+        raise ValueError(f"copy_pages: {len(offsets)} run offsets for {len(slots)} slots")
+    starts = offsets.tolist()
+    for i, slot in enumerate(slots):
+        flat = _flat(slot, "slot")
+        for k in range(runs):
+            o, at = starts[i * runs + k], slot_offset + k * run_bytes
+            if o < 0 or o + run_bytes > pages.nbytes or at + run_bytes > flat.nbytes:
+                raise ValueError(f"copy_pages: run {i * runs + k} is out of bounds")
+            page, run = pages[o:o + run_bytes], flat[at:at + run_bytes]
+            np.copyto(*((run, page) if to_slots else (page, run)))
+            if crcs is not None:
+                crcs[i] = _crc32c(run.data, int(crcs[i]))
