@@ -56,6 +56,7 @@ never stalls the forward pass. On CPU the same movers copy at once (`kv_pages.py
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +130,18 @@ class _Move:
         self.done.add(layer)
 
 
+@dataclass
+class MoveStats:
+    """The worker's copies since start: blocks and bytes moved, and seconds spent in the copies themselves (CPU
+    movers; a GPU mover's queued copies are not timed). Benchmarks read them (bench_vllm_ttft: load GB/s)."""
+    load_blocks: int = 0
+    load_bytes: int = 0
+    load_s: float = 0.0
+    save_blocks: int = 0
+    save_bytes: int = 0
+    save_s: float = 0.0
+
+
 def _asks_durable(request: Any) -> bool:
     """Whether the request asks for durable saves: `kv_transfer_params: {"kvstore_durable": true}`."""
     params = getattr(request, "kv_transfer_params", None)
@@ -189,6 +202,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._reservations: list[tuple[_Move, Reservation]] | None = None
         self._to_commit: list[tuple[_Move, Reservation]] = []
         self._load_errors: set[int] = set()
+        self.stats = MoveStats()
         tp_rank = 0
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -447,12 +461,25 @@ class KVStoreConnector(KVConnectorBase_V1):
             if li in move.done or not t.block_ids:
                 continue
             try:
+                t0 = time.perf_counter()
                 self._mover.load_layer(li, self._pages[li], t.block_ids, lease.views, a, move.crcs)
+                self._count(load=True, blocks=len(t.block_ids), layer=li, seconds=time.perf_counter() - t0)
                 move.moved(li)
             except Exception as e:  # noqa: BLE001
                 self._io_failed(e)
                 self._load_errors.update(t.block_ids)
                 t.block_ids = []
+
+    def _count(self, load: bool, blocks: int, layer: int, seconds: float) -> None:
+        st, nbytes = self.stats, blocks * self._pages[layer].page_bytes
+        if load:
+            st.load_bytes += nbytes
+            st.load_s += seconds
+            st.load_blocks += blocks if layer == 0 else 0
+        else:
+            st.save_bytes += nbytes
+            st.save_s += seconds
+            st.save_blocks += blocks if layer == 0 else 0
 
     def _check_loads(self) -> None:
         """After the forward pass: every block loaded in full, and (CPU) its copy equal to its writer's CRC-32C,
@@ -493,7 +520,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             try:
                 if self._cuda and self.link.client is not None:
                     self._mover.pin(self.link.client)
+                t0 = time.perf_counter()
                 self._mover.save_layer(self._pages[li], move.ids, res.views, a, move.crcs)
+                self._count(load=False, blocks=len(move.ids), layer=li, seconds=time.perf_counter() - t0)
                 move.moved(li)
                 if len(move.done) == self.geometry.layers:
                     if self._cuda:
