@@ -1,6 +1,6 @@
 """Time to first token of a repeated long prompt in a real vLLM engine on the CPU: a hit through kvstore (host pool
-and SSD tier) against recompute, vLLM's own prefix cache (the floor) and vLLM's ExampleConnector (safetensors files per
-layer, from the page cache and cold), for several prompt lengths, same run.
+and SSD tier) against recompute, vLLM's own prefix cache (the floor) and vLLM's ExampleConnector (safetensors files
+per layer, from the page cache and cold), for several prompt lengths, same run.
 
 Geometry `realistic` (default): the KV of a 7-8 B model (32 layers x 8 KV heads x head dim 128, bf16: 128 KiB per
 token, 4 MiB per 32-token block) on a model that is otherwise tiny (hidden 256), so the load is what a real engine
