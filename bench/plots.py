@@ -173,6 +173,34 @@ def workflows(res: dict[str, Any], outdir: str, made: list[str]) -> None:
     _save(fig, outdir, "workflows.png", made)
 
 
+TTFT_LINES = (("recompute", "recompute (no cache)", "#7f7f7f", "-"),
+              ("example_cold", "ExampleConnector, files cold", "#ff7f0e", ":"),
+              ("example", "ExampleConnector, page cache", "#ff7f0e", "-"),
+              ("kvstore_ssd", "kvstore, SSD tier", "#1f77b4", ":"),
+              ("kvstore", "kvstore, host pool", "#1f77b4", "-"),
+              ("kvstore_floor", "floor: vLLM's own prefix cache", "#bbbbbb", "--"))
+
+
+def vllm_ttft(res: dict[str, Any], outdir: str, made: list[str]) -> None:
+    """TTFT (median) against prompt length, log-log, one line per way of getting the prompt's KV."""
+    sizes = res.get("sizes") or []
+    if not sizes:
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    xs = [r["tokens"] for r in sizes]
+    for key, label, color, style in TTFT_LINES:
+        ys = [_q([t for t, _ in r[key]], 0.5) for r in sizes]
+        ax.plot(xs, ys, style, color=color, marker="o", ms=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token, s (median)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    ax.set_title(f"vLLM on the CPU, {res.get('geometry', '?')} KV geometry", fontsize=10)
+    _save(fig, outdir, "vllm_ttft.png", made)
+
+
 def make(results: dict[str, Any], outdir: str) -> list[str]:
     """Every picture for a whole-run JSON ({"benchmarks": {name: result}}) or one benchmark's JSON."""
     os.makedirs(outdir, exist_ok=True)
@@ -184,6 +212,8 @@ def make(results: dict[str, Any], outdir: str) -> list[str]:
         agentic(benches["agentic"], outdir, made)
     if "workflows" in benches:
         workflows(benches["workflows"], outdir, made)
+    if "vllm_ttft" in benches:
+        vllm_ttft(benches["vllm_ttft"], outdir, made)
     return made
 
 

@@ -170,6 +170,28 @@ def workflows_md(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def vllm_ttft_md(r: dict[str, Any]) -> list[str]:
+    """Issue 16's engine targets, one row per prompt length (bench_vllm_ttft's summary)."""
+    if not r.get("sizes") or "summary" not in r["sizes"][0]:
+        return []
+    out = ["## Engine load path: vLLM TTFT (issue 16)", "",
+           f"A real vLLM engine on the CPU, {r.get('geometry')} KV geometry, a fresh engine per figure; floor = "
+           "vLLM's own prefix cache, run right after each hit in the same engine. Targets: time above the floor "
+           "≤ 0.5× ExampleConnector's (page cache), and the connector's copy ≥ 0.7× memcpy of the same pages.", "",
+           "| tokens | KV | recompute | floor | Example hit | kvstore hit | kvstore SSD | above floor kvstore / "
+           "Example (≤ 0.5) | copy GB/s ÷ memcpy (≥ 0.7) |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in r["sizes"]:
+        m = s["summary"]
+        out.append(f"| {s['tokens']} | {s['kv_bytes'] / 2**20:.0f} MiB | {m['recompute']:.2f} s | "
+                   f"{m['kvstore_floor']:.3f} s | {m['example']:.3f} s | {m['kvstore']:.3f} s | "
+                   f"{m['kvstore_ssd']:.3f} s | {m['above_kvstore']:.3f} / {m['above_example']:.3f} = "
+                   f"**{m['above_ratio']:.2f}** {'met' if m['above_ratio'] <= 0.5 else 'missed'} | "
+                   f"{s['load_copy_gbps']:.1f} ÷ {s['memcpy_gbps']:.1f} = **{m['copy_ratio']:.2f}** "
+                   f"{'met' if m['copy_ratio'] >= 0.7 else 'missed'} |")
+    out.append("")
+    return out
+
+
 NOTES = """## What favoured which side
 
 - **Transfer mode.** LMCache ran `lmcache_driven` (its daemon copies out of the client's KV cache, registered as
@@ -228,6 +250,8 @@ def main() -> None:
         md += agentic_md(results["agentic"])
     if "workflows" in results:
         md += workflows_md(results["workflows"])
+    if "vllm_ttft" in results:
+        md += vllm_ttft_md(results["vllm_ttft"])
     for p in pngs:
         rel = os.path.relpath(p, os.path.dirname(rundir))
         md.append(f"![{os.path.basename(p)[:-4]}]({rel})")

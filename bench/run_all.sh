@@ -57,7 +57,7 @@ quick_args() {
     case $1 in
         index) echo "--sizes 10000,1000000 --reps 3" ;;
         ssd) echo "--reps 2 --records 10000" ;;
-        vllm_ttft) echo "--reps 1" ;;
+        vllm_ttft) echo "--reps 1 --tokens 2048" ;;
         *) grep -q -- '"--quick"' "$2" && echo "--quick" || true ;;
     esac
 }
