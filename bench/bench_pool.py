@@ -3,8 +3,9 @@
 - put / get of 2 MiB blocks, batches of 32, from this process (the daemon is another one it starts), with 1 and 2
   copy threads, against numpy memcpy of the same blocks with 1 and 2 threads — with end-to-end checksums (the
   default: the writer's CRC-32C with each commit, the reader's copy checked) and without;
-- lookup of 32 present keys, p50 and p99, against a raw 64-byte round trip over a Unix socket to an echo server in
-  a child process (the daemon's `ping` is shown too: it splits the gap into protocol and index);
+- lookup of 32 present keys, p50 and p99, against a raw round trip of the same sizes (the lookup's request and its
+  reply, frames included) over a Unix stream socket to a server in a child process (the daemon's `ping` is shown
+  too: it splits the gap into protocol and index);
 - resize of a full pool (release 256 MiB, then grow back) at 1 GiB and 8 GiB.
 
 Every figure is a median over timed repetitions taken after an untimed warm-up (a shared page's first touch is a
@@ -48,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Daemon, Table, busy_cpus, progress, summary, warn_if_busy, write_json  # noqa: E402
 
 from kvstore.checksum import FUSED  # noqa: E402
+from kvstore.protocol import VERSION, encode, ok  # noqa: E402
 from kvstore.protocol.geometry import Geometry  # noqa: E402
 from kvstore.protocol.keys import NamespaceSpec  # noqa: E402
 
@@ -101,37 +103,51 @@ def _copy(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
 
 ECHO_SERVER = """
-import os, socket, sys
-path = sys.argv[1]
+import socket, sys
+path, ask, answer = sys.argv[1], int(sys.argv[2]), b"y" * int(sys.argv[3])
 srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 srv.bind(path)
 srv.listen(1)
 print("ready", flush=True)
 conn, _ = srv.accept()
 while True:
-    m = conn.recv(65536)
-    if not m:
-        break
-    conn.sendall(m)
+    got = 0
+    while got < ask:
+        m = conn.recv(65536)
+        if not m:
+            sys.exit(0)
+        got += len(m)
+    conn.sendall(answer)
 """
 
 
+def lookup_sizes() -> tuple[int, int]:
+    """Bytes on the wire of a 32-key lookup and of its reply (frames included): what the raw round trip sends."""
+    keys = b"".join(hashes(BATCH, 7 * 10**9))
+    ask = encode({"v": VERSION, "op": "lookup", "id": 1 << 20, "ns": 1, "keys": keys})
+    answer = encode(ok(1 << 20, n=BATCH, host=BATCH))
+    return len(ask), len(answer)
+
+
 class EchoServer:
-    """A 64-byte echo over a Unix stream socket, served by a child process: the raw round trip a request to the
-    daemon cannot beat."""
+    """A request and a reply of the sizes of a 32-key lookup's (`lookup_sizes`) over a Unix stream socket, served by
+    a child process that reads the request whole before it answers: the raw round trip a request to the daemon
+    cannot beat."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path], stdout=subprocess.PIPE)
+        ask, self.answer = lookup_sizes()
+        self.proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path, str(ask), str(self.answer)],
+                                     stdout=subprocess.PIPE)
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == b"ready"
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(path)
-        self.msg = b"x" * 64
+        self.msg = b"x" * ask
 
     def roundtrip(self) -> None:
         self.sock.sendall(self.msg)
         got = 0
-        while got < 64:
+        while got < self.answer:
             got += len(self.sock.recv(65536))
 
     def close(self) -> None:
@@ -447,6 +463,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="cProfile the client during timed put/get/lookup "
                                                            "(slows them; for finding hot spots, not for figures)")
     p.add_argument("--put-get-only", action="store_true", help="only the put/get rows (no lookup, no resize)")
+    p.add_argument("--lookup-only", action="store_true", help="only the lookup rows (no put/get, no resize)")
     p.add_argument("--two-pass", action="store_true", help="checked copies as a copy, then the CRC, even where the "
                                                             "one-pass copy is built (for comparison)")
     args = p.parse_args()
@@ -460,13 +477,13 @@ def main() -> None:
 
     pg: dict[int, dict[str, list[float]]] = {}
     with Daemon("1GiB", "64MiB") as d:
-        for threads in (1, 2):
+        for threads in (() if args.lookup_only else (1, 2)):
             progress(f"put/get, {threads} copy thread{'s' * (threads > 1)}: {args.blocks} × 2 MiB, {reps} reps")
             pg[threads] = put_get(d, threads, args.blocks, reps, 2, prof, FUSED and not args.two_pass)
         if not args.put_get_only:
             progress(f"lookup of 32 keys / daemon ping / raw socket: {rounds} × {per_round} each, in turns")
             lk = lookups(d, rounds, per_round, prof)
-    if not args.put_get_only:
+    if not args.put_get_only and not args.lookup_only:
         progress(f"resize at {' and '.join(f'{s // GiB} GiB' for s in sizes)}: fill, then "
                  f"{rz_reps} reps of −256 MiB and back")
         rz = resize(sizes, rz_reps)
@@ -489,7 +506,7 @@ def main() -> None:
 
     res: dict[str, Any] = {"block_bytes": BLOCK, "batch": BATCH, "blocks_per_rep": args.blocks, "reps": reps,
                            "quick": args.quick, "fused_copy_crc": FUSED and not args.two_pass}
-    for threads, limit in ((1, 0.9), (2, 0.8)):
+    for threads, limit in ((1, 0.9), (2, 0.8)) if pg else ():
         raw = pg[threads]
         o: dict[str, Any] = {k: summary(raw[k]) for k in ("memcpy", "put", "get", "put_crc", "get_crc")}
         for op in ("put", "get", "put_crc", "get_crc"):   # per-repetition ratios: each against the memcpy before it
@@ -505,9 +522,9 @@ def main() -> None:
             ratio = o[f"{op}_crc"]["median"] / o["memcpy"]["median"]
             row(f"{op} with CRC-32C, {threads} copy thread{'s' * (threads > 1)}", o[f"{op}_crc"], o["memcpy"],
                 "GB/s", f"≥ 0.85× memcpy {threads}t", ratio >= 0.85)
-    both = {k: pg[1][k] + pg[2][k] for k in pg[1] if k.startswith(("daemon_", "memcpy_batch"))}
-    copy_batch = summary(pg[1]["memcpy_batch"], 1e6)
-    for op, (a, b) in (("put", ("reserve", "commit")), ("get", ("acquire", "release"))):
+    both = {k: pg[1][k] + pg[2][k] for k in pg[1] if k.startswith(("daemon_", "memcpy_batch"))} if pg else {}
+    copy_batch = summary(pg[1]["memcpy_batch"], 1e6) if pg else {}
+    for op, (a, b) in (("put", ("reserve", "commit")), ("get", ("acquire", "release"))) if pg else ():
         spent = summary([x + y for x, y in zip(both[f"daemon_{a}"], both[f"daemon_{b}"])], 1e6)
         row(f"daemon time per {op} batch ({a}+{b}) vs memcpy 1t", spent, copy_batch, "µs",
             digits=0)
@@ -522,6 +539,7 @@ def main() -> None:
                 us["lookup"]["median"] <= 2 * us["raw"]["median"] if pinned else None, digits=1)
             row(f"lookup 32 keys p99, {place}", us["lookup"], us["raw"], "µs", key="p99", digits=1)
             row(f"daemon ping p50, {place}", us["ping"], us["raw"], "µs", digits=1)
+    if not args.put_get_only and not args.lookup_only:
         res["resize_ms"] = {}
         for size in sizes:
             o = rz[size]

@@ -90,7 +90,7 @@ class Namespace:
         iterate `arrivals()` and copy the first blocks (a layer at a time, say) while later ones are still on the
         SSD. Read the stream to its end (or release the lease) before the next call on this client."""
         self.client.flush()
-        self.client.sock.sendall(encode({"v": VERSION, "op": "acquire", "id": next(self.client._ids), "ns": self.id,
+        self.client._sendall(encode({"v": VERSION, "op": "acquire", "id": next(self.client._ids), "ns": self.id,
                                          "keys": self._acquire_keys(hashes), "lane": lane, "stream": True,
                                          **context_fields(context)}))
         return StreamLease(self)

@@ -44,6 +44,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import time
 import weakref
 from array import array
@@ -100,6 +101,19 @@ class _Mapped:
             pass  # a caller still holds a view; the daemon already returned the pages
 
 
+def _kernel_timeout(sock: socket.socket, timeout: float | None) -> None:
+    """A connected socket made blocking, its `timeout` kept by the kernel (SO_RCVTIMEO, SO_SNDTIMEO): Python's own
+    timeout waits in poll() before each recv and send, an extra syscall and a slower wake-up, measured here at
+    +3 µs a round trip with both ends on one core and 19 → 55 µs on two. A wait past it raises BlockingIOError,
+    which the client turns into TimeoutError."""
+    if timeout is None or timeout <= 0:
+        return                                # none (blocking already), or non-blocking: Python's is the same
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 def _ident(fd: int) -> tuple[int, int]:
     st = os.fstat(fd)
     return st.st_dev, st.st_ino
@@ -145,6 +159,7 @@ class Client:
         sock.settimeout(self.timeout)
         try:
             sock.connect(self.path)
+            _kernel_timeout(sock, self.timeout)
         except (FileNotFoundError, ConnectionRefusedError) as e:
             sock.close()
             raise NoDaemon(f"no kvstore daemon at {self.path} ({e.strerror}); start one with "
@@ -153,6 +168,13 @@ class Client:
             sock.close()
             raise
         return sock
+
+    def _sendall(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except BlockingIOError:
+            raise TimeoutError(f"the kvstore daemon at {self.path} took no request for {self.timeout} s "
+                               f"(the client's timeout)") from None
 
     def _credentials(self) -> dict[str, str]:
         out = {"tenant": self.tenant} if self.tenant else {}
@@ -176,7 +198,7 @@ class Client:
         if not self._unanswered:
             self._reopen_if_closed()
         try:
-            self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields, since)}))
+            self._sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields, since)}))
         except ConnectionError:
             self._broken = True
             raise
@@ -202,14 +224,14 @@ class Client:
         since = self._epoch                               # the connection the fields' namespace id belongs to
         self.flush()
         try:
-            self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields, since)}))
+            self._sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields, since)}))
             return self._reply(*self._recv_frame(want_fds))
         except ConnectionError:
             if op not in REPLAYABLE or self._reconnecting or self._refused:
                 self._broken = True
                 raise                                     # it may have run: the caller decides
             self._reconnect()
-        self.sock.sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields, since)}))
+        self._sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields, since)}))
         return self._reply(*self._recv_frame(want_fds))
 
     def _current(self, fields: dict[str, Any], since: int) -> dict[str, Any]:
@@ -291,7 +313,7 @@ class Client:
         if not keep:
             self.generation = -1
 
-    def _reply(self, body: bytes, fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    def _reply(self, body: bytes | memoryview, fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         reply = decode(body)
         if not reply.get("ok"):
             for fd in fds:
@@ -301,28 +323,34 @@ class Client:
             raise KVStoreError(err.get("code", "?"), err.get("message", "?"))
         return reply, fds
 
-    def _recv_frame(self, want_fds: bool) -> tuple[bytes, list[int]]:
+    def _recv_frame(self, want_fds: bool) -> tuple[bytes | memoryview, list[int]]:
         """The next reply frame. Reads in large chunks (one syscall for a small reply) and keeps what belongs to
         the replies after it. File descriptors only come with `segments`, which is never pipelined."""
         fds: list[int] = []
-        while (body := self._frames.next()) is None:
+        frames = self._frames
+        body: bytes | memoryview | None = frames.next()
+        while body is None:
             try:
                 data = self._recv_some(want_fds, fds)
             except ConnectionError:
                 self._broken = True
                 raise
-            self._frames.feed(data)
+            body = frames.feed_next(data)
         self._quiet_since = time.monotonic()
         return body, fds
 
     def _recv_some(self, want_fds: bool, fds: list[int]) -> bytes:
-        if want_fds:
-            data, anc, _, _ = self.sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(MAX_FDS * 4))
-            for level, kind, payload in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
-        else:
-            data = self.sock.recv(RECV_BYTES)
+        try:
+            if want_fds:
+                data, anc, _, _ = self.sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(MAX_FDS * 4))
+                for level, kind, payload in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.extend(array("i", payload[: len(payload) - len(payload) % 4]))
+            else:
+                data = self.sock.recv(RECV_BYTES)
+        except BlockingIOError:
+            raise TimeoutError(f"the kvstore daemon at {self.path} did not answer within {self.timeout} s (the "
+                               f"client's timeout)") from None
         if not data:
             raise ConnectionError(f"the kvstore daemon at {self.path} closed the connection")
         return data

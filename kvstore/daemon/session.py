@@ -72,13 +72,14 @@ class Session:
         finally:
             self.in_request = False
 
-    def _next_frame(self) -> bytes | None:
+    def _next_frame(self) -> bytes | memoryview | None:
         """The next request's body, or None when the connection ends or announces an oversize frame (refused
         from its header, before any of it is buffered). Reads in 64 KiB chunks: a small request costs one recv,
         and pipelined requests wait in the reader, which never holds more than one frame plus one chunk."""
+        frames, chunk = self._frames, None
         while True:
             try:
-                body = self._frames.next()
+                body = frames.next() if chunk is None else frames.feed_next(chunk)
             except ProtocolError as e:
                 self._fail(0, e.code, e.message)
                 return None
@@ -88,12 +89,12 @@ class Session:
                 chunk = self.sock.recv(1 << 16)
             except (BlockingIOError, TimeoutError):
                 if self.holdings.pins:
+                    chunk = None
                     continue                  # its lease's slots must stay its own while it copies
                 self._idle_closed()
                 return None
             if not chunk:
                 return None
-            self._frames.feed(chunk)
 
     def _idle_closed(self) -> None:
         with self.state.lock:
@@ -102,7 +103,7 @@ class Session:
                  "library connects again when it next needs the daemon)", self.peer,
                  self.state.config.server.idle_timeout_s)
 
-    def _handle(self, body: bytes) -> bool:
+    def _handle(self, body: bytes | memoryview) -> bool:
         t0 = time.perf_counter()
         st, op, rid = self.state, "?", 0
         try:

@@ -3,6 +3,7 @@ objects); `FrameReader` is the one reader of a byte stream into frames, on both 
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +19,20 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ProtocolError(Code.BAD_FRAME, f"msgpack extension type {code} is not accepted")
 
 
+_local = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's packer: `msgpack.packb` builds a Packer (and its buffer) per call, 0.86 µs against 0.29 µs for
+    a reused one on a small reply, measured here; a Packer is not thread-safe, hence one per thread."""
+    p = getattr(_local, "packer", None)
+    if p is None:
+        p = _local.packer = msgpack.Packer(use_bin_type=True)
+    return p
+
+
 def encode(msg: dict[str, Any]) -> bytes:
-    body = msgpack.packb(msg, use_bin_type=True)
+    body = _packer().pack(msg)
     return HEADER.pack(len(body)) + body
 
 
@@ -41,14 +54,26 @@ class Limits:
         return cls(max_bin_len=max_frame_bytes, max_str_len=max_frame_bytes, max_array_len=2 * max_keys + 16,
                    max_map_len=64)
 
+    def unpack_options(self) -> dict[str, Any]:
+        """msgpack.unpackb's keyword arguments for these limits (built once per Limits: a daemon has one)."""
+        opts = _OPTIONS.get(self)
+        if opts is None:
+            opts = _OPTIONS[self] = {**_PLAIN, "max_bin_len": self.max_bin_len, "max_str_len": self.max_str_len,
+                                     "max_array_len": self.max_array_len, "max_map_len": self.max_map_len}
+        return opts
 
-def decode(body: bytes, limits: Limits | None = None) -> dict[str, Any]:
+
+_OPTIONS: dict[Limits, dict[str, Any]] = {}
+
+
+# max_ext_len=0: msgpack decodes timestamps (ext -1) itself, without the hook; a zero limit refuses them too.
+_PLAIN: dict[str, Any] = {"raw": False, "strict_map_key": True, "ext_hook": _reject_ext, "max_ext_len": 0}
+
+
+def decode(body: bytes | memoryview, limits: Limits | None = None) -> dict[str, Any]:
     """One frame body as a msgpack map. With `limits` (the daemon's), oversized containers are a bad frame."""
-    # max_ext_len=0: msgpack decodes timestamps (ext -1) itself, without the hook; a zero limit refuses them too.
-    sizes = {} if limits is None else {"max_bin_len": limits.max_bin_len, "max_str_len": limits.max_str_len,
-                                       "max_array_len": limits.max_array_len, "max_map_len": limits.max_map_len}
     try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_reject_ext, max_ext_len=0, **sizes)
+        msg = msgpack.unpackb(body, **(_PLAIN if limits is None else limits.unpack_options()))
     except ProtocolError:
         raise
     except ValueError as e:
@@ -80,6 +105,16 @@ class FrameReader:
 
     def feed(self, data: bytes) -> None:
         self._buf += data
+
+    def feed_next(self, data: bytes) -> bytes | memoryview | None:
+        """`feed(data)`, then `next()`; when nothing was buffered and `data` is exactly one frame (a request or a
+        reply that one recv read whole: the common case), its body without copying it into the buffer."""
+        if not self._buf and len(data) >= HEADER.size:
+            (length,) = HEADER.unpack_from(data)
+            if len(data) == HEADER.size + length and (self.limit is None or length <= self.limit):
+                return memoryview(data)[HEADER.size:]
+        self._buf += data
+        return self.next()
 
     def next(self) -> bytes | None:
         buf = self._buf
