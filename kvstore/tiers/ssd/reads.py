@@ -44,9 +44,10 @@ class Reader:
         ends the prefix where it refused a read (a miss this time, never an error), once the reads before it
         finish."""
         jobs = []
+        here = len(hashes) == 1                 # the caller would only wait: it reads the block itself
         for h, out in zip(hashes, outs):
             try:
-                job = self.read_async(ns + h, out, lane)
+                job = self.read_async(ns + h, out, lane, here=here)
             except Busy:            # the lane's queue is full: the prefix ends here, the reads submitted finish
                 self.store.counters["busy"] += 1
                 break
@@ -73,10 +74,10 @@ class Reader:
         return n
 
     def read_async(self, key: bytes, out: Out, lane: Lane,
-                   on_done: Callable[[Future[Any]], None] | None = None) -> Future[Any] | None:
+                   on_done: Callable[[Future[Any]], None] | None = None, here: bool = False) -> Future[Any] | None:
         """Submit a verified read of one block into `out`; None (counted) when the store does not hold it with
         that size. The future's result is its writer's CRC-32C (None if none), or False for a bad record; Busy if
-        the lane is full."""
+        the lane is full. With `here` (no `on_done`), a critical read may run in this thread (Path.run)."""
         s = self.store
         with s.lock:
             where = s.index.get(key)
@@ -84,8 +85,12 @@ class Reader:
                 s.counters["misses" if where is None else "wrong_geometry"] += 1
                 return None
             cf = s.files[where[0]]
-        return s.path.submit(lane, cf.record, lambda: self.read_into(key, cf, where[1], out), tag=key,
-                             on_done=on_done)
+        def fn() -> int | bool | None:
+            return self.read_into(key, cf, where[1], out)
+
+        if here and on_done is None:
+            return s.path.run(lane, cf.record, fn, tag=key)
+        return s.path.submit(lane, cf.record, fn, tag=key, on_done=on_done)
 
     def read_into(self, key: bytes, cf: ClassFile, rec: int, out: Out) -> int | bool | None:
         """(A path worker.) Read record `rec` of `cf` into `out` and check it: its writer's CRC-32C (None if the
@@ -126,11 +131,12 @@ class Reader:
         between pieces when this is a lower-lane read; returns the bytes read (short at the end of the file)."""
         at = rec * cf.record
         n = 0
+        piece = len(out) if self.store.path.running_lane() == Lane.CRITICAL else PIECE_BYTES
         with memoryview(out) as o:
-            for i in range(0, len(o), PIECE_BYTES):
+            for i in range(0, len(o), piece):
                 if i:
                     self.store.path.checkpoint()
-                with o[i:i + PIECE_BYTES] as part:
+                with o[i:i + piece] as part:
                     bufs = [head, part] if i == 0 else [part]
                     want = sum(len(b) for b in bufs)
                     got = self._preadv(cf.fd, bufs, at + (0 if i == 0 else HEADER_BYTES + i))
