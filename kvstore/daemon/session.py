@@ -21,7 +21,18 @@ from kvstore.daemon.ops import HANDLERS, Reply
 from kvstore.daemon.state import State
 from kvstore.daemon.tenants import Conn, Peer, is_admin
 from kvstore.index import InvalidRequest, NotHeld, OverLimit, Refused, TooLarge, UnknownNamespace
-from kvstore.protocol import Code, FrameReader, Limits, ProtocolError, check_request, decode, encode, error, ok
+from kvstore.protocol import (
+    VERSION,
+    Code,
+    FrameReader,
+    Limits,
+    ProtocolError,
+    check_request,
+    decode,
+    encode,
+    error,
+    ok,
+)
 
 log = logging.getLogger("kvstore")
 REFUSALS: dict[type[Refused], str] = {UnknownNamespace: Code.UNKNOWN_NAMESPACE, NotHeld: Code.NOT_FOUND,
@@ -41,6 +52,7 @@ class Session:
         self.in_request = False
         self._frames = FrameReader(cfg.max_frame_bytes)
         self._limits = Limits.for_requests(cfg.max_frame_bytes, cfg.max_keys_per_request)
+        self._max_keys = cfg.max_keys_per_request
         secs = cfg.idle_timeout_s    # recv wakes up this often: a connection with no namespace is then closed
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(secs), int(secs % 1 * 1e6)))
 
@@ -109,16 +121,15 @@ class Session:
         try:
             msg = decode(body, self._limits)
             rid = msg["id"] if type(msg.get("id")) is int else 0   # echoed even when invalid; never a bool
-            op, rid = check_request(msg, st.config.server.max_keys_per_request)
+            op, rid = check_request(msg, self._max_keys)
             if msg.get("stream"):             # partial replies, sent while the op waits without the lock
                 msg["_emit"] = lambda fields, fds, rid=rid: self._send(ok(rid, more=True, **fields), fds)
-            st.defer_copies()                 # demotion copies of blocks the op evicts: after the lock, before
-            try:                              # the reply (the client writes a slot only once it has the reply)
+            if st.demotion is None:           # nothing to defer: no lower tier
                 with st.lock:
                     result = HANDLERS[op](st, self.holdings, msg)
                     st.metrics.observe(op, time.perf_counter() - t0)
-            finally:
-                st.copy_deferred()
+            else:
+                result = self._run_deferring(op, msg, t0)
         except ProtocolError as e:
             self._fail(rid, e.code, e.message)
             return e.code != Code.BAD_FRAME
@@ -132,8 +143,19 @@ class Session:
         if isinstance(result, Reply):
             self._send(ok(rid, **result.fields), result.fds)
             return not result.close
-        self._send(ok(rid, **result))
+        self.sock.sendall(encode({"v": VERSION, "id": rid, "ok": True, **result}))   # ok(): without the kwargs
         return True
+
+    def _run_deferring(self, op: str, msg: dict[str, Any], t0: float) -> dict[str, Any] | Reply:
+        st = self.state
+        st.defer_copies()                     # demotion copies of blocks the op evicts: after the lock, before
+        try:                                  # the reply (the client writes a slot only once it has the reply)
+            with st.lock:
+                result = HANDLERS[op](st, self.holdings, msg)
+                st.metrics.observe(op, time.perf_counter() - t0)
+        finally:
+            st.copy_deferred()
+        return result
 
     def _fail(self, rid: int, code: str, message: str) -> None:
         with self.state.lock:

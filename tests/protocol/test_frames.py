@@ -84,3 +84,28 @@ def test_a_frame_at_the_limit_passes_and_no_limit_means_any_size():
     r = FrameReader()
     r.feed(frame(big))
     assert r.next() == big
+
+
+def test_feed_next_hands_back_a_whole_frame_without_buffering_it():
+    r = FrameReader(limit=64)
+    body = encode({"op": "ping"})[4:]
+    got = r.feed_next(frame(body))
+    assert isinstance(got, memoryview) and bytes(got) == body
+    assert r.next() is None                                   # nothing was left in the buffer
+
+
+def test_feed_next_buffers_partial_and_pipelined_frames_in_order():
+    r = FrameReader()
+    a, b = frame(b"first"), frame(b"second")
+    assert r.feed_next(a[:3]) is None
+    assert r.feed_next(a[3:] + b) == b"first"                 # two frames in one chunk: the first, then the next
+    assert r.next() == b"second" and r.next() is None
+
+
+def test_feed_next_refuses_an_oversize_whole_frame():
+    r = FrameReader(limit=4)
+    with pytest.raises(ProtocolError) as e:
+        r.feed_next(frame(b"too long"))
+    assert e.value.code == Code.BAD_FRAME
+    with pytest.raises(ProtocolError):
+        r.feed_next(frame(b"ok"))                             # the stream cannot be resynced
