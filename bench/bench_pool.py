@@ -5,7 +5,8 @@
   default: the writer's CRC-32C with each commit, the reader's copy checked) and without;
 - lookup of 32 present keys, p50 and p99, against a raw round trip of the same sizes (the lookup's request and its
   reply, frames included) over a Unix stream socket to a server in a child process (the daemon's `ping` is shown
-  too: it splits the gap into protocol and index);
+  too: it splits the gap into protocol and index; and the smallest Python msgpack RPC of the same sizes, the floor of
+  any daemon and client written in Python);
 - resize of a full pool (release 256 MiB, then grow back) at 1 GiB and 8 GiB.
 
 Every figure is a median over timed repetitions taken after an untimed warm-up (a shared page's first touch is a
@@ -41,6 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgpack
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Daemon, Table, busy_cpus, progress, summary, warn_if_busy, write_json  # noqa: E402
 
 from kvstore.checksum import FUSED  # noqa: E402
-from kvstore.protocol import VERSION, encode, ok  # noqa: E402
+from kvstore.protocol import HEADER, VERSION, encode, ok  # noqa: E402
 from kvstore.protocol.geometry import Geometry  # noqa: E402
 from kvstore.protocol.keys import NamespaceSpec  # noqa: E402
 
@@ -103,13 +105,21 @@ def _copy(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
 
 ECHO_SERVER = """
-import socket, sys
+import socket, struct, sys
 path, ask, answer = sys.argv[1], int(sys.argv[2]), b"y" * int(sys.argv[3])
 srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 srv.bind(path)
 srv.listen(1)
 print("ready", flush=True)
 conn, _ = srv.accept()
+if sys.argv[4] == "rpc":
+    import msgpack
+    header, packer = struct.Struct("<I"), msgpack.Packer(use_bin_type=True)
+    while m := conn.recv(65536):
+        msg = msgpack.unpackb(memoryview(m)[4:], raw=False)
+        body = packer.pack({"v": 1, "id": msg["id"], "ok": True, "n": 32, "host": 32})
+        conn.sendall(header.pack(len(body)) + body)
+    sys.exit(0)
 while True:
     got = 0
     while got < ask:
@@ -132,17 +142,32 @@ def lookup_sizes() -> tuple[int, int]:
 class EchoServer:
     """A request and a reply of the sizes of a 32-key lookup's (`lookup_sizes`) over a Unix stream socket, served by
     a child process that reads the request whole before it answers: the raw round trip a request to the daemon
-    cannot beat."""
+    cannot beat. `rpc` is the same exchange as the smallest Python msgpack RPC, with a second child: the lookup's
+    request packed and unpacked, its reply packed and unpacked, nothing else — what any daemon and client written in
+    Python pay before they do any work."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         ask, self.answer = lookup_sizes()
-        self.proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, path, str(ask), str(self.answer)],
-                                     stdout=subprocess.PIPE)
-        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == b"ready"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(path)
+        self.procs, socks = [], []
+        for mode in ("raw", "rpc"):
+            where = f"{path}-{mode}"
+            proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, where, str(ask), str(self.answer), mode],
+                                    stdout=subprocess.PIPE)
+            assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(where)
+            self.procs.append(proc)
+            socks.append(sock)
+        self.sock, self.rpc_sock = socks
         self.msg = b"x" * ask
+        self.keys = b"".join(hashes(BATCH, 7 * 10**9))
+        self.packer = msgpack.Packer(use_bin_type=True)
+        self.ids = 0
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
 
     def roundtrip(self) -> None:
         self.sock.sendall(self.msg)
@@ -150,13 +175,22 @@ class EchoServer:
         while got < self.answer:
             got += len(self.sock.recv(65536))
 
+    def rpc(self) -> None:
+        self.ids += 1
+        body = self.packer.pack({"v": VERSION, "op": "lookup", "id": self.ids, "ns": 1, "keys": self.keys})
+        self.rpc_sock.sendall(HEADER.pack(len(body)) + body)
+        if msgpack.unpackb(memoryview(self.rpc_sock.recv(65536))[4:])["n"] != BATCH:
+            raise RuntimeError("rpc floor: a wrong reply")
+
     def close(self) -> None:
         self.sock.close()
-        self.proc.wait(5)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self.rpc_sock.close()
+        for proc, mode in zip(self.procs, ("raw", "rpc")):
+            proc.wait(5)
+            try:
+                os.unlink(f"{self.path}-{mode}")
+            except FileNotFoundError:
+                pass
 
 
 def timed(fn: Callable[[], Any], n: int) -> list[float]:
@@ -268,7 +302,7 @@ def lookups(d: Daemon, rounds: int, per_round: int, profile: cProfile.Profile | 
     assert d.proc is not None
     echo = EchoServer(os.path.join(d.dir, "echo"))
     places = placements()
-    out = {p: {"raw": [], "ping": [], "lookup": []} for p in places}   # type: dict[str, dict[str, list[float]]]
+    out = {p: {"raw": [], "rpc": [], "ping": [], "lookup": []} for p in places}  # type: dict[str, dict[str, list[float]]]
     mine, theirs = os.sched_getaffinity(0), os.sched_getaffinity(d.proc.pid)
     try:
         with d.client() as c:
@@ -281,15 +315,15 @@ def lookups(d: Daemon, rounds: int, per_round: int, profile: cProfile.Profile | 
             def lookup() -> None:
                 ns.lookup(hs)
 
-            kinds = {"raw": echo.roundtrip, "ping": c.ping, "lookup": lookup}
+            kinds = {"raw": echo.roundtrip, "rpc": echo.rpc, "ping": c.ping, "lookup": lookup}
             for _ in range(rounds):
                 for place, cpus in places.items():
                     if cpus is None:
                         _pin([os.getpid()], mine)
-                        _pin([d.proc.pid, echo.proc.pid], theirs)
+                        _pin([d.proc.pid, *echo.pids], theirs)
                     else:
                         _pin([os.getpid()], cpus[0])
-                        _pin([d.proc.pid, echo.proc.pid], cpus[1])
+                        _pin([d.proc.pid, *echo.pids], cpus[1])
                     for kind, fn in kinds.items():
                         timed(fn, 100)
                         if profile and kind == "lookup":
@@ -539,6 +573,7 @@ def main() -> None:
                 us["lookup"]["median"] <= 2 * us["raw"]["median"] if pinned else None, digits=1)
             row(f"lookup 32 keys p99, {place}", us["lookup"], us["raw"], "µs", key="p99", digits=1)
             row(f"daemon ping p50, {place}", us["ping"], us["raw"], "µs", digits=1)
+            row(f"smallest Python msgpack RPC p50, {place}", us["rpc"], us["raw"], "µs", digits=1)
     if not args.put_get_only and not args.lookup_only:
         res["resize_ms"] = {}
         for size in sizes:

@@ -51,12 +51,13 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from kvstore.client.blocks import Namespace
 from kvstore.client.copier import Copier
 from kvstore.client.hints import SessionHandle, WorkflowHandle
-from kvstore.protocol import VERSION, FrameReader, decode, encode
+from kvstore.protocol import HEADER, VERSION, FrameReader, decode, encode
 from kvstore.protocol.keys import NamespaceSpec
 from kvstore.protocol.paths import default_socket_path
 
@@ -139,6 +140,7 @@ class Client:
         self.daemon_pid: int | None = None
         self._ids = itertools.count(1)
         self._frames = FrameReader()          # replies: no limit (the daemon is trusted to frame them)
+        self._packer = msgpack.Packer(use_bin_type=True)   # one per client: a Client is used by one thread
         self._unanswered = 0
         self._segments: dict[int, _Mapped] = {}
         self.copier = Copier(copy_threads)
@@ -186,10 +188,51 @@ class Client:
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request, wait for its reply's fields (without the protocol envelope); raise KVStoreError on a
         refusal."""
-        reply, _ = self._roundtrip(op, fields, want_fds=False)
+        reply = self._quick_call(op, fields)
+        if reply is None:
+            reply, _ = self._roundtrip(op, fields, want_fds=False)
         for envelope in ("v", "id", "ok"):
             reply.pop(envelope, None)
         return reply
+
+    def _quick_call(self, op: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        """The common round trip in one frame of Python: nothing in flight or buffered, the connection busy lately
+        (so not to be checked for a close). None if not so: `_roundtrip` then does it all. A reply that one recv
+        does not read whole, or a broken connection, is finished by `_finish_call`. Measured: 11.7 → 10.6 µs a
+        lookup against a socketpair that answers at once, where a bare send + recv is 4.8 µs."""
+        if (self._unanswered or self._broken or self._frames.buffered
+                or time.monotonic() - self._quiet_since >= QUIET_S):
+            return None
+        since = self._epoch
+        body = self._packer.pack({"v": VERSION, "op": op, "id": next(self._ids), **fields})
+        try:
+            self.sock.sendall(HEADER.pack(len(body)) + body)
+            data = self.sock.recv(RECV_BYTES)
+        except BlockingIOError:
+            raise TimeoutError(f"the kvstore daemon at {self.path} did not answer within {self.timeout} s (the "
+                               f"client's timeout)") from None
+        except ConnectionError:
+            data = b""
+        if len(data) < HEADER.size or HEADER.unpack_from(data)[0] != len(data) - HEADER.size:
+            return self._finish_call(op, fields, data, since)
+        self._quiet_since = time.monotonic()
+        return self._reply(memoryview(data)[HEADER.size:], [])[0]
+
+    def _finish_call(self, op: str, fields: dict[str, Any], data: bytes, since: int) -> dict[str, Any]:
+        """The quick call's reply did not come whole in one recv: read on; or, the connection broken (`data`
+        empty), replay it on a new one if it is idempotent, as `_roundtrip` does."""
+        try:
+            if not data:
+                raise ConnectionError(f"the kvstore daemon at {self.path} closed the connection")
+            self._frames.feed(data)
+            return self._reply(*self._recv_frame(False))[0]
+        except ConnectionError:
+            self._broken = True
+            if op not in REPLAYABLE or self._reconnecting or self._refused:
+                raise                                     # it may have run: the caller decides
+            self._reconnect()
+        self._sendall(encode({"v": VERSION, "op": op, "id": next(self._ids), **self._current(fields, since)}))
+        return self._reply(*self._recv_frame(False))[0]
 
     def send(self, op: str, **fields: Any) -> None:
         """Send a request without waiting: its reply is read (and a refusal raised) by the next `call` or `flush`.

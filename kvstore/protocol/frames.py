@@ -103,6 +103,11 @@ class FrameReader:
         self.limit = limit
         self._buf = bytearray()
 
+    @property
+    def buffered(self) -> int:
+        """Bytes waiting in the buffer (part of a frame, or pipelined frames not taken yet)."""
+        return len(self._buf)
+
     def feed(self, data: bytes) -> None:
         self._buf += data
 
