@@ -59,9 +59,9 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     calls = {"uring": 0}
     real = uring._run_uring
 
-    def spy(ops, depth):  # type: ignore[no-untyped-def]
+    def spy(ops, depth, on_done=None):  # type: ignore[no-untyped-def]
         calls["uring"] += 1
-        return real(ops, depth)
+        return real(ops, depth, on_done)
 
     if request.param == "os":
         monkeypatch.setenv("KVSTORE_NO_URING", "1")
@@ -127,6 +127,29 @@ def test_run_many_more_ops_than_depth(ddir: str, backend: dict[str, int]) -> Non
         assert res == [REC] * n
         for i in range(n):
             assert outs[i][:] == srcs[i][:], f"record {i}"
+        assert used(backend)
+    finally:
+        os.close(fd)
+
+
+def test_run_many_reports_each_op_as_it_completes(ddir: str, backend: dict[str, int]) -> None:
+    """on_done(i, result) once per op, in this thread, each op's bytes in place when it is called (a reader
+    checksums a piece while the next is still on the disk); a failed op is reported with its -errno."""
+    fd = dfile(ddir, 4 * REC)
+    try:
+        srcs = [filled(REC, 20 + i) for i in range(4)]
+        assert uring.run_many([("w", fd, [s], i * REC) for i, s in enumerate(srcs)]) == [REC] * 4
+        outs = [mmap.mmap(-1, REC) for _ in range(4)]
+        seen: list[tuple[int, int, bool, str]] = []
+
+        def done(i: int, res: int) -> None:
+            seen.append((i, res, res < 0 or outs[i][:] == srcs[i][:], threading.current_thread().name))
+
+        ops: list[uring.Op] = [("r", fd, [outs[i]], i * REC) for i in range(4)]
+        ops.append(("r", 987654, [outs[0]], 0))                  # a bad fd: reported, never raised
+        res = uring.run_many(ops, depth=4, on_done=done)
+        assert res == [REC] * 4 + [-errno.EBADF]
+        assert sorted(seen) == [(i, r, True, threading.current_thread().name) for i, r in enumerate(res)]
         assert used(backend)
     finally:
         os.close(fd)

@@ -2,13 +2,18 @@
 
 - `read_into` (a path worker) reads one record and checks it with record.check_record: the header whole and
   ours, naming the key and the length asked, the payload matching its CRC-32C. A payload that O_DIRECT can move as
-  it is (a host slot of whole pages) is read straight into `out`, in pieces of PIECE_BYTES with a checkpoint
-  between pieces (a lower-lane read yields to critical ones); any other goes through an aligned buffer and is
-  copied into `out` only once checked. A record that fails is a miss: quarantined (its header zeroed, its space
-  reused), counted as bad.<reason>, and `out` may then hold garbage that the caller must not publish.
+  it is (a host slot of whole pages) is read straight into `out`, no bounce copy: a lower-lane read in pieces of
+  PIECE_BYTES with a checkpoint between pieces (it yields to critical ones); a critical read in one request, or,
+  through io_uring, in up to OVERLAP_PIECES pieces all in flight whose CRC-32C is continued as each lands, so
+  the checksum overlaps the disk (one request where 4 x 512 KiB in turn cost +0.2-0.3 ms of a 2 MiB read here).
+  Any other payload goes through an aligned buffer and is copied into `out` only once checked. A record that
+  fails is a miss: quarantined (its header zeroed, its space reused), counted as bad.<reason>, and `out` may then
+  hold garbage that the caller must not publish.
 - `read_async` submits that read as a transfer in the caller's lane; `get_many` reads a batch, all in flight at
   once, and returns the longest verified prefix: the first miss or bad record ends it, never a partial hit past
-  it, and every read has finished (or was cancelled) before it returns, so the caller may reuse its buffers.
+  it, and every read has finished (or was cancelled) before it returns, so the caller may reuse its buffers. A
+  one-block get runs its read in the calling thread (Path.run) when the critical lane has room: it would only
+  wait for a worker, and the two hand-offs cost ~0.3 ms of a 2 MiB SSD-hit get on this 2-core VM.
 - A verified read makes its block the most recently used (the disk cap evicts the least recently used first).
 - `verify` (offline: `kvstore verify`) reads every indexed record whole in the calling thread and applies the
   same check; it changes nothing on disk unless asked to quarantine the bad records.
@@ -21,8 +26,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any
 
+from crc32c import crc32c as crc32c_continue  # kvstore.checksum's CRC-32C, continued from a value
+
+from kvstore.tiers.ssd import uring
 from kvstore.tiers.ssd.files import ClassFile, aligned, aligned_for_io
-from kvstore.tiers.ssd.record import HEADER_BYTES, BadRecord, Header, check_record
+from kvstore.tiers.ssd.record import HEADER_BYTES, BadRecord, Header, check_record, padded
 from kvstore.traffic import Busy, Lane
 from kvstore.traffic.path import PIECE_BYTES
 
@@ -31,6 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore")
 Out = memoryview | bytearray
+OVERLAP_PIECES = 4           # a critical read's pieces, in flight at once (uring.DEPTH at most)
+OVERLAP_MIN = 256 << 10      # ... none smaller than this: a small block is one request
 
 
 class Reader:
@@ -116,10 +126,14 @@ class Reader:
         """The record's header once the record is checked; `out` holds the payload (or garbage on BadRecord)."""
         with memoryview(buf) as mv:
             if aligned_for_io(out):       # straight into `out`; the header into `buf`
+                crc = None
                 with mv[:HEADER_BYTES] as head:
-                    n = self._read_in_pieces(cf, rec, head, out)
+                    if self.store.io == "io_uring" and self.store.path.running_lane() == Lane.CRITICAL:
+                        n, crc = _read_overlapped(cf, rec, head, out)
+                    else:
+                        n = self._read_in_pieces(cf, rec, head, out)
                 with memoryview(out) as o, o[:max(n - HEADER_BYTES, 0)] as payload:
-                    return check_record(bytes(mv[:min(n, HEADER_BYTES)]), payload, key, len(out))
+                    return check_record(bytes(mv[:min(n, HEADER_BYTES)]), payload, key, len(out), crc)
             n = self._preadv(cf.fd, [mv], rec * cf.record)
             with mv[HEADER_BYTES:n] as payload:
                 header = check_record(bytes(mv[:min(n, HEADER_BYTES)]), payload, key, len(out))
@@ -160,6 +174,38 @@ class Reader:
                     s.drop_locked(key)
                     s.quarantine_locked(cf, rec, reason)
         return bad
+
+
+def _read_overlapped(cf: ClassFile, rec: int, head: memoryview, out: Any) -> tuple[int, int | None]:
+    """(A critical read, io_uring.) Header and payload straight into `out` in up to OVERLAP_PIECES pieces, all in
+    flight at once, the payload's CRC-32C continued over each piece as it lands in order: only the last piece's
+    checksum is left once the disk is done. Returns (bytes read, the payload's CRC-32C, None if short). Measured
+    on this VM, a 2 MiB read into a host slot: 0.74x the time of a plain 2 MiB os.preadv, against 0.84x for one
+    request with the CRC after it."""
+    at = rec * cf.record
+    with memoryview(out) as o:
+        size = max(padded(-(-len(o) // OVERLAP_PIECES)), OVERLAP_MIN)
+        parts = [o[i:i + size] for i in range(0, len(o), size)]
+        ops: list[uring.Op] = [("r", cf.fd, [head, parts[0]], at)]
+        ops += [("r", cf.fd, [p], at + HEADER_BYTES + k * size) for k, p in enumerate(parts[1:], 1)]
+        landed = [False] * len(parts)
+        state = [0, 0]                     # pieces checksummed so far, CRC-32C so far
+
+        def done(i: int, res: int) -> None:
+            landed[i] = res > 0
+            while state[0] < len(parts) and landed[state[0]]:
+                state[1] = crc32c_continue(parts[state[0]], state[1])
+                state[0] += 1
+        try:
+            results = uring.run_many(ops, len(ops), done)
+        finally:
+            for p in parts:
+                p.release()
+    for res in results:
+        if res < 0:
+            raise OSError(-res, os.strerror(-res))
+    n = sum(results)
+    return n, state[1] if n == HEADER_BYTES + len(out) else None
 
 
 def _check_on_disk(key: bytes, cf: ClassFile, rec: int) -> str | None:

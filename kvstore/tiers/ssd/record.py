@@ -103,12 +103,18 @@ def check_payload(header: Header, payload: memoryview | bytes) -> None:
         raise BadRecord("payload_checksum", "payload bytes do not match their checksum")
 
 
-def check_record(raw_header: bytes, payload: memoryview | bytes, key: bytes, length: int) -> Header:
+def check_record(raw_header: bytes, payload: memoryview | bytes, key: bytes, length: int,
+                 payload_crc: int | None = None) -> Header:
     """The one check of a record read back: its header is whole and ours, names `key` (namespace digest + block
     hash) and `length` payload bytes, and `payload` (the bytes read after the header, at least `length` of them)
-    matches its checksum. Returns the header; raises BadRecord with the reason (an empty record is key_mismatch)."""
+    matches its checksum. Returns the header; raises BadRecord with the reason (an empty record is key_mismatch).
+    `payload_crc`: the CRC-32C of those `length` bytes, computed by the reader as they landed (a version 1 record,
+    whose checksum is zlib's, is checked on its bytes all the same)."""
     header = parse_header(raw_header)
     if header is None or header.ns + header.hash != key or header.length != length:
         raise BadRecord("key_mismatch", "the record holds another block")
-    check_payload(header, payload)
+    if payload_crc is None or header.version != VERSION or len(payload) < header.length:
+        check_payload(header, payload)
+    elif payload_crc != header.crc:
+        raise BadRecord("payload_checksum", "payload bytes do not match their checksum")
     return header

@@ -6,13 +6,15 @@ namesakes and work the same whether io_uring is in use or not, so callers never 
 
     preadv(fd, bufs, offset) -> int       bytes read (short at end of file); OSError(errno) on failure
     pwritev(fd, bufs, offset) -> int      bytes written; OSError(errno) on failure
-    run_many(ops, depth=None) -> list[int]
+    run_many(ops, depth=None, on_done=None) -> list[int]
         ops: ("r" | "w", fd, bufs, offset) each; up to `depth` (default and at most DEPTH) of them in flight at
         once from this one thread (one io_uring_submit per refill). Results in op order: bytes moved (>= 0) or
         -errno for an op that failed. A failing op never raises and never stops the others; every op has
-        completed when run_many returns. Arguments are all checked before anything is submitted: a bad op
-        (unknown kind, read into a read-only buffer, negative offset, ...) raises TypeError/ValueError/OSError
-        and nothing runs.
+        completed when run_many returns. `on_done(i, result)` (which must not raise) is called in this thread as
+        each op completes, in completion order, while the others are still in flight: work on the bytes of one
+        (a checksum) overlaps the transfer of the next. Arguments are all checked before anything is submitted:
+        a bad op (unknown kind, read into a read-only buffer, negative offset, ...) raises
+        TypeError/ValueError/OSError and nothing runs.
     available() -> bool                   whether io_uring is used; REASON says why (a line for the log)
     backend() -> str                      "io_uring" or "os"
 
@@ -50,7 +52,7 @@ import mmap
 import os
 import select
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Union
 
@@ -178,8 +180,10 @@ def _one(kind: str, fd: int, bufs: Sequence[Buffer], offset: int) -> int:
     return res
 
 
-def run_many(ops: Sequence[Op], depth: int | None = None) -> list[int]:
-    """Run reads and writes with up to `depth` in flight from this thread; bytes or -errno per op, in op order."""
+def run_many(ops: Sequence[Op], depth: int | None = None,
+             on_done: Callable[[int, int], None] | None = None) -> list[int]:
+    """Run reads and writes with up to `depth` in flight from this thread; bytes or -errno per op, in op order;
+    `on_done(i, result)` as each completes."""
     d = DEPTH if depth is None else max(1, min(int(depth), DEPTH))
     checked = []
     try:
@@ -193,13 +197,15 @@ def run_many(ops: Sequence[Op], depth: int | None = None) -> list[int]:
         return []
     if not available():
         out = []
-        for kind, fd, views, off in checked:
+        for i, (kind, fd, views, off) in enumerate(checked):
             try:
                 out.append(_os_one(kind, fd, views, off))
             except OSError as e:
                 out.append(-(e.errno or errno.EIO))
+            if on_done is not None:
+                on_done(i, out[-1])
         return out
-    return _run_uring(checked, d)
+    return _run_uring(checked, d, on_done)
 
 
 # ---------------------------------------------------------------------------------------------------- io_uring
@@ -256,7 +262,8 @@ def _thread_ring() -> _Ring:
     return r
 
 
-def _run_uring(ops: list[tuple[str, int, list[memoryview], int]], depth: int) -> list[int]:
+def _run_uring(ops: list[tuple[str, int, list[memoryview], int]], depth: int,
+               on_done: Callable[[int, int], None] | None = None) -> list[int]:
     """Up to `depth` ops in flight on this thread's ring; every op completed (and its views released) on return.
     If anything raises once an SQE has been taken, the ring and the buffers of every op not yet reaped are parked
     in _ORPHANS (never reused, never freed) and the thread gets a new ring next time."""
@@ -301,6 +308,8 @@ def _run_uring(ops: list[tuple[str, int, list[memoryview], int]], depth: int) ->
             done += 1
             results[i] = res
             _release_after_iovec(views)
+            if on_done is not None:
+                on_done(i, res)
     except BaseException:
         if inflight or queued:
             _ORPHANS.append((r, keep))      # the kernel may still use these buffers: never free them

@@ -1,0 +1,130 @@
+"""How the SSD store reads a block an engine waits for: a one-block critical get reads in the calling thread (no
+hand-off to a path worker), in one request or, through io_uring, in pieces all in flight whose CRC-32C is
+continued as they land; every byte is still checked; other reads go through the path's workers."""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kvstore.checksum import crc32c
+from kvstore.tiers.ssd.record import HEADER_BYTES, record_bytes
+from kvstore.tiers.ssd.store import SsdStore
+from kvstore.traffic import Lane, Path
+from kvstore.traffic.path import Transfer
+
+NS = bytes(range(16))
+BLOCK = 2 << 20                       # a Full Block of the bench's geometry: several pieces of every size used
+RECORD = record_bytes(BLOCK)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def block(i: int) -> mmap.mmap:
+    m = mmap.mmap(-1, BLOCK)          # page-aligned, as host slots are: read straight into, no bounce copy
+    m[:] = np.random.default_rng(i).integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
+    return m
+
+
+class Seen:
+    """The path's device hook: which thread ran each transfer, in which lane."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[Lane, str]] = []
+
+    def __call__(self, t: Transfer) -> None:
+        self.runs.append((t.lane, threading.current_thread().name))
+
+
+@pytest.fixture(params=["threads", "auto"])
+def store(request: pytest.FixtureRequest, tmp_path: str):  # type: ignore[no-untyped-def]
+    seen = Seen()
+    path = Path("ssd", workers=4, device=seen)
+    s = SsdStore(os.path.join(str(tmp_path), "ssd"), 8 * RECORD, io=request.param, path=path).open()
+    blocks = [block(i) for i in range(3)]
+    assert s.put_many([(NS, h(i), blocks[i], crc32c(blocks[i])) for i in range(3)]) == 3
+    seen.runs.clear()
+    yield s, seen, blocks
+    s.close()
+    path.close()
+
+
+def test_a_one_block_critical_get_reads_in_the_calling_thread(store) -> None:  # type: ignore[no-untyped-def]
+    s, seen, blocks = store
+    out = mmap.mmap(-1, BLOCK)
+    crcs: list[int | None] = []
+    before = s.path.lanes[Lane.CRITICAL].transfers
+    assert s.get_many(NS, [h(1)], [memoryview(out)], Lane.CRITICAL, crcs=crcs) == 1
+    assert out[:] == blocks[1][:] and crcs == [crc32c(blocks[1])]           # verified, the writer's CRC back
+    critical = [name for lane, name in seen.runs if lane == Lane.CRITICAL]
+    assert critical == [threading.current_thread().name]                    # this thread, not a worker
+    assert s.path.lanes[Lane.CRITICAL].transfers == before + 1              # still a transfer on the path
+    assert s.path.lanes[Lane.CRITICAL].in_flight == 0
+
+
+def test_batches_and_lower_lanes_go_through_the_workers(store) -> None:  # type: ignore[no-untyped-def]
+    s, seen, blocks = store
+    outs = [mmap.mmap(-1, BLOCK) for _ in range(3)]
+    assert s.get_many(NS, [h(i) for i in range(3)], [memoryview(o) for o in outs], Lane.CRITICAL) == 3
+    assert s.get_many(NS, [h(2)], [memoryview(outs[0])], Lane.PREFETCH) == 1
+    me = threading.current_thread().name
+    reads = [(lane, name) for lane, name in seen.runs if lane in (Lane.CRITICAL, Lane.PREFETCH)]
+    assert len(reads) == 4 and all(name != me for _, name in reads)          # on the path's workers
+    assert [bytes(o) for o in outs] == [blocks[2][:], blocks[1][:], blocks[2][:]]
+
+
+@pytest.mark.parametrize("where, reason", [
+    (HEADER_BYTES + BLOCK - 1, "payload_checksum"),       # the last byte of the last piece
+    (HEADER_BYTES + (BLOCK // 4), "payload_checksum"),    # the first byte of the second piece
+    (40, "header_checksum"),                              # the header's key field
+])
+def test_a_bad_byte_in_any_piece_is_a_quarantined_miss(store, where: int, reason: str) -> None:  # type: ignore[no-untyped-def]
+    s, seen, blocks = store
+    rec = s.index[NS + h(1)][1]
+    with open(s.files[BLOCK].path, "r+b") as f:
+        f.seek(rec * RECORD + where)
+        byte = f.read(1)
+        f.seek(rec * RECORD + where)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    out = mmap.mmap(-1, BLOCK)
+    assert s.get_many(NS, [h(1)], [memoryview(out)], Lane.CRITICAL) == 0      # never the wrong bytes
+    assert s.counters[f"bad.{reason}"] == 1 and not s.has(NS + h(1))          # quarantined
+    assert s.get_many(NS, [h(2)], [memoryview(out)], Lane.CRITICAL) == 1 and out[:] == blocks[2][:]
+
+
+def test_a_critical_read_waits_its_turn_when_critical_reads_are_queued(tmp_path: str) -> None:
+    """With a critical transfer already queued, a one-block get does not run ahead of it in its own thread."""
+    gate = threading.Event()
+    seen = Seen()
+
+    def device(t: Transfer) -> None:
+        seen(t)
+        if t.tag == "hold":
+            gate.wait(10)
+
+    path = Path("ssd", workers=1, device=device)
+    s = SsdStore(os.path.join(str(tmp_path), "ssd"), 4 * RECORD, path=path).open()
+    try:
+        b = block(7)
+        assert s.put_many([(NS, h(7), b)]) == 1
+        held = path.submit(Lane.CRITICAL, 0, lambda: None, tag="hold")       # the one worker, held
+        queued = path.submit(Lane.CRITICAL, 0, lambda: None, tag="queued")   # and one critical transfer queued
+        out = mmap.mmap(-1, BLOCK)
+        done = []
+        t = threading.Thread(target=lambda: done.append(s.get_many(NS, [h(7)], [memoryview(out)])))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and not done                   # it queued behind the others
+        gate.set()
+        t.join(10)
+        assert done == [1] and out[:] == b[:] and held.done() and queued.done()
+        assert seen.runs[-1] == (Lane.CRITICAL, "kvstore-ssd-0")     # read by the path's worker
+    finally:
+        gate.set()
+        s.close()
+        path.close()
