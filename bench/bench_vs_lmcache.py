@@ -13,6 +13,9 @@ same size) in batches of 32 and retrieves them, against a daemon process it star
   same bytes, 4 in flight.
 - visibility: a lookup issued right after each completed store of 32 blocks; misses counted.
 - lookup latency of 32 present blocks; limit: a 64-byte Unix-socket round trip.
+- against the limit itself: store and retrieve over memcpy, repetition by repetition (issue 16: retrieve ≥ 0.95×),
+  and the daemon's own time per retrieve batch (acquire + release, from its latency histograms) beside the memcpy
+  of the batch: the part of the gap that is book-keeping rather than the copy.
 
 Repetitions take turns (limit, then the two systems in alternating order), after untimed warm-ups; figures are
 medians with their spread, ratios are taken repetition by repetition within the run.
@@ -97,6 +100,12 @@ class KV:
         tiers = self.c.stats()["tiers"]
         return int(tiers[1].get("dropped", 0)) if len(tiers) > 1 else 0
 
+    def daemon_seconds(self) -> dict[str, float]:
+        """The daemon's own time so far in the ops of a store (reserve, commit) and of a retrieve (acquire,
+        release), from its latency histograms."""
+        lat = self.c.stats()["latency"]
+        return {op: lat.get(op, {}).get("sum", 0.0) for op in ("reserve", "commit", "acquire", "release")}
+
     def close(self) -> None:
         self.c.close()
         self.d.stop()
@@ -176,7 +185,8 @@ def dram(reps: int, warm: int, batches: int) -> dict[str, Any]:
     kv, lmc = KV("1GiB"), LM(2.0)
     mem = Memcpy(BATCH)
     gb = batches * BATCH * BLOCK / 1e9
-    out: dict[str, Any] = {"memcpy": [], "gather": [], "kvstore": {"store": [], "retrieve": [], "store_batch_s": [],
+    out: dict[str, Any] = {"memcpy": [], "memcpy_batch_s": [],
+                           "gather": [], "kvstore": {"store": [], "retrieve": [], "store_batch_s": [],
                            "retrieve_batch_s": []}, "lmcache": {"store": [], "retrieve": [], "store_batch_s": [],
                                                                 "retrieve_batch_s": []}, "errors": []}
     try:
@@ -188,7 +198,11 @@ def dram(reps: int, warm: int, batches: int) -> dict[str, Any]:
             res = {}
             for name, side in ((("kvstore", kv), ("lmcache", lmc)) if rep % 2 else
                                (("lmcache", lmc), ("kvstore", kv))):
+                before = kv.daemon_seconds() if side is kv else {}
                 res[name] = run_pass(side, tags)
+                if side is kv:
+                    after = kv.daemon_seconds()
+                    res[name]["daemon_s"] = {op: after[op] - before[op] for op in after}
                 side.drop(tags)
             if rep < warm:
                 continue
@@ -202,6 +216,9 @@ def dram(reps: int, warm: int, batches: int) -> dict[str, Any]:
                 o["retrieve"].append(gb / sum(r["retrieve_s"]))
                 o["store_batch_s"] += r["store_s"]
                 o["retrieve_batch_s"] += r["retrieve_s"]
+                for op, spent in r.get("daemon_s", {}).items():      # the daemon's own time, per batch
+                    o.setdefault(f"daemon_{op}_batch_s", []).append(spent / batches)
+            out["memcpy_batch_s"].append(mc / batches)
         out["visibility"] = visibility(kv, lmc, 20 if reps < 5 else 40)
         out["lookup_us"] = lookups(kv, lmc, 3 if reps < 5 else 8, 100)
     finally:
@@ -393,6 +410,21 @@ def report(res: dict[str, Any]) -> dict[str, Any]:
     if dr:
         row("DRAM store", dr["kvstore"]["store"], dr["lmcache"]["store"], dr["memcpy"], "GB/s", 4)
         row("DRAM retrieve", dr["kvstore"]["retrieve"], dr["lmcache"]["retrieve"], dr["memcpy"], "GB/s", 4)
+        for what, limit_target in (("store", None), ("retrieve", 0.95)):
+            vs = per_rep_ratio(dr["kvstore"][what], dr["memcpy"])
+            ok = None if limit_target is None else vs["median"] >= limit_target
+            verdict = "" if ok is None else ("PASS" if ok else "FAIL")
+            t.add([f"DRAM {what} vs memcpy (per rep)", fmt(summary(dr["kvstore"][what])), "",
+                   fmt(summary(dr["memcpy"])), "", f"{vs['median']:.2f}",
+                   f"≥ {limit_target}× limit" if limit_target else "", verdict])
+            verdicts[f"DRAM {what} vs memcpy"] = {"ratio": vs, "target": limit_target, "pass": ok}
+        kv = dr["kvstore"]
+        if "daemon_acquire_batch_s" in kv:
+            spent = summary([a + b for a, b in zip(kv["daemon_acquire_batch_s"], kv["daemon_release_batch_s"])], 1e6)
+            copy = summary(dr["memcpy_batch_s"], 1e6)
+            t.add(["daemon time per retrieve batch (acquire+release) vs memcpy of the batch, µs",
+                   fmt(spent, 0), "", fmt(copy, 0), "", f"{spent['median'] / copy['median']:.3f}", "", ""])
+            verdicts["daemon time per retrieve batch"] = {"daemon_us": spent, "memcpy_us": copy}
         v = dr["visibility"]
         for s in ("kvstore", "lmcache"):
             verdicts[f"misses after store, {s}"] = v[s]
