@@ -12,7 +12,7 @@ same size) in batches of 32 and retrieves them, against a daemon process it star
   as the client can, blocks that never reach the disk counted; limit: O_DIRECT write + fdatasync and read of the
   same bytes, 4 in flight.
 - visibility: a lookup issued right after each completed store of 32 blocks; misses counted.
-- lookup latency of 32 present blocks; limit: a 64-byte Unix-socket round trip.
+- lookup latency of 32 present blocks; limit: a Unix-socket round trip of the lookup's sizes (bench_pool.EchoServer).
 - against the limit itself: store and retrieve over memcpy, repetition by repetition (issue 16: retrieve ≥ 0.95×),
   and the daemon's own time per retrieve batch (acquire + release, from its latency histograms) beside the memcpy
   of the batch: the part of the gap that is book-keeping rather than the copy.
@@ -250,7 +250,7 @@ def visibility(kv: KV, lmc: LM, n: int) -> dict[str, Any]:
 
 
 def lookups(kv: KV, lmc: LM, rounds: int, per_round: int) -> dict[str, list[float]]:
-    """Seconds per lookup of 32 present blocks, per system, and per raw 64-byte Unix-socket round trip."""
+    """Seconds per lookup of 32 present blocks, per system, and per raw Unix-socket round trip of its sizes."""
     from bench_pool import EchoServer
 
     progress(f"lookup latency: {rounds} rounds × {per_round} per system and raw socket")

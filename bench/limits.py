@@ -6,7 +6,8 @@
   LMCache's daemon makes from a registered engine KV cache;
 - O_DIRECT write (then fdatasync) and read of the same 2 MiB blocks on the file system of the disk tiers, one
   request at a time and 4 in flight;
-- a 64-byte round trip over a Unix stream socket to an echo server in another process (the floor of any request).
+- a round trip of a 32-key lookup's sizes over a Unix stream socket to a server in another process (the floor of any
+  request; bench_pool.EchoServer).
 """
 from __future__ import annotations
 
