@@ -30,7 +30,7 @@ COUNTERS = ("lookups", "hits", "hits_host", "hits_lower", "misses", "acquired_as
             "acquired_lower", "puts", "gets", "evictions", "deletes", "aborts", "demotions", "dropped",
             "promotions", "prefetched", "prefetch_skipped", "prefetch_busy", "prefetch_cancelled", "written_through",
             "write_through_skipped", "held_cap", "reservations_expired", "idle_closed", "segment_moves",
-            "segment_moves_inline", "admin_chunks", "kept_own_chain", "not_admitted")
+            "segment_moves_inline", "admin_chunks", "kept_own_chain", "not_admitted", "reserve_evictions")
 CHUNK_BLOCKS = 256          # blocks evicted or listed per hold of the state lock
 CHUNK_SLOTS = 8192          # slots of a namespace's class looked at per hold
 

@@ -64,6 +64,7 @@ class SsdConfig:
     capacity: int = 16 << 30
     sync: str = "batch"
     staging_bytes: int = 256 << 20      # evicted blocks waiting in memory for their SSD write
+    promote_reserve: int = 2            # free host slots per block size kept for promotions (movers/reserve.py)
     write_through: bool = False         # also write every committed block to SSD at once (store lane)
     io: str = "auto"                    # auto | io_uring | threads: how record payloads reach the disk
     persist_on_stop: bool = True        # a graceful stop writes the host pool's blocks to SSD first
@@ -325,6 +326,8 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"ssd.dir: must be an absolute path (or empty for no SSD tier), got {d.dir!r}")
     if d.io not in IO_MODES:
         errors.append(f"ssd.io: must be one of {', '.join(IO_MODES)}, got {d.io!r}")
+    if not 0 <= d.promote_reserve <= 1024:
+        errors.append(f"ssd.promote_reserve: must be 0 (off) to 1024 free slots, got {d.promote_reserve}")
     if d.eviction not in POLICIES:
         errors.append(f"ssd.eviction: must be one of {', '.join(POLICIES)}, got {d.eviction!r}")
     if d.sync not in SYNC_POLICIES:

@@ -29,6 +29,7 @@ from kvstore.movers.demotion import Demotion
 from kvstore.movers.predictive import PredictivePrefetch
 from kvstore.movers.prefetch import Prefetcher
 from kvstore.movers.promotion import Promotion
+from kvstore.movers.reserve import Reserve
 from kvstore.movers.writethrough import DurableTier, WriteThrough
 from kvstore.policy.workflow import Workflows
 from kvstore.tiers import LowerTiers
@@ -93,8 +94,10 @@ def build_state(config: Config) -> State:
     index = Index(pool, config.pool.eviction, demotion, counters, workflows=workflows)
     prefetcher = Prefetcher(index, pool, lower, changed, counters) if lower else None
     copy_evicted = partial(copy_deferred, demotion, index, lock, False)
+    reserve = Reserve(index, pool, lock, counters, config.ssd.promote_reserve if demotion is not None else 0,
+                      demotion.deferring if demotion is not None else _nothing, copy_evicted)
     promotion = Promotion(index, pool, lower, lock, changed, copy_evicted,
-                          prefetcher.escalate if prefetcher is not None else _no_flight)
+                          prefetcher.escalate if prefetcher is not None else _no_flight, reserve.kick)
     predictive = None
     if prefetcher is not None and config.prefetch.enabled:
         predictive = PredictivePrefetch(config.prefetch, workflows, index, pool, lower, prefetcher, lock,
@@ -112,3 +115,7 @@ def build_state(config: Config) -> State:
 
 def _no_flight(key: bytes) -> bool:
     return False
+
+
+def _nothing() -> None:
+    return None

@@ -4,7 +4,9 @@ host slots, verified, and pins them for the getter.
 The index reserves the slots (two-phase, `plan_promotion`); the read runs without the state lock, in the getter's
 lane; `finish_promotion` publishes what was read and verified, unless a delete came in between. A block already
 being promoted (by a prefetch or another get) is waited for, never read twice, and a queued prefetch of it moves up
-to the critical lane. Slots taken from evicted blocks are written only after those blocks' demotion copies.
+to the critical lane. Slots taken from evicted blocks are written only after those blocks' demotion copies; after
+a promotion the reserve (movers/reserve.py) frees slots again in the background, so that the next one usually
+takes a free slot and waits for no victim's copy.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ Early = Callable[[list[int]], None]     # blocks published before the whole read
 
 class Promotion:
     def __init__(self, index: Index, pool: HostPool, lower: LowerTiers, lock: Lock, changed: Condition,
-                 copy_evicted: Callable[[], None], escalate: Callable[[bytes], bool]) -> None:
+                 copy_evicted: Callable[[], None], escalate: Callable[[bytes], bool],
+                 refill: Callable[[NamespaceEntry], None] | None = None) -> None:
         self.index = index
         self.pool = pool
         self.lower = lower
@@ -35,6 +38,7 @@ class Promotion:
         self.changed = changed                  # notified whenever a promotion publishes or gives up blocks
         self.copy_evicted = copy_evicted        # (without the lock) the demotion copies this thread owes
         self.escalate = escalate                # a queued prefetch of a key becomes critical
+        self.refill = refill                    # the reserve of free slots (movers/reserve.py) is topped up
 
     def in_flight(self, ns: NamespaceEntry, block_hash: bytes) -> bool:
         return ns.key(block_hash) in self.index.promoting
@@ -100,4 +104,6 @@ class Promotion:
             rest = self.index.finish_promotion(ns, plan[done[0]:], 0 if done[1] else max(n - done[0], 0), holder,
                                                crcs=crcs[done[0]:], touch=touch)
         self.changed.notify_all()
+        if self.refill is not None:
+            self.refill(ns)                      # in the background: the next promotion finds a free slot
         return rest
