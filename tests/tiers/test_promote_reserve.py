@@ -41,7 +41,7 @@ def host_blocks(c) -> int:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("reserve", [2, 0])
-def test_an_ssd_hit_get_finds_a_free_slot_made_in_the_background(tmp_path, daemons, reserve: int) -> None:
+def test_an_ssd_hit_get_finds_a_free_slot_made_in_the_background(tmp_path, daemons, reserve: int) -> None:  # type: ignore[no-untyped-def]
     d = start(str(tmp_path), daemons, reserve)
     with d.client() as c:
         ns = c.namespace(spec())
