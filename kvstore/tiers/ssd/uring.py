@@ -51,6 +51,9 @@ import errno
 import mmap
 import os
 import select
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -324,9 +327,37 @@ def _run_uring(ops: list[tuple[str, int, list[memoryview], int]], depth: int,
 
 # ---------------------------------------------------------------------------------------------------- probe
 
+_CHILD_PROBE = "import liburing as L; r = L.Ring(); L.io_uring_queue_init(8, r); L.io_uring_queue_exit(r)"
+
+
+def child_probe() -> str | None:
+    """None if a child process can load liburing and set up a ring; else why not. Why a child first: a binding
+    built for CPU instructions this machine lacks dies of SIGILL, which no except clause catches (liburing
+    2026.3.30's wheel holds AVX-512 code: on an AMD EPYC without it, `Ring()` killed the daemon at start)."""
+    try:
+        p = subprocess.run([sys.executable, "-c", _CHILD_PROBE], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the child probe could not run ({type(e).__name__}: {e})"
+    if p.returncode < 0:
+        try:
+            name = signal.Signals(-p.returncode).name
+        except ValueError:
+            name = str(-p.returncode)
+        return (f"liburing killed a child process with {name} (its binary uses CPU instructions this machine "
+                f"lacks, or the kernel refused the ring)")
+    if p.returncode != 0:
+        tail = p.stderr.decode(errors="replace").strip().splitlines()
+        return f"liburing failed in a child process ({tail[-1] if tail else f'exit {p.returncode}'})"
+    return None
+
+
 def _probe() -> None:
     global _state, _probe_reason, _L, _leaks_exports
     _state = False
+    crashed = child_probe()
+    if crashed is not None:
+        _probe_reason = f"io_uring unavailable: {crashed}"
+        return
     try:
         import liburing as L
     except Exception as e:                       # ImportError, or a broken wheel
