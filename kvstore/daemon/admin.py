@@ -26,11 +26,12 @@ from kvstore.protocol import Code, ProtocolError
 if TYPE_CHECKING:
     from kvstore.daemon.state import State
 
-COUNTERS = ("lookups", "hits", "hits_host", "hits_lower", "misses", "acquired_asked", "acquired_host",
+COUNTERS = ("lookups", "hits", "hits_host", "hits_lower", "hits_remote", "misses", "acquired_asked", "acquired_host",
             "acquired_lower", "puts", "gets", "evictions", "deletes", "aborts", "demotions", "dropped",
             "promotions", "prefetched", "prefetch_skipped", "prefetch_busy", "prefetch_cancelled", "written_through",
             "write_through_skipped", "held_cap", "reservations_expired", "idle_closed", "segment_moves",
-            "segment_moves_inline", "admin_chunks", "kept_own_chain", "not_admitted", "reserve_evictions")
+            "segment_moves_inline", "admin_chunks", "kept_own_chain", "not_admitted", "reserve_evictions",
+            "published", "publish_skipped", "publish_gone", "reads_ssd", "reads_remote")
 CHUNK_BLOCKS = 256          # blocks evicted or listed per hold of the state lock
 CHUNK_SLOTS = 8192          # slots of a namespace's class looked at per hold
 
@@ -181,6 +182,7 @@ def snapshot(st: State) -> dict[str, Any]:
             "traffic": st.traffic.stats(), "errors": dict(st.metrics.errors), "connections": st.connections,
             "latency": {op: hist.to_dict() for op, hist in st.metrics.latency.items()}, "process": process.state(),
             "workers": workers.stats(), "write_through": st.write_through.stats() if st.write_through else None,
+            "publish": st.publisher.stats() if st.publisher else None,
             "hit_rates": hit_rates(st.counters), "workflows": workflow_stats(st), **idx.stats()}
 
 

@@ -111,6 +111,27 @@ class PrefetchConfig:
 
 
 @dataclass(slots=True)
+class RemoteConfig:
+    """The remote tier (kvstore.tiers.remote): blocks shared by the daemons of several nodes through Mooncake Store
+    (the `kvstore[mooncake]` extra). Off while `master` is empty."""
+    master: str = ""                    # the mooncake_master's RPC address, host:port; empty: no remote tier
+    metadata: str = ""                  # the transfer engine's metadata server; empty: the master's own (port 8080)
+    protocol: str = "tcp"               # tcp | rdma
+    device: str = ""                    # the RDMA device names (rdma only), e.g. "mlx5_0"
+    hostname: str = "127.0.0.1"         # this node's address as the other nodes reach it
+    segment_bytes: int = 512 << 20      # memory this node contributes to the store (held by its transfer engine)
+    buffer_bytes: int = 64 << 20        # the client's own transfer buffer
+    replicas: int = 1                   # copies of each block in the store (on distinct nodes' segments)
+    placement: str = "auto"             # auto | write_back | write_through | both (auto: write_back without an SSD
+                                        # tier, write_through beside one)
+    staging_bytes: int = 256 << 20      # evicted blocks waiting in memory for their put; beyond it they are dropped
+    timeout_s: float = 2.0              # the longest one store operation may hold a read before it is a miss
+    retry_s: float = 2.0                # a store found down is tried again after this long
+    known_s: float = 30.0               # a block the store said it holds is believed present this long
+    in_flight: int = 4                  # transfers on the network path at once
+
+
+@dataclass(slots=True)
 class LogConfig:
     level: str = "info"
 
@@ -120,6 +141,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     ssd: SsdConfig = field(default_factory=SsdConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
     traffic: TrafficConfig = field(default_factory=TrafficConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     hints: HintsConfig = field(default_factory=HintsConfig)
@@ -134,11 +156,13 @@ class Config:
         return d
 
 
-SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "traffic": TrafficConfig,
+SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "remote": RemoteConfig,
+            "traffic": TrafficConfig,
             "metrics": MetricsConfig, "hints": HintsConfig, "prefetch": PrefetchConfig,
             "log": LogConfig}
 SIZE_FIELDS = {("server", "max_frame_bytes"), ("server", "min_block_bytes"), ("pool", "capacity"),
-               ("pool", "segment_bytes"), ("ssd", "capacity"), ("ssd", "staging_bytes")}
+               ("pool", "segment_bytes"), ("ssd", "capacity"), ("ssd", "staging_bytes"),
+               ("remote", "segment_bytes"), ("remote", "buffer_bytes"), ("remote", "staging_bytes")}
 LISTS = ("tenants",)    # top-level lists, not sections: set by file only (a secret does not belong in the env)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -340,11 +364,44 @@ def _check(cfg: Config) -> list[str]:
     if not 0 <= d.durable_timeout_s <= d.durable_timeout_max_s:
         errors.append(f"ssd.durable_timeout_s: must be 0..ssd.durable_timeout_max_s ({d.durable_timeout_max_s}) "
                       f"seconds, got {d.durable_timeout_s}")
+    errors += _check_remote(cfg.remote)
     errors += _check_traffic(cfg.traffic)
     errors += _check_hints(cfg.hints)
     errors += _check_prefetch(cfg.prefetch)
     if cfg.log.level not in LOG_LEVELS:
         errors.append(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}")
+    return errors
+
+
+PLACEMENTS = ("auto", "write_back", "write_through", "both")
+
+
+def _check_remote(r: RemoteConfig) -> list[str]:
+    if not r.master:
+        return []
+    errors = []
+    host, _, port = r.master.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        errors.append(f"remote.master: must be host:port (the mooncake_master's RPC address), got {r.master!r}")
+    if r.metadata and not r.metadata.startswith(("http://", "etcd://", "redis://", "P2PHANDSHAKE")):
+        errors.append(f"remote.metadata: must be an http://, etcd:// or redis:// address or P2PHANDSHAKE, "
+                      f"got {r.metadata!r}")
+    if r.protocol not in ("tcp", "rdma"):
+        errors.append(f"remote.protocol: must be tcp or rdma, got {r.protocol!r}")
+    if r.placement not in PLACEMENTS:
+        errors.append(f"remote.placement: must be one of {', '.join(PLACEMENTS)}, got {r.placement!r}")
+    if not 1 <= r.replicas <= 8:
+        errors.append(f"remote.replicas: must be 1..8, got {r.replicas}")
+    if r.segment_bytes < 1 << 20 or r.buffer_bytes < 1 << 20:
+        errors.append(f"remote.segment_bytes and remote.buffer_bytes: must be at least 1MiB, got "
+                      f"{r.segment_bytes} and {r.buffer_bytes}")
+    if r.staging_bytes < 0:
+        errors.append(f"remote.staging_bytes: must not be negative, got {r.staging_bytes}")
+    for name in ("timeout_s", "retry_s", "known_s"):
+        if not 0 < getattr(r, name) <= 3600:
+            errors.append(f"remote.{name}: must be above 0 and at most 3600 seconds, got {getattr(r, name)}")
+    if not 1 <= r.in_flight <= 64:
+        errors.append(f"remote.in_flight: must be 1..64, got {r.in_flight}")
     return errors
 
 

@@ -94,7 +94,8 @@ def op_segments(st: State, h: Conn, m: dict[str, Any]) -> Reply:
 
 
 def op_lookup(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
-    """The longest prefix held by any tier, and how much of it is in the host pool. Every key asked counts toward
+    """The longest prefix held by any tier, and how much of it is in the host pool; the part no local tier holds is
+    asked of the remote store (one batched query, without the state lock). Every key asked counts toward
     the hit-rate ceiling (st.looked_up: distinct keys against keys looked up)."""
     ns = st.index.namespace(m["ns"], h)
     blob = m["keys"]
@@ -107,6 +108,15 @@ def op_lookup(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
             if not (st.index.holds(ns, block_hash) or st.lower.holder(ns.block_id(block_hash))):
                 break
             n += 1
+    if st.remote is not None and n < asked:         # one question to the store for the rest, without the lock
+        rest = [ns.block_id(bh) for bh in split_keys(blob[n * HASH_BYTES:])]
+        st.lock.release()
+        try:
+            remote = st.remote.probe(rest)
+        finally:
+            st.lock.acquire()
+        n += remote
+        st.counters["hits_remote"] += remote
     st.counters["lookups"] += 1
     st.counters["hits"] += n
     st.counters["hits_host"] += host
@@ -140,6 +150,8 @@ def op_commit(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     ns = st.index.namespace(m["ns"], h)
     hashes = split_keys(m["keys"])
     n = st.index.commit(ns, hashes, h, m.get("crcs"), touch=_touch(st, h, m))
+    if st.publisher is not None:
+        st.publisher.committed(ns, hashes)
     if not m.get("durable"):
         if st.write_through is not None:
             st.write_through.committed(ns, hashes)

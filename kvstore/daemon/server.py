@@ -320,7 +320,9 @@ class Daemon:
             st.prefetcher.close()
         if st.write_through is not None:
             st.write_through.close()         # before the pool closes: its writes read from the slots
-        if st.lower and self.config.ssd.persist_on_stop:
+        if st.publisher is not None:
+            st.publisher.close()
+        if st.lower and st.lower.first.name == "ssd" and self.config.ssd.persist_on_stop:
             t0 = time.monotonic()
             with st.lock:
                 written, left = persist_host_pool(st.index, st.pool, st.lower.first,

@@ -10,7 +10,11 @@ the hit-rate ceiling (kvstore.hll). `predictive` (kvstore.movers.predictive) pre
 workflows expected back soon; None without a lower tier or with prefetch.enabled false.
 
 `lock` guards the books (index, pool, connection count, hints); `changed` (on it) is notified when a promotion or a
-prefetch finishes or a mover has work. Ops run under `lock`; block copies never do (see movers.demotion).
+prefetch finishes or a mover has work. Ops run under `lock`; block copies never do (see movers.demotion), nor
+does a question to the remote store (`remote.probe`).
+
+`remote` is the remote tier where one is configured (also in `lower`); `publisher` (kvstore.movers.publish) puts
+committed blocks in it at once where its placement says write-through.
 """
 from __future__ import annotations
 
@@ -29,12 +33,14 @@ from kvstore.movers.demotion import Demotion
 from kvstore.movers.predictive import PredictivePrefetch
 from kvstore.movers.prefetch import Prefetcher
 from kvstore.movers.promotion import Promotion
+from kvstore.movers.publish import Publisher
 from kvstore.movers.reserve import Reserve
 from kvstore.movers.writethrough import DurableTier, WriteThrough
 from kvstore.policy.workflow import Workflows
 from kvstore.tiers import LowerTiers
 from kvstore.tiers.host import HostPool
 from kvstore.tiers.registry import open_lower_tiers
+from kvstore.tiers.remote.tier import RemoteTier, placement
 from kvstore.traffic.manager import TrafficManager
 
 
@@ -55,6 +61,8 @@ class State:
     workflows: Workflows
     hints: Hints
     predictive: PredictivePrefetch | None
+    remote: RemoteTier | None = None
+    publisher: Publisher | None = None
     looked_up: HyperLogLog = field(default_factory=HyperLogLog)
     metrics: OpMetrics = field(default_factory=OpMetrics)
     connections: int = 0
@@ -96,8 +104,14 @@ def build_state(config: Config) -> State:
     copy_evicted = partial(copy_deferred, demotion, index, lock, False)
     reserve = Reserve(index, pool, lock, counters, config.ssd.promote_reserve if demotion is not None else 0,
                       demotion.deferring if demotion is not None else _nothing, copy_evicted)
+    remote = lower.named("remote")
+    assert remote is None or isinstance(remote, RemoteTier)
     promotion = Promotion(index, pool, lower, lock, changed, copy_evicted,
-                          prefetcher.escalate if prefetcher is not None else _no_flight, reserve.kick)
+                          prefetcher.escalate if prefetcher is not None else _no_flight, reserve.kick,
+                          remote.probe if remote is not None else None, counters)
+    publisher = None
+    if remote is not None and placement(config) in ("write_through", "both"):
+        publisher = Publisher(index, pool, remote, changed, counters, config.remote.staging_bytes)
     predictive = None
     if prefetcher is not None and config.prefetch.enabled:
         predictive = PredictivePrefetch(config.prefetch, workflows, index, pool, lower, prefetcher, lock,
@@ -110,7 +124,7 @@ def build_state(config: Config) -> State:
     hints = Hints(workflows, config.hints, on_call=predictive.called if predictive is not None else None,
                   prefetch_stats=predictive.stats if predictive is not None else None)
     return State(config, lock, changed, counters, pool, index, traffic, lower, promotion, demotion, prefetcher,
-                 write_through, workflows, hints, predictive)
+                 write_through, workflows, hints, predictive, remote, publisher)
 
 
 def _no_flight(key: bytes) -> bool:

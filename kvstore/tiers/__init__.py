@@ -32,7 +32,7 @@ from kvstore.traffic import Lane, Path
 
 BLOCK_ID_BYTES = 32                 # namespace digest + block hash
 Buffer = bytes | bytearray | memoryview | mmap.mmap
-StagingBuffer = bytearray | mmap.mmap
+StagingBuffer = bytearray | mmap.mmap | memoryview
 TierWrite = tuple[bytes, Buffer, "int | None"]     # block id, its bytes, its writer's CRC-32C (None: none)
 
 

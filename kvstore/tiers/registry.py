@@ -15,6 +15,7 @@ from kvstore.traffic.manager import TrafficManager
 
 TIER_TYPES: dict[str, str] = {
     "ssd": "kvstore.tiers.ssd.tier",
+    "remote": "kvstore.tiers.remote.tier",
 }
 
 

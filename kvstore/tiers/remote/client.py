@@ -1,0 +1,174 @@
+"""The remote tier's hands on Mooncake Store: the few calls the tier makes, each returning plain values and raising
+`StoreDown` where the store could not answer — so that the tier's logic never sees Mooncake's return-code
+conventions and the tier can be read without its manual.
+
+Why these calls: `batch_put_from_multi_buffers` and `batch_get_into_multi_buffers` move each value as a list of
+(address, length) parts in one batch, which is how a block travels with its trailer (kvstore.tiers.remote.trailer)
+without a bounce copy: the block's part is its host slot (or its staging buffer), the trailer's part a small
+registered pad. Every address passed must lie in memory registered with `register` (the transfer engine reads
+and writes it directly); the tier registers each host-pool segment the first time it moves one of its slots.
+
+Mooncake is imported only here, and only when a daemon is configured with a remote tier: the core daemon runs
+without the `kvstore[mooncake]` extra.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.daemon.config import RemoteConfig
+from kvstore.tiers import TierUnavailable
+
+log = logging.getLogger("kvstore")
+Part = tuple[int, int]      # (address, length) in registered memory
+
+
+class StoreDown(RuntimeError):
+    """The store did not answer (master unreachable, a transfer failed at the transport): a miss, not an error of
+    the block's."""
+
+
+def store_key(bid: bytes) -> str:
+    """A block's key in the store: its id (namespace digest + block hash) in hex, so daemons of every node that share
+    a namespace find each other's blocks, and nothing of another namespace."""
+    return "kvs1/" + bid.hex()
+
+
+def metadata_address(cfg: RemoteConfig) -> str:
+    """The transfer engine's metadata server: as configured, else the master's own HTTP one on its default port."""
+    if cfg.metadata:
+        return cfg.metadata
+    host = cfg.master.rpartition(":")[0]
+    return f"http://{host}:8080/metadata"
+
+
+class MooncakeClient:
+    """One `MooncakeDistributedStore`, set up with this node's segment. Thread-safe as Mooncake's client is; the
+    lock only guards (re)connection and registration."""
+
+    def __init__(self, cfg: RemoteConfig) -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as e:
+            raise TierUnavailable(f"remote: Mooncake Store's client is not installed ({e}); install the extra: "
+                                  f"pip install 'kvstore[mooncake]' (and Debian's libibverbs1)") from None
+        self.cfg = cfg
+        self._factory = MooncakeDistributedStore
+        self._replicate = ReplicateConfig()
+        self._replicate.replica_num = cfg.replicas
+        self._lock = threading.Lock()
+        self._store: Any = None
+        self._regions: dict[int, int] = {}      # registered address → length
+
+    # ----- connection -----
+    def connect(self) -> None:
+        """Set up a client with this node's segment; StoreDown if the master or the metadata server refuses."""
+        with self._lock:
+            self._connect_locked()
+
+    def _connect_locked(self) -> None:
+        store = self._factory()
+        c = self.cfg
+        rc = store.setup(c.hostname, metadata_address(c), c.segment_bytes, c.buffer_bytes, c.protocol, c.device,
+                         c.master)
+        if rc != 0:
+            raise StoreDown(f"remote: setting up Mooncake Store's client failed (code {rc}); is mooncake_master "
+                            f"running at {c.master} with its metadata server at {metadata_address(c)}?")
+        old, self._store = self._store, store
+        for addr, size in self._regions.items():      # a new client: the memory it moves must be registered again
+            store.register_buffer(addr, size)
+        if old is not None:
+            try:
+                old.close()
+            except Exception:                          # the old one's master is gone: nothing to tell it
+                pass
+
+    def healthy(self) -> bool:
+        """Whether the master answers now (one small RPC)."""
+        try:
+            self._call("is_exist", store_key(b"\0" * 32))
+            return True
+        except StoreDown:
+            return False
+
+    def _call(self, name: str, *args: Any) -> Any:
+        store = self._store
+        if store is None:
+            raise StoreDown("remote: not connected")
+        try:
+            return getattr(store, name)(*args)
+        except Exception as e:                          # the binding raises where the transport broke
+            raise StoreDown(f"remote: {name} failed: {type(e).__name__}: {e}") from e
+
+    # ----- memory -----
+    def register(self, addr: int, size: int) -> None:
+        """Let the transfer engine move bytes straight from and to [addr, addr+size). A region registered before
+        that overlaps it is dropped first: its memory was unmapped (its address is in use again)."""
+        with self._lock:
+            if self._regions.get(addr) == size:
+                return
+            for old, n in list(self._regions.items()):
+                if old < addr + size and addr < old + n:
+                    self._unregister_locked(old)
+            if self._store is not None:
+                rc = self._store.register_buffer(addr, size)
+                if rc != 0:
+                    raise StoreDown(f"remote: registering {size} bytes of memory failed (code {rc})")
+            self._regions[addr] = size
+
+    def registered(self, addr: int, size: int) -> bool:
+        return any(old <= addr and addr + size <= old + n for old, n in self._regions.items())
+
+    def unregister(self, addr: int) -> None:
+        with self._lock:
+            self._unregister_locked(addr)
+
+    def _unregister_locked(self, addr: int) -> None:
+        self._regions.pop(addr, None)
+        if self._store is not None:
+            try:
+                self._store.unregister_buffer(addr)
+            except Exception:
+                pass
+
+    # ----- blocks -----
+    def exist(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys the store holds now (one batched query to the master)."""
+        codes = self._call("batch_is_exist", list(keys))
+        if any(c < 0 for c in codes):
+            raise StoreDown(f"remote: batch_is_exist failed (codes {sorted(set(c for c in codes if c < 0))})")
+        return [c == 1 for c in codes]
+
+    def put(self, keys: Sequence[str], parts: Sequence[Sequence[Part]]) -> list[int]:
+        """Store each key's value, the concatenation of its parts; per key 0 (stored), or a negative code (the
+        store refused it: full, or the key exists already, which for a block is as good as stored)."""
+        ptrs = [[p[0] for p in ps] for ps in parts]
+        sizes = [[p[1] for p in ps] for ps in parts]
+        return list(self._call("batch_put_from_multi_buffers", list(keys), ptrs, sizes, self._replicate))
+
+    def get(self, keys: Sequence[str], parts: Sequence[Sequence[Part]]) -> list[int]:
+        """Read each key's value into its parts; per key the bytes read, or a negative code (not there, or a
+        transfer failure)."""
+        ptrs = [[p[0] for p in ps] for ps in parts]
+        sizes = [[p[1] for p in ps] for ps in parts]
+        return list(self._call("batch_get_into_multi_buffers", list(keys), ptrs, sizes))
+
+    def remove(self, keys: Sequence[str]) -> None:
+        self._call("batch_remove", list(keys))
+
+    def close(self) -> None:
+        with self._lock:
+            store, self._store = self._store, None
+            if store is not None:
+                for addr in list(self._regions):
+                    try:
+                        store.unregister_buffer(addr)
+                    except Exception:
+                        pass
+                try:
+                    store.close()
+                except Exception:
+                    pass
+            self._regions.clear()

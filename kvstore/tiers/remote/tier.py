@@ -1,0 +1,605 @@
+"""The remote tier as the daemon uses it (see the package docstring for the store itself).
+
+Placement (`remote.placement`): *write-back* — a block evicted from the host pool is staged (copied into registered
+staging memory, `remote.staging_bytes`; beyond it the block is dropped and counted) and put in the background lane;
+*write-through* — a committed block is put from its host slot in the store lane (kvstore.movers.publish), no copy
+at all. Without an SSD tier the remote tier is the first lower tier and takes the evictions (write-back by
+default); beside an SSD tier the SSD takes them and the remote tier is written through (host → SSD, and → remote).
+
+What the store holds is known without asking it under the daemon's lock: `has` answers from the blocks this daemon
+put or staged and those the store said it held within `remote.known_s`. `probe` — one batched existence query to
+the master — runs without the state lock, for a lookup's blocks that no local tier holds.
+
+Reads move a block straight into its host slot (the pool's segments are registered with the transfer engine the
+first time one of their slots moves) with its trailer into a small registered pad, in chunks all in flight at once,
+each verified as it lands (`on_ready` grows the prefix). A transfer already writing into host slots is always waited
+for — its late bytes would land in a slot the pool has handed to another block — so Mooncake's own transfer timeout
+(MC_TRANSFER_TIMEOUT, set from remote.timeout_s) bounds it; a read still queued at `remote.timeout_s` is cancelled
+and is a miss.
+
+Faults: a call the store does not answer marks the tier down; while it is down, lookups and reads are misses at once
+(the host pool and the SSD keep serving), staged blocks wait, and a link thread tries the master every
+`remote.retry_s` — the same client first, a new one (set up again, memory registered again) if that fails.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore.checksum import crc32c
+from kvstore.daemon.config import Config, RemoteConfig
+from kvstore.policy.workflow import Workflows
+from kvstore.tiers import StagingBuffer, TierUnavailable, TierWrite
+from kvstore.tiers.remote import trailer
+from kvstore.tiers.remote.arena import Arena
+from kvstore.tiers.remote.client import MooncakeClient, Part, StoreDown, store_key
+from kvstore.traffic import Busy, Lane, Path
+from kvstore.traffic.manager import TrafficManager
+
+log = logging.getLogger("kvstore")
+CHUNK = 8                       # blocks per get transfer (chunks of one read are all in flight at once)
+PUT_BATCH = 32                  # blocks per put transfer
+PAD_BYTES = 1 << 20             # registered memory for the trailers of transfers in flight
+KNOWN_MAX = 1 << 20             # blocks the books remember the store holds, at most (expired ones go first)
+EXISTS_MAX = 1024               # keys in one existence query
+CLOSE_FLUSH_S = 5.0             # a graceful stop puts what is staged for at most this long
+ALREADY = -705                  # Mooncake: OBJECT_ALREADY_EXISTS (the block is there: as good as stored)
+
+
+@dataclass(slots=True, eq=False)
+class Staged:
+    off: int                    # in the staging arena
+    nbytes: int
+    crc: int | None
+    filled: bool = False        # its bytes are in (fill done)
+    putting: bool = False       # in a put transfer now: its room is given back by the writer
+    deleted: bool = False
+
+
+class RemoteTier:
+    name = "remote"
+
+    def __init__(self, cfg: RemoteConfig, path: Path, client: MooncakeClient, write_back: bool,
+                 placement: str = "write_back") -> None:
+        self.cfg = cfg
+        self.placement = placement
+        self.path = path
+        self.client = client
+        self.write_back = write_back
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.staging = Arena(cfg.staging_bytes) if write_back else None
+        self.pad = Arena(PAD_BYTES)
+        self.staged: dict[bytes, Staged] = {}
+        self.queue: deque[bytes] = deque()          # staged blocks in the order they came, for the writer
+        self.mine: dict[bytes, None] = {}           # blocks this daemon put (insertion-ordered set)
+        self.known: dict[bytes, float] = {}         # blocks the store said it held, until when believed
+        self.announced: set[bytes] = set()          # write-through blocks on their way (a delete cancels)
+        self.counters: Counter[str] = Counter()
+        self.up = False
+        self.down_since = time.monotonic()
+        self.last_error = "not connected yet"
+        self._stop = False
+        self._link = threading.Thread(target=self._keep_linked, name="kvstore-remote-link", daemon=True)
+        self._writer = threading.Thread(target=self._write_back, name="kvstore-remote-writer", daemon=True)
+
+    def start(self) -> "RemoteTier":
+        self._link.start()
+        if self.write_back:
+            self._writer.start()
+        return self
+
+    # ----- the link -----
+    def _keep_linked(self) -> None:
+        """Connect, and connect again whenever a call found the store down (every remote.retry_s)."""
+        while True:
+            with self.cond:
+                while self.up and not self._stop:
+                    self.cond.wait()
+                if self._stop:
+                    return
+            if not self._try_link():
+                with self.cond:
+                    self.cond.wait(self.cfg.retry_s)
+
+    def _try_link(self) -> bool:
+        try:
+            if not self.client.healthy():
+                self.client.connect()
+                self.counters["connects"] += 1
+            if self.staging is not None:
+                self.client.register(self.staging.addr, self.staging.size)
+            self.client.register(self.pad.addr, self.pad.size)
+        except StoreDown as e:
+            self._record_down(e, quiet=True)
+            return False
+        with self.cond:
+            was = time.monotonic() - self.down_since
+            self.up = True
+            self.cond.notify_all()
+        log.info("remote: linked to Mooncake Store at %s (down %.1f s before)", self.cfg.master, was)
+        return True
+
+    def _record_down(self, e: Exception, quiet: bool = False) -> None:
+        with self.cond:
+            if self.up:
+                self.up = False
+                self.down_since = time.monotonic()
+                self.counters["went_down"] += 1
+                log.warning("remote: %s; remote lookups are misses until it answers again (tried every %.0f s)",
+                            e, self.cfg.retry_s)
+            elif not quiet:
+                log.debug("remote: %s", e)
+            self.last_error = str(e)
+            self.cond.notify_all()
+
+    # ----- memory -----
+    def _addr(self, view: memoryview) -> int:
+        """The address of a host slot's bytes, its segment registered with the transfer engine on first use."""
+        base = view.obj
+        if not isinstance(base, mmap.mmap):
+            raise TypeError("remote: blocks move from and to the host pool's segments (mmap-backed views) only")
+        addr = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        if not self.client.registered(addr, view.nbytes):
+            whole = np.frombuffer(base, dtype=np.uint8)
+            start, size = int(whole.ctypes.data), whole.nbytes
+            del whole
+            self.client.register(start, size)
+        return addr
+
+    def _trailers(self, n: int) -> int | None:
+        with self.lock:
+            return self.pad.take(trailer.SIZE * n)
+
+    def _give_pad(self, off: int) -> None:
+        with self.lock:
+            self.pad.give(off)
+
+    # ----- the books -----
+    def has(self, bid: bytes) -> bool:
+        with self.lock:
+            return self._has_locked(bid, time.monotonic())
+
+    def _has_locked(self, bid: bytes, now: float) -> bool:
+        s = self.staged.get(bid)
+        if s is not None:
+            return not s.deleted
+        if not self.up:
+            return False
+        return bid in self.mine or self.known.get(bid, 0.0) > now
+
+    def _learned(self, bids: Sequence[bytes]) -> None:
+        """(Under the tier lock.) The store holds these now."""
+        until = time.monotonic() + self.cfg.known_s
+        if len(self.known) + len(bids) > KNOWN_MAX:
+            now = time.monotonic()
+            self.known = {b: t for b, t in self.known.items() if t > now}
+            while len(self.known) + len(bids) > KNOWN_MAX:
+                self.known.pop(next(iter(self.known)))
+        for b in bids:
+            self.known[b] = until
+
+    def _forgot(self, bids: Sequence[bytes]) -> None:
+        """(Under the tier lock.) The store does not hold these (any more)."""
+        for b in bids:
+            self.mine.pop(b, None)
+            self.known.pop(b, None)
+
+    def probe(self, bids: Sequence[bytes]) -> int:
+        """(Without the daemon's state lock.) How many leading blocks of `bids` the store holds: the books first,
+        then one existence query for the rest. A store that does not answer within remote.timeout_s: none."""
+        now = time.monotonic()
+        with self.lock:
+            if not self.up:
+                return 0
+            n = 0
+            while n < len(bids) and self._has_locked(bids[n], now):
+                n += 1
+        rest = list(bids[n:n + EXISTS_MAX])
+        if not rest:
+            return n
+        keys = [store_key(b) for b in rest]
+        try:
+            found = self._wait(self.path.submit(Lane.CRITICAL, 0, lambda: self.client.exist(keys)), True)
+        except (StoreDown, FutureTimeout, Busy, CancelledError) as e:
+            self.counters["probe_failed"] += 1
+            if isinstance(e, StoreDown):
+                self._record_down(e)
+            return n
+        self.counters["probes"] += 1
+        run = 0
+        while run < len(found) and found[run]:
+            run += 1
+        with self.lock:
+            self._learned(rest[:run])
+        return n + run
+
+    def _wait(self, fut: Future[Any], cancel_late: bool) -> Any:
+        """A transfer's result within remote.timeout_s; past it, one still queued is cancelled (FutureTimeout),
+        one running is waited for unless `cancel_late` (it moves no bytes into host slots)."""
+        try:
+            return fut.result(timeout=self.cfg.timeout_s)
+        except FutureTimeout:
+            self.counters["timeouts"] += 1
+            if fut.cancel() or cancel_late:
+                raise
+            return fut.result()
+
+    # ----- write-back: demotion -----
+    def stage(self, bid: bytes, nbytes: int, crc: int | None = None) -> StagingBuffer | bool:
+        if self.staging is None:
+            return False
+        with self.lock:
+            if bid in self.mine or bid in self.staged and not self.staged[bid].deleted:
+                return True
+            off = self.staging.take(nbytes)
+            if off is None:
+                self.counters["dropped"] += 1
+                return False
+            self.staged[bid] = Staged(off, nbytes, crc)
+            return self.staging.view(off, nbytes)
+
+    def fill(self, bid: bytes, buf: StagingBuffer, data: memoryview) -> None:
+        buf[:] = data
+        with self.cond:
+            s = self.staged.get(bid)
+            if s is not None:
+                s.filled = True
+                self.queue.append(bid)
+                self.cond.notify_all()
+
+    def _write_back(self) -> None:
+        """Put staged blocks, PUT_BATCH at a time, in the background lane; wait while the store is down."""
+        while True:
+            with self.cond:
+                while not self._stop and (not self.queue or not self.up):
+                    self.cond.wait(self.cfg.retry_s)
+                if self._stop and (not self.queue or not self.up):
+                    return
+                batch = self._take_staged()
+            if batch:
+                self._put_staged(batch)
+
+    def _take_staged(self) -> list[tuple[bytes, Staged]]:
+        """(Under the tier lock.) The next staged blocks to put, marked as being put."""
+        batch: list[tuple[bytes, Staged]] = []
+        while self.queue and len(batch) < PUT_BATCH:
+            bid = self.queue.popleft()
+            s = self.staged.get(bid)
+            if s is None or s.putting:
+                continue
+            if s.deleted:
+                self._unstage(bid, s)
+                continue
+            s.putting = True
+            batch.append((bid, s))
+        return batch
+
+    def _unstage(self, bid: bytes, s: Staged) -> None:
+        assert self.staging is not None
+        if self.staged.get(bid) is s:
+            del self.staged[bid]
+        self.staging.give(s.off)
+
+    def _put_staged(self, batch: list[tuple[bytes, Staged]]) -> None:
+        assert self.staging is not None
+        items = [(bid, self.staging.view(s.off, s.nbytes), s.crc) for bid, s in batch]
+        addrs = [self.staging.addr + s.off for _, s in batch]
+        try:
+            ok = self._put(items, addrs, Lane.BACKGROUND)
+        except (StoreDown, Busy) as e:
+            if isinstance(e, StoreDown):
+                self._record_down(e)
+            with self.cond:                 # back in line, in order, once the store answers again
+                for bid, s in reversed(batch):
+                    s.putting = False
+                    self.queue.appendleft(bid)
+            time.sleep(0.01 if isinstance(e, Busy) else 0)
+            return
+        finally:
+            for v in items:
+                v[1].release()
+        with self.cond:
+            for (bid, s), stored in zip(batch, ok):
+                self._unstage(bid, s)
+                if stored and not s.deleted:
+                    self.mine[bid] = None
+                    self.counters["demoted"] += 1
+                elif not stored:
+                    self.counters["dropped"] += 1
+            self.cond.notify_all()
+
+    # ----- write-through -----
+    def announce(self, bids: list[bytes]) -> None:
+        with self.lock:
+            self.announced.update(bids)
+
+    def write(self, items: Sequence[TierWrite], lane: Lane) -> int:
+        """Put announced blocks straight from their host slots; how many the store holds now."""
+        with self.lock:
+            live = [it for it in items if it[0] in self.announced]
+            if not self.up:
+                self.announced.difference_update(it[0] for it in items)
+                self.counters["write_skipped"] += len(items)
+                return 0
+        views = [memoryview(it[1]).cast("B") for it in live]
+        try:
+            ok = self._put([(bid, v, crc) for (bid, _, crc), v in zip(live, views)],
+                           [self._addr(v) for v in views], lane)
+        except StoreDown as e:
+            self._record_down(e)
+            ok = [False] * len(live)
+        finally:
+            for v in views:
+                v.release()
+            with self.lock:
+                gone = [it[0] for it in live if it[0] not in self.announced]
+                self.announced.difference_update(it[0] for it in items)
+        stored = [it[0] for it, s in zip(live, ok) if s]
+        with self.lock:
+            for bid in stored:
+                self.mine[bid] = None
+            self.counters["written_through"] += len(stored)
+        if gone:                                     # deleted while being put: not kept in the store
+            self._remove_later(gone)
+        return len(stored)
+
+    def _put(self, items: Sequence[tuple[bytes, memoryview, int | None]], addrs: Sequence[int],
+             lane: Lane) -> list[bool]:
+        """Check each block against its writer's CRC and put those that match, each with its trailer, as one
+        transfer in `lane`; per item whether the store holds it now."""
+        keep = []
+        for i, (bid, view, crc) in enumerate(items):
+            if crc is not None and crc32c(view) != crc:
+                self.counters["crc_mismatch"] += 1
+                log.warning("remote: block %s does not match its writer's CRC-32C; not put", bid.hex()[:16])
+            else:
+                keep.append(i)
+        ok = [False] * len(items)
+        if not keep:
+            return ok
+        poff = self._trailers(len(keep))
+        if poff is None:
+            raise Busy(self.name, lane, len(keep))
+        try:
+            parts: list[list[Part]] = []
+            for j, i in enumerate(keep):
+                _, view, crc = items[i]
+                t = poff + j * trailer.SIZE
+                self.pad.mm[t:t + trailer.SIZE] = trailer.pack(view.nbytes, crc)
+                parts.append([(addrs[i], view.nbytes), (self.pad.addr + t, trailer.SIZE)])
+            keys = [store_key(items[i][0]) for i in keep]
+            nbytes = sum(items[i][1].nbytes for i in keep)
+            codes = self._wait(self.path.submit(lane, nbytes, lambda: self.client.put(keys, parts)), False)
+        finally:
+            self._give_pad(poff)
+        for i, code in zip(keep, codes):
+            ok[i] = code == 0 or code == ALREADY
+            self.counters["puts" if ok[i] else "put_refused"] += 1
+            self.counters["put_bytes"] += items[i][1].nbytes if ok[i] else 0
+        return ok
+
+    # ----- reads -----
+    def read(self, bids: Sequence[bytes], outs: Sequence[memoryview], lane: Lane,
+             on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None) -> int:
+        """The longest verified prefix of `bids` into `outs` (host slots): staged blocks copied, the rest got
+        from the store in chunks all in flight at once, each verified as it lands."""
+        n = self._read_staged(bids, outs, crcs)
+        if n and on_ready is not None:
+            on_ready(n)
+        if n == len(bids) or not self.up:
+            return n
+        chunks = [(i, min(i + CHUNK, len(bids))) for i in range(n, len(bids), CHUNK)]
+        futures: list[Future[Any]] = []
+        try:
+            for a, b in chunks:
+                futures.append(self.path.submit(lane, sum(o.nbytes for o in outs[a:b]),
+                                                _bind(self._get_chunk, bids[a:b], outs[a:b]), tag=bids[a]))
+        except Busy:
+            pass                                     # the chunks queued so far: a shorter prefix
+        for k, fut in enumerate(futures):
+            a, b = chunks[k]
+            try:
+                got = self._wait(fut, False)
+            except (StoreDown, FutureTimeout, CancelledError) as e:
+                if isinstance(e, StoreDown):
+                    self._record_down(e)
+                got = []
+            if crcs is not None:
+                crcs.extend(got)
+            n += len(got)
+            if len(got) < b - a:
+                self._settle(futures[k + 1:])
+                break
+            if on_ready is not None:
+                on_ready(n)
+        return n
+
+    def _settle(self, rest: list[Future[Any]]) -> None:
+        """The transfers after a failed chunk: cancelled if still queued, else waited for (they may be writing
+        into host slots that the caller is about to give back)."""
+        for fut in rest:
+            if not fut.cancel():
+                try:
+                    fut.result()
+                except Exception:
+                    pass
+
+    def _read_staged(self, bids: Sequence[bytes], outs: Sequence[memoryview],
+                     crcs: list[int | None] | None) -> int:
+        """The leading blocks still in staging, copied and checked against their writers' CRCs."""
+        n = 0
+        with self.lock:
+            while n < len(bids):
+                s = self.staged.get(bids[n])
+                if s is None or s.deleted or not s.filled or self.staging is None:
+                    break
+                out = outs[n]
+                out[:s.nbytes] = self.staging.view(s.off, s.nbytes)
+                if s.crc is not None and crc32c(out[:s.nbytes]) != s.crc:
+                    self.counters["crc_mismatch"] += 1
+                    break
+                if crcs is not None:
+                    crcs.append(s.crc)
+                n += 1
+        self.counters["staged_reads"] += n
+        return n
+
+    def _get_chunk(self, bids: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | None]:
+        """(A transfer on the network path.) Get blocks with their trailers; the writers' CRCs of the leading
+        blocks that arrived whole and match them."""
+        poff = self._trailers(len(bids))
+        if poff is None:
+            return []
+        try:
+            parts = [[(self._addr(o), o.nbytes), (self.pad.addr + poff + i * trailer.SIZE, trailer.SIZE)]
+                     for i, o in enumerate(outs)]
+            codes = self.client.get([store_key(b) for b in bids], parts)
+            got: list[int | None] = []
+            for i, (bid, out, code) in enumerate(zip(bids, outs, codes)):
+                t = poff + i * trailer.SIZE
+                ok, crc = trailer.unpack(self.pad.mm[t:t + trailer.SIZE], out.nbytes) if code >= 0 else (False, None)
+                if not ok or code != out.nbytes + trailer.SIZE:
+                    self._miss(bids[i:], "absent" if code < 0 else "bad_value")
+                    break
+                if crc is not None and crc32c(out) != crc:
+                    self._miss(bids[i:i + 1], "crc_mismatch")
+                    log.warning("remote: block %s from the store does not match its writer's CRC-32C; a miss",
+                                bid.hex()[:16])
+                    break
+                got.append(crc)
+            self.counters["gets"] += len(got)
+            self.counters["get_bytes"] += sum(o.nbytes for o in outs[:len(got)])
+            return got
+        finally:
+            self._give_pad(poff)
+
+    def _miss(self, bids: Sequence[bytes], why: str) -> None:
+        self.counters[why] += 1
+        with self.lock:
+            self._forgot(bids[:1])
+
+    def read_async(self, bid: bytes, out: memoryview, lane: Lane,
+                   on_done: Callable[[Future[Any]], None]) -> Future[Any] | None:
+        """One block's verified read as a transfer (a prefetch); its result is the writer's CRC-32C or False."""
+        if not self.has(bid):
+            return None
+
+        def one() -> int | None | bool:
+            crcs: list[int | None] = []
+            if self._read_staged([bid], [out], crcs):
+                return crcs[0]
+            got = self._get_chunk([bid], [out])
+            return got[0] if got else False
+        return self.path.submit(lane, out.nbytes, one, tag=bid, on_done=on_done)
+
+    # ----- deletes and the operator -----
+    def delete(self, bid: bytes) -> bool:
+        return self.delete_many([bid])[0]
+
+    def delete_many(self, bids: Sequence[bytes]) -> list[bool]:
+        """Forget blocks here and in the store (the store's removal is a background transfer: a delete is a
+        delete for every node sharing the namespace)."""
+        found = []
+        now = time.monotonic()
+        with self.lock:
+            for bid in bids:
+                found.append(self._has_locked(bid, now) or bid in self.announced)
+                s = self.staged.get(bid)
+                if s is not None:
+                    s.deleted = True
+                    if not s.putting and self.staging is not None:
+                        self._unstage(bid, s)
+                self.announced.discard(bid)
+                self._forgot([bid])
+        if any(found):
+            self._remove_later([b for b, f in zip(bids, found) if f])
+        return found
+
+    def _remove_later(self, bids: list[bytes]) -> None:
+        keys = [store_key(b) for b in bids]
+        try:
+            self.path.submit(Lane.BACKGROUND, 0, lambda: self.client.remove(keys))
+        except (Busy, RuntimeError):
+            self.counters["remove_skipped"] += len(keys)
+
+    def resize(self, capacity: int) -> dict[str, Any]:
+        raise RuntimeError("remote: the store's capacity is the segments its nodes contribute "
+                           "(remote.segment_bytes on each node); it is not resized from here")
+
+    def namespaces(self) -> dict[bytes, int]:
+        with self.lock:
+            c = Counter(b[:16] for b in self.mine)
+            c.update(b[:16] for b, s in self.staged.items() if not s.deleted)
+        return dict(c)
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            staged = sum(s.nbytes for s in self.staged.values())
+            return {"tier": self.name, "kind": "mooncake", "master": self.cfg.master, "up": self.up,
+                    "down_s": 0.0 if self.up else round(time.monotonic() - self.down_since, 3),
+                    "last_error": "" if self.up else self.last_error,
+                    "placement": self.placement,
+                    "replicas": self.cfg.replicas, "blocks_put_here": len(self.mine), "blocks_known": len(self.known),
+                    "staged_blocks": len(self.staged), "staged_bytes": staged,
+                    "staging_capacity": self.staging.size if self.staging is not None else 0,
+                    "counters": dict(self.counters), "path": self.path.stats()}
+
+    def close(self) -> None:
+        """Put what is staged (for at most CLOSE_FLUSH_S), then let go of the store."""
+        deadline = time.monotonic() + CLOSE_FLUSH_S
+        with self.cond:
+            while self.queue and self.up and time.monotonic() < deadline:
+                self.cond.wait(0.05)
+            self._stop = True
+            self.cond.notify_all()
+        if self.write_back:
+            self._writer.join(timeout=CLOSE_FLUSH_S)
+        self._link.join(timeout=1.0)
+        self.client.close()
+        if self.staging is not None:
+            self.staging.close()
+        self.pad.close()
+
+
+def _bind(fn: Callable[[Sequence[bytes], Sequence[memoryview]], Any], bids: Sequence[bytes],
+          outs: Sequence[memoryview]) -> Callable[[], Any]:
+    return lambda: fn(bids, outs)
+
+
+def placement(config: Config) -> str:
+    """write_back or write_through or both, as configured; `auto`: write-back without an SSD tier, else
+    write-through (the SSD takes the evictions)."""
+    p = config.remote.placement
+    if p == "auto":
+        return "write_through" if config.ssd.dir else "write_back"
+    return p
+
+
+def open_tier(config: Config, traffic: TrafficManager, workflows: Workflows | None = None) -> RemoteTier | None:
+    cfg = config.remote
+    if not cfg.master:
+        return None
+    where = placement(config)
+    if config.ssd.dir and where != "write_through":
+        raise TierUnavailable(f"remote.placement {where}: beside an SSD tier the SSD takes the host pool's "
+                              f"evictions; set remote.placement to write_through (or auto)")
+    # Mooncake's own bound on a transfer that has started (a read into host slots is never abandoned)
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(1, int(round(cfg.timeout_s)))))
+    client = MooncakeClient(cfg)
+    path = traffic.path("net", cfg.in_flight, nominal_bps=1e9)
+    tier = RemoteTier(cfg, path, client, write_back=where in ("write_back", "both"), placement=where).start()
+    log.info("remote: Mooncake Store at %s (metadata %s, %s), %s, %d replica(s); linking in the background",
+             cfg.master, cfg.metadata or "the master's", cfg.protocol, where, cfg.replicas)
+    return tier
