@@ -23,6 +23,10 @@ from kvstore.tiers import TierUnavailable
 
 log = logging.getLogger("kvstore")
 Part = tuple[int, int]      # (address, length) in registered memory
+RPC_FAILED = -900           # Mooncake: the master did not answer (seen at once for queries, after ~4 s for moves)
+NOT_FOUND = -704            # Mooncake: OBJECT_NOT_FOUND
+TRANSFER_FAILED = -800      # Mooncake: the bytes did not arrive (a node gone: ~10 s until the master drops it)
+INVALID = -600              # Mooncake: invalid parameters (for a get: the value's length is not the block's)
 
 
 class StoreDown(RuntimeError):
@@ -138,7 +142,8 @@ class MooncakeClient:
         """Which keys the store holds now (one batched query to the master)."""
         codes = self._call("batch_is_exist", list(keys))
         if any(c < 0 for c in codes):
-            raise StoreDown(f"remote: batch_is_exist failed (codes {sorted(set(c for c in codes if c < 0))})")
+            raise StoreDown(f"remote: the master did not answer an existence query (codes "
+                            f"{sorted(set(c for c in codes if c < 0))})")
         return [c == 1 for c in codes]
 
     def put(self, keys: Sequence[str], parts: Sequence[Sequence[Part]]) -> list[int]:
@@ -146,20 +151,28 @@ class MooncakeClient:
         store refused it: full, or the key exists already, which for a block is as good as stored)."""
         ptrs = [[p[0] for p in ps] for ps in parts]
         sizes = [[p[1] for p in ps] for ps in parts]
-        return list(self._call("batch_put_from_multi_buffers", list(keys), ptrs, sizes, self._replicate))
+        return _answered("batch_put_from_multi_buffers",
+                         self._call("batch_put_from_multi_buffers", list(keys), ptrs, sizes, self._replicate))
 
     def get(self, keys: Sequence[str], parts: Sequence[Sequence[Part]]) -> list[int]:
         """Read each key's value into its parts; per key the bytes read, or a negative code (not there, or a
         transfer failure)."""
         ptrs = [[p[0] for p in ps] for ps in parts]
         sizes = [[p[1] for p in ps] for ps in parts]
-        return list(self._call("batch_get_into_multi_buffers", list(keys), ptrs, sizes))
+        return _answered("batch_get_into_multi_buffers",
+                         self._call("batch_get_into_multi_buffers", list(keys), ptrs, sizes))
 
     def remove(self, keys: Sequence[str]) -> None:
-        self._call("batch_remove", list(keys))
+        """Remove keys from the store, also those still in their put lease (a delete is a delete)."""
+        self._call("batch_remove", list(keys), True)
 
     def close(self) -> None:
-        with self._lock:
+        """Let go of the store. Nothing may call the client after this (Mooncake's client faults on any call after
+        its close): the tier closes its path first. A setup still blocked in the link thread (up to ~90 s against a
+        master that does not listen) is left to the process's exit."""
+        if not self._lock.acquire(timeout=2.0):
+            return
+        try:
             store, self._store = self._store, None
             if store is not None:
                 for addr in list(self._regions):
@@ -172,3 +185,13 @@ class MooncakeClient:
                 except Exception:
                     pass
             self._regions.clear()
+        finally:
+            self._lock.release()
+
+
+def _answered(call: str, codes: Sequence[int]) -> list[int]:
+    """Per-key codes, unless the master answered none of them (StoreDown)."""
+    out = list(codes)
+    if out and all(c == RPC_FAILED for c in out):
+        raise StoreDown(f"remote: the master did not answer {call} (code {RPC_FAILED})")
+    return out

@@ -43,7 +43,7 @@ from kvstore.policy.workflow import Workflows
 from kvstore.tiers import StagingBuffer, TierUnavailable, TierWrite
 from kvstore.tiers.remote import trailer
 from kvstore.tiers.remote.arena import Arena
-from kvstore.tiers.remote.client import MooncakeClient, Part, StoreDown, store_key
+from kvstore.tiers.remote.client import NOT_FOUND, TRANSFER_FAILED, MooncakeClient, Part, StoreDown, store_key
 from kvstore.traffic import Busy, Lane, Path
 from kvstore.traffic.manager import TrafficManager
 
@@ -86,6 +86,7 @@ class RemoteTier:
         self.mine: dict[bytes, None] = {}           # blocks this daemon put (insertion-ordered set)
         self.known: dict[bytes, float] = {}         # blocks the store said it held, until when believed
         self.announced: set[bytes] = set()          # write-through blocks on their way (a delete cancels)
+        self.bad: dict[bytes, float] = {}           # values that failed their check, until when (removed too)
         self.counters: Counter[str] = Counter()
         self.up = False
         self.down_since = time.monotonic()
@@ -175,7 +176,7 @@ class RemoteTier:
         s = self.staged.get(bid)
         if s is not None:
             return not s.deleted
-        if not self.up:
+        if not self.up or self.bad and self.bad.get(bid, 0.0) > now:
             return False
         return bid in self.mine or self.known.get(bid, 0.0) > now
 
@@ -214,14 +215,16 @@ class RemoteTier:
             found = self._wait(self.path.submit(Lane.CRITICAL, 0, lambda: self.client.exist(keys)), True)
         except (StoreDown, FutureTimeout, Busy, CancelledError) as e:
             self.counters["probe_failed"] += 1
+            if isinstance(e, FutureTimeout):            # the master did not answer in time: down for lookups
+                e = StoreDown(f"remote: the master did not answer an existence query in {self.cfg.timeout_s} s")
             if isinstance(e, StoreDown):
                 self._record_down(e)
             return n
         self.counters["probes"] += 1
         run = 0
-        while run < len(found) and found[run]:
-            run += 1
         with self.lock:
+            while run < len(found) and found[run] and not self.bad.get(rest[run], 0.0) > now:
+                run += 1
             self._learned(rest[:run])
         return n + run
 
@@ -465,16 +468,18 @@ class RemoteTier:
         try:
             parts = [[(self._addr(o), o.nbytes), (self.pad.addr + poff + i * trailer.SIZE, trailer.SIZE)]
                      for i, o in enumerate(outs)]
+            self.pad.mm[poff:poff + len(bids) * trailer.SIZE] = bytes(len(bids) * trailer.SIZE)   # no stale one
             codes = self.client.get([store_key(b) for b in bids], parts)
             got: list[int | None] = []
             for i, (bid, out, code) in enumerate(zip(bids, outs, codes)):
                 t = poff + i * trailer.SIZE
                 ok, crc = trailer.unpack(self.pad.mm[t:t + trailer.SIZE], out.nbytes) if code >= 0 else (False, None)
                 if not ok or code != out.nbytes + trailer.SIZE:
-                    self._miss(bids[i:], "absent" if code < 0 else "bad_value")
+                    gone = code in (NOT_FOUND, TRANSFER_FAILED) or code < 0 and code <= -900
+                    self._miss(bid, "absent" if gone else "bad_value")
                     break
                 if crc is not None and crc32c(out) != crc:
-                    self._miss(bids[i:i + 1], "crc_mismatch")
+                    self._miss(bid, "crc_mismatch")
                     log.warning("remote: block %s from the store does not match its writer's CRC-32C; a miss",
                                 bid.hex()[:16])
                     break
@@ -485,10 +490,18 @@ class RemoteTier:
         finally:
             self._give_pad(poff)
 
-    def _miss(self, bids: Sequence[bytes], why: str) -> None:
+    def _miss(self, bid: bytes, why: str) -> None:
+        """A block the store did not serve. One whose value failed its check is quarantined here for
+        remote.known_s (not asked for again) and removed from the store, so that a good copy can be put again."""
         self.counters[why] += 1
         with self.lock:
-            self._forgot(bids[:1])
+            self._forgot([bid])
+            if why != "absent":
+                self.bad[bid] = time.monotonic() + self.cfg.known_s
+                if len(self.bad) > KNOWN_MAX:
+                    self.bad.pop(next(iter(self.bad)))
+        if why != "absent":
+            self._remove_later([bid])
 
     def read_async(self, bid: bytes, out: memoryview, lane: Lane,
                    on_done: Callable[[Future[Any]], None]) -> Future[Any] | None:
@@ -522,6 +535,7 @@ class RemoteTier:
                     if not s.putting and self.staging is not None:
                         self._unstage(bid, s)
                 self.announced.discard(bid)
+                self.bad.pop(bid, None)
                 self._forgot([bid])
         if any(found):
             self._remove_later([b for b, f in zip(bids, found) if f])
@@ -567,6 +581,7 @@ class RemoteTier:
         if self.write_back:
             self._writer.join(timeout=CLOSE_FLUSH_S)
         self._link.join(timeout=1.0)
+        self.path.close()                            # no transfer may call the client after its close
         self.client.close()
         if self.staging is not None:
             self.staging.close()

@@ -1,0 +1,298 @@
+"""The remote tier on a real Mooncake Store: one `mooncake_master` (its own HTTP metadata server) and several kvstore
+daemons on loopback, each with its own socket, pool and segment — the nodes. Blocks cross nodes byte-exact, stay
+in their namespace, are verified against their writer's CRC-32C, survive the loss of the node that wrote them
+(replicas 2), and the daemons keep serving while the master is down and link again when it is back."""
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kvstore.checksum import crc32c
+from kvstore.client import Client
+from kvstore.tiers.remote import trailer
+from kvstore.tiers.remote.client import store_key
+from tests.conftest import GEOM, DaemonProc, block, hashes, spec
+from tests.mooncake_master import MooncakeMaster, master_binary
+
+pytestmark = pytest.mark.skipif(master_binary() is None, reason="Mooncake Store is not installed: pip install "
+                                "'kvstore[mooncake]' (make test installs it)")
+
+
+@pytest.fixture
+def master() -> Iterator[MooncakeMaster]:
+    m = MooncakeMaster().start()
+    yield m
+    m.stop()
+
+
+def node(daemons: list[DaemonProc], m: MooncakeMaster, capacity: str = "16MiB", **env: str) -> DaemonProc:
+    d = DaemonProc(capacity, "1MiB", env=m.env(**env))
+    daemons.append(d)
+    d.start()
+    wait_for(lambda: remote_of(d)["up"], "the remote tier links")
+    return d
+
+
+def remote_of(d: DaemonProc, c: Client | None = None) -> dict[str, Any]:
+    if c is None:
+        with d.client() as c2:
+            return remote_of(d, c2)
+    return next(t for t in c.stats()["tiers"] if t.get("tier") == "remote")
+
+
+def wait_for(cond: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.05)
+
+
+def put_through(d: DaemonProc, hs: list[bytes], seeds: range, model: str = "tiny") -> None:
+    """Put blocks on a node whose placement writes them through, and wait until the store holds them all."""
+    with d.client() as c:
+        before = remote_of(d, c)["counters"].get("puts", 0)
+        r = c.namespace(spec(model)).put(hs, [block(i) for i in seeds])
+        assert r.stored == len(hs)
+        wait_for(lambda: remote_of(d, c)["counters"].get("puts", 0) - before >= len(hs), "the blocks are put")
+
+
+def get_all(d: DaemonProc, hs: list[bytes], model: str = "tiny") -> list[bytes]:
+    with d.client() as c:
+        outs = [bytearray(GEOM.full_bytes) for _ in hs]
+        n = c.namespace(spec(model)).get(hs, outs)
+        return [bytes(o) for o in outs[:n]]
+
+
+def test_a_block_stored_on_one_node_is_a_byte_exact_hit_on_another(master, daemons):
+    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
+    b = node(daemons, master)
+    hs = hashes(40, tag=b"cross")
+    put_through(a, hs, range(40))
+    with b.client() as c:
+        ns = c.namespace(spec())
+        assert ns.lookup(hs) == 40
+        s = c.stats()
+        assert s["counters"]["hits_remote"] == 40 and s["counters"]["hits_host"] == 0
+    assert get_all(b, hs) == [block(i) for i in range(40)]
+    with b.client() as c:
+        r = remote_of(b, c)
+        assert r["counters"]["gets"] == 40 and r["counters"].get("crc_mismatch", 0) == 0
+        assert c.stats()["counters"]["acquired_lower"] == 40
+    # now in B's host pool: a second get is a host hit, nothing more from the store
+    assert get_all(b, hs) == [block(i) for i in range(40)]
+    assert remote_of(b)["counters"]["gets"] == 40
+
+
+def test_a_prefix_ends_at_the_first_block_the_store_lacks(master, daemons):
+    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
+    b = node(daemons, master)
+    hs = hashes(20, tag=b"holes")
+    put_through(a, hs[:12], range(12))
+    put_through(a, hs[14:], range(14, 20))
+    with b.client() as c:
+        assert c.namespace(spec()).lookup(hs) == 12
+    got = get_all(b, hs)
+    assert got == [block(i) for i in range(12)]
+
+
+def test_namespaces_do_not_cross_nodes(master, daemons):
+    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
+    b = node(daemons, master)
+    hs = hashes(16, tag=b"ns")
+    put_through(a, hs, range(16), model="model-a")
+    with b.client() as c:
+        assert c.namespace(spec("model-a")).lookup(hs) == 16
+        assert c.namespace(spec("model-b")).lookup(hs) == 0
+        assert c.namespace(spec("model-a", salt="other")).lookup(hs) == 0
+    assert get_all(b, hs, model="model-b") == []
+
+
+def test_evicted_blocks_go_to_the_store_and_come_back_on_any_node(master, daemons):
+    """Write-back: a pool of 2 MiB holding 8 KiB blocks evicts most of 600; they are put from staging, and come
+    back byte-exact on the node itself and on another."""
+    a = node(daemons, master, capacity="2MiB")                  # placement auto, no SSD: write-back
+    b = node(daemons, master)
+    hs = hashes(600, tag=b"evict")
+    with a.client() as c:
+        assert c.namespace(spec()).put(hs, [block(i) for i in range(600)]).stored == 600
+        wait_for(lambda: remote_of(a, c)["counters"].get("demoted", 0) >= 300 and
+                 remote_of(a, c)["staged_blocks"] == 0, "the evicted blocks are put")
+        r = remote_of(a, c)
+        assert r["placement"] == "write_back" and c.stats()["counters"]["evictions"] >= 300
+    sample = range(0, 600, 5)
+    on_b = {i: get_all(b, [hs[i]]) for i in sample}             # B holds none: each is in the store or not
+    assert all(got == [block(i)] for i, got in on_b.items() if got)
+    assert sum(bool(got) for got in on_b.values()) >= 0.4 * len(sample)
+    assert remote_of(b)["counters"]["gets"] == sum(bool(got) for got in on_b.values())
+    assert all(get_all(a, [hs[i]]) == [block(i)] for i in sample)   # A: from its pool or back from the store
+    assert remote_of(a)["counters"]["gets"] > 0
+
+
+def test_a_value_that_fails_its_writers_crc_is_a_miss(master, daemons):
+    """A value changed in the store (a byte flipped, the trailer replaced) is never served: the prefix ends before
+    it, on every reader; it is quarantined and removed from the store."""
+    from mooncake.store import MooncakeDistributedStore
+
+    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
+    b = node(daemons, master)
+    hs = hashes(12, tag=b"crc")
+    put_through(a, hs, range(12))
+    digest = spec().digest()
+    rogue = MooncakeDistributedStore()
+    assert rogue.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "", master.address) == 0
+    try:
+        bad = bytearray(block(5))
+        bad[100] ^= 0xFF
+        assert rogue.upsert(store_key(digest + hs[5]), bytes(bad) + trailer.pack(len(bad), crc32c(block(5)))) == 0
+        assert rogue.upsert(store_key(digest + hs[8]), block(8) + bytes(trailer.SIZE)) == 0     # not our trailer
+        assert get_all(b, hs) == [block(i) for i in range(5)]
+        r = remote_of(b)
+        assert r["counters"]["crc_mismatch"] == 1                # quarantined: not read again
+        assert get_all(b, hs) == [block(i) for i in range(5)]
+        assert remote_of(b)["counters"]["crc_mismatch"] == 1
+        # the blocks after it are still good in the store: a get that starts there is served
+        assert get_all(b, hs[6:8]) == [block(6), block(7)]
+        assert get_all(b, hs[8:]) == []                       # a value without a trailer of ours: a miss
+        assert remote_of(b)["counters"]["bad_value"] == 1
+        # both bad values were removed from the store: the writer can put good ones again
+        wait_for(lambda: rogue.batch_is_exist([store_key(digest + hs[5]), store_key(digest + hs[8])]) == [0, 0],
+                 "the bad values are removed")
+        with a.client() as c:                                  # A's host copies are intact
+            outs = [bytearray(GEOM.full_bytes) for _ in hs]
+            assert c.namespace(spec()).get(hs, outs) == 12 and bytes(outs[5]) == block(5)
+    finally:
+        rogue.close()
+
+
+def test_a_delete_on_one_node_removes_the_block_for_all(master, daemons):
+    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
+    b = node(daemons, master)
+    hs = hashes(8, tag=b"del")
+    put_through(a, hs, range(8))
+    with a.client() as c:
+        assert c.namespace(spec()).delete(hs[4:]) == 4
+    with b.client() as c:
+        ns = c.namespace(spec())
+        wait_for(lambda: ns.lookup(hs) == 4, "the store forgets the deleted blocks")
+    assert get_all(b, hs) == [block(i) for i in range(4)]
+
+
+def test_master_down_daemons_keep_serving_and_link_again_when_it_returns(master, daemons):
+    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
+    b = node(daemons, master, KVSTORE_REMOTE_TIMEOUT_S="1")
+    hs = hashes(16, tag=b"down")
+    put_through(a, hs, range(16))
+    master.stop()
+    # A's host pool keeps serving; B's lookups of remote blocks are misses, and it says the store is down
+    assert get_all(a, hs) == [block(i) for i in range(16)]
+    with b.client() as c:
+        ns = c.namespace(spec())
+        assert ns.lookup(hs) == 0
+        assert ns.lookup(hs) == 0
+        r = remote_of(b, c)
+        assert not r["up"] and r["counters"]["went_down"] == 1 and r["last_error"], str(r["counters"])
+        assert c.stats()["counters"]["misses"] == 32
+        # B's own blocks are served from its host pool meanwhile
+        mine = hashes(4, tag=b"down-b")
+        assert ns.put(mine, [block(100 + i) for i in range(4)]).stored == 4
+    assert get_all(b, mine) == [block(100 + i) for i in range(4)]
+    master.start()            # same ports; a new master knows nothing of the old blocks
+    for d in (a, b):
+        wait_for(lambda d=d: remote_of(d)["up"], "the tier links again", timeout=60)
+    assert remote_of(b)["counters"]["connects"] >= 1
+    fresh = hashes(8, tag=b"after")
+    wait_for(lambda: _put_ok(a, fresh), "the store takes puts again", timeout=60)
+    with b.client() as c:
+        assert c.namespace(spec()).lookup(fresh) == 8
+    assert get_all(b, fresh) == [block(200 + i) for i in range(8)]
+
+
+def _put_ok(d: DaemonProc, hs: list[bytes]) -> bool:
+    """Store and write through again (a restarted master takes a moment before it places values)."""
+    with d.client() as c:
+        before = remote_of(d, c)["counters"].get("puts", 0)
+        c.namespace(spec()).delete(hs)
+        c.namespace(spec()).put(hs, [block(200 + i) for i in range(len(hs))])
+        try:
+            wait_for(lambda: remote_of(d, c)["counters"].get("puts", 0) - before >= len(hs), "put", timeout=3)
+            return True
+        except AssertionError:
+            return False
+
+
+def test_blocks_with_two_replicas_outlive_the_node_that_wrote_them(master, daemons):
+    """Three nodes; A writes with replicas 2 and is killed (-9): B still gets every block, byte-exact, once the
+    master has noticed A's loss (until then a read that reaches A's segment fails: a miss, never wrong bytes)."""
+    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through", KVSTORE_REMOTE_REPLICAS="2")
+    b = node(daemons, master)
+    node(daemons, master)
+    hs = hashes(16, tag=b"replicas")
+    put_through(a, hs, range(16))
+    a.stop(signal.SIGKILL)
+    want = [block(i) for i in range(16)]
+
+    def served() -> bool:
+        got = get_all(b, hs)
+        assert got == want[:len(got)]                  # a prefix of the right bytes, never others
+        return len(got) == 16
+    wait_for(served, "B gets every block from the surviving replicas", timeout=90)
+
+
+def test_the_read_goes_where_it_finishes_first(master, daemons, tmp_path):
+    """DualPath: a node with an SSD tier and the store both holding its blocks reads each promotion from the path
+    expected to finish first. With the SSD slowed, reads go to the store; with the network slowed, to the SSD."""
+    for slow, slow_tier, fast in (("ssd", "ssd", "remote"), ("net", "remote", "ssd")):
+        d = DaemonProc("1MiB", "1MiB", env=master.env(
+            KVSTORE_SSD_DIR=str(tmp_path / slow), KVSTORE_SSD_CAPACITY="64MiB", KVSTORE_SSD_PROMOTE_RESERVE="0",
+            KVSTORE_SLOW_DEVICE=f"{slow}:4MB:1"))
+        daemons.append(d)
+        d.start()
+        wait_for(lambda d=d: remote_of(d)["up"], "the remote tier links")
+        hs = hashes(384, tag=slow.encode())
+        for start in range(0, 384, 32):                        # 3 MiB through a 1 MiB pool: most go to SSD too
+            put_through(d, hs[start:start + 32], range(start, start + 32))
+        with d.client() as c:
+            wait_for(lambda: _ssd(c)["staged_blocks"] == 0, "the SSD has written what it staged")
+            before = dict(c.stats()["counters"])
+            for start in range(0, 256, 32):                    # each chunk was evicted: promoted from one holder
+                outs = [bytearray(GEOM.full_bytes) for _ in range(32)]
+                assert c.namespace(spec()).get(hs[start:start + 32], outs) == 32
+                assert [bytes(o) for o in outs] == [block(i) for i in range(start, start + 32)]
+            after = c.stats()["counters"]
+        chose = {t: after[f"reads_{t}"] - before[f"reads_{t}"] for t in ("ssd", "remote")}
+        assert chose[fast] > chose[slow_tier], (slow, chose)
+        d.stop()
+
+
+def _ssd(c: Client) -> dict[str, Any]:
+    return next(t for t in c.stats()["tiers"] if t.get("tier") == "ssd")
+
+
+def test_remote_config_errors_are_clear() -> None:
+    from kvstore.daemon.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="remote.master: must be host:port"):
+        load_config(None, {"KVSTORE_REMOTE_MASTER": "nohost"})
+    with pytest.raises(ConfigError, match="remote.placement: must be one of"):
+        load_config(None, {"KVSTORE_REMOTE_MASTER": "127.0.0.1:1", "KVSTORE_REMOTE_PLACEMENT": "sideways"})
+    with pytest.raises(ConfigError, match="remote.replicas"):
+        load_config(None, {"KVSTORE_REMOTE_MASTER": "127.0.0.1:1", "KVSTORE_REMOTE_REPLICAS": "0"})
+
+
+def test_write_back_beside_an_ssd_tier_is_refused_with_the_reason(master, tmp_path):
+    d = DaemonProc("16MiB", "1MiB", env=master.env(KVSTORE_SSD_DIR=str(tmp_path / "ssd"),
+                                                   KVSTORE_REMOTE_PLACEMENT="write_back"))
+    try:
+        with pytest.raises(RuntimeError, match="beside an SSD tier the SSD takes the host pool's evictions"):
+            d.start()
+    finally:
+        d.cleanup()
+
