@@ -37,10 +37,9 @@ from kvstore.movers.publish import Publisher
 from kvstore.movers.reserve import Reserve
 from kvstore.movers.writethrough import DurableTier, WriteThrough
 from kvstore.policy.workflow import Workflows
-from kvstore.tiers import LowerTiers
+from kvstore.tiers import LowerTiers, SharedTier
 from kvstore.tiers.host import HostPool
 from kvstore.tiers.registry import open_lower_tiers
-from kvstore.tiers.remote.tier import RemoteTier, placement
 from kvstore.traffic.manager import TrafficManager
 
 
@@ -61,7 +60,7 @@ class State:
     workflows: Workflows
     hints: Hints
     predictive: PredictivePrefetch | None
-    remote: RemoteTier | None = None
+    remote: SharedTier | None = None
     publisher: Publisher | None = None
     looked_up: HyperLogLog = field(default_factory=HyperLogLog)
     metrics: OpMetrics = field(default_factory=OpMetrics)
@@ -104,13 +103,12 @@ def build_state(config: Config) -> State:
     copy_evicted = partial(copy_deferred, demotion, index, lock, False)
     reserve = Reserve(index, pool, lock, counters, config.ssd.promote_reserve if demotion is not None else 0,
                       demotion.deferring if demotion is not None else _nothing, copy_evicted)
-    remote = lower.named("remote")
-    assert remote is None or isinstance(remote, RemoteTier)
+    remote = lower.shared
     promotion = Promotion(index, pool, lower, lock, changed, copy_evicted,
                           prefetcher.escalate if prefetcher is not None else _no_flight, reserve.kick,
                           remote.probe if remote is not None else None, counters)
     publisher = None
-    if remote is not None and placement(config) in ("write_through", "both"):
+    if remote is not None and remote.write_through:
         publisher = Publisher(index, pool, remote, changed, counters, config.remote.staging_bytes)
     predictive = None
     if prefetcher is not None and config.prefetch.enabled:

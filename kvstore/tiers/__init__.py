@@ -19,14 +19,16 @@ is promoted into carries the writer's CRC on; a tier never replaces it with one 
 
 A tier's disk or network access is a transfer on one of the traffic manager's paths. `LowerTiers` keeps the tiers
 below the host pool in order (fastest first): evictions go to the first, reads find a block in whichever holds it.
-A new tier is a module implementing `LowerTier` plus one line in `registry.TIER_TYPES`.
+A tier shared with other nodes (the remote store) is also a `SharedTier`: lookups ask it about the blocks no local
+tier holds (`probe`, without the state lock), and committed blocks are put in it at once where its placement says
+so (`write_through`). A new tier is a module implementing `LowerTier` plus one line in `registry.TIER_TYPES`.
 """
 from __future__ import annotations
 
 import mmap
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from kvstore.traffic import Lane, Path
 
@@ -97,6 +99,17 @@ class LowerTier(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class SharedTier(LowerTier, Protocol):
+    """A lower tier shared with other nodes (the remote store): what it holds beyond what this daemon put there is
+    known only by asking it, which `probe` does without the daemon's state lock."""
+    write_through: bool     # committed blocks are put in it at once (kvstore.movers.publish)
+
+    def probe(self, bids: Sequence[bytes]) -> int:
+        """How many leading blocks of `bids` the tier holds (one batched question; none if it does not answer)."""
+        ...
+
+
 class LowerTiers:
     """The tiers below the host pool, fastest first: an evicted block goes to the first; a read finds a block in
     whichever tier holds it; a delete reaches all of them."""
@@ -116,6 +129,11 @@ class LowerTiers:
 
     def named(self, name: str) -> LowerTier | None:
         return next((t for t in self.tiers if t.name == name), None)
+
+    @property
+    def shared(self) -> SharedTier | None:
+        """The tier shared with other nodes, if one is configured."""
+        return next((t for t in self.tiers if isinstance(t, SharedTier)), None)
 
     def holder(self, bid: bytes) -> LowerTier | None:
         return next((t for t in self.tiers if t.has(bid)), None)

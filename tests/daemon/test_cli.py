@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -186,14 +187,24 @@ def test_stats_and_top_show_traffic_per_lane(start_daemon, tmp_path):
     assert re.search(r"^ssd\s+background\s+0\s+0\s+\d+\s", text, re.M)
     assert "ssd scan: ready, 0 of 0 records" in text
     top = subprocess.Popen([sys.executable, "-m", "kvstore", "--socket", d.socket, "top", "--json",
-                            "--interval", "1", "--count", "2"], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.3)
-    with d.client() as c:                                   # 20 critical reads during top's first interval
-        ns = c.namespace(spec())
-        assert ns.get(hs[:20], [bytearray(GEOM.full_bytes) for _ in range(20)]) == 20
+                            "--interval", "1", "--count", "3"], stdout=subprocess.PIPE, text=True)
+    assert top.stdout is not None
+    reading = threading.Event()
+
+    def critical_reads() -> None:               # until top's first interval is over, however slow it starts
+        with d.client() as c:
+            ns = c.namespace(spec())
+            while not reading.is_set():
+                assert ns.get(hs[:20], [bytearray(GEOM.full_bytes) for _ in range(20)]) == 20   # from the SSD
+                c.evict(everything=True)                    # (on the SSD already: the next get reads it again)
+    reader = threading.Thread(target=critical_reads)
+    reader.start()
+    first = top.stdout.readline()
+    reading.set()
+    reader.join()
     out, _ = top.communicate(timeout=30)
-    lines = [json.loads(x) for x in out.splitlines()]
-    assert len(lines) == 2 and top.returncode == 0
+    lines = [json.loads(x) for x in [first, *out.splitlines()]]
+    assert len(lines) == 3 and top.returncode == 0
     crit = [r for r in lines[0]["paths"] if r["lane"] == "critical"][0]
     assert crit["transfers_per_s"] > 0 and crit["bytes_per_s"] > 0 and crit["p99_s"] > 0
-    assert [r for r in lines[1]["paths"] if r["lane"] == "critical"][0]["transfers_per_s"] == 0   # quiet after
+    assert [r for r in lines[2]["paths"] if r["lane"] == "critical"][0]["transfers_per_s"] == 0   # quiet after

@@ -77,6 +77,7 @@ class RemoteTier:
                  placement: str = "write_back") -> None:
         self.cfg = cfg
         self.placement = placement
+        self.write_through = placement in ("write_through", "both")
         self.path = path
         self.client = client
         self.write_back = write_back
