@@ -50,7 +50,7 @@ from kvstore.traffic import Busy, Lane, Path
 from kvstore.traffic.manager import TrafficManager
 
 log = logging.getLogger("kvstore")
-CHUNK = 8                       # blocks per get transfer (chunks of one read are all in flight at once)
+CHUNK = 8                       # blocks per get transfer at most (chunks of one read are all in flight at once)
 PUT_BATCH = 32                  # staged blocks the write-back takes at a time
 PIECE_BYTES = 8 << 20           # a put transfer moves at most this (one piece: what a critical read may wait for)
 PAD_BYTES = 1 << 20             # registered memory for the trailers of transfers in flight
@@ -92,6 +92,7 @@ class RemoteTier:
         self.announced: set[bytes] = set()          # write-through blocks on their way (a delete cancels)
         self.bad: dict[bytes, float] = {}           # values that failed their check, until when (removed too)
         self.counters: Counter[str] = Counter()
+        self.seconds: dict[str, float] = {"put_s": 0.0, "get_s": 0.0}   # wall time of puts and of reads
         self.up = False
         self.down_since = time.monotonic()
         self.last_error = "not connected yet"
@@ -255,7 +256,7 @@ class RemoteTier:
         if self.staging is None:
             return False
         with self.lock:
-            if bid in self.mine or bid in self.staged and not self.staged[bid].deleted:
+            if self._has_locked(bid, time.monotonic()):    # in the store (or on its way) already: nothing to put
                 return True
             off = self.staging.take(nbytes)
             if off is None:
@@ -373,43 +374,43 @@ class RemoteTier:
 
     def _put(self, items: Sequence[tuple[bytes, memoryview, int | None]], addrs: Sequence[int],
              lane: Lane) -> list[bool]:
-        """Check each block against its writer's CRC and put those that match, each with its trailer, in pieces of
-        at most PIECE_BYTES — each a transfer in `lane`, all queued at once, so that a critical read waits behind
-        one piece at most (DESIGN.md, "Traffic manager"); per item whether the store holds it now. Every piece
-        queued is waited for (it reads memory the caller gives back afterwards): Mooncake's transfer timeout bounds
-        it. Raises StoreDown (the master did not answer) or Busy (no room to queue any: try later)."""
-        keep = []
-        for i, (bid, view, crc) in enumerate(items):
-            if crc is not None and crc32c(view) != crc:
-                self.counters["crc_mismatch"] += 1
-                log.warning("remote: block %s does not match its writer's CRC-32C; not put", bid.hex()[:16])
-            else:
-                keep.append(i)
+        """Put blocks, each with its trailer, in pieces of at most PIECE_BYTES — each a transfer in `lane`, so that a
+        critical read waits behind one piece at most (DESIGN.md, "Traffic manager"); per item whether the store
+        holds it now. A piece's blocks are checked against their writers' CRCs just before it is queued (those that
+        fail are not put), so the checks overlap the transfers of the pieces before. Every piece queued is waited
+        for (it reads memory the caller gives back afterwards): Mooncake's transfer timeout bounds it. Raises
+        StoreDown (the master did not answer) or Busy (no room to queue any: try later)."""
+        t0 = time.perf_counter()
         ok = [False] * len(items)
-        if not keep:
-            return ok
-        poff = self._trailers(len(keep))
-        if poff is None:
-            raise Busy(self.name, lane, len(keep))
+        queued: list[tuple[list[int], int, Future[Any]]] = []     # (items, pad offset, transfer)
+        no_room = False
+        down: StoreDown | None = None
         try:
-            parts: list[list[Part]] = []
-            for j, i in enumerate(keep):
-                _, view, crc = items[i]
-                t = poff + j * trailer.SIZE
-                self.pad.mm[t:t + trailer.SIZE] = trailer.pack(view.nbytes, crc)
-                parts.append([(addrs[i], view.nbytes), (self.pad.addr + t, trailer.SIZE)])
-            pieces = _pieces([items[i][1].nbytes for i in keep], PIECE_BYTES)
-            futures: list[Future[Any]] = []
-            try:
-                for a, b in pieces:
-                    keys = [store_key(items[i][0]) for i in keep[a:b]]
-                    futures.append(self.path.submit(lane, sum(items[i][1].nbytes for i in keep[a:b]),
-                                                    _bind_put(self.client.put, keys, parts[a:b])))
-            except Busy:
-                if not futures:
-                    raise
-            down: StoreDown | None = None
-            for (a, b), fut in zip(pieces, futures):
+            for a, b in _pieces([it[1].nbytes for it in items], PIECE_BYTES):
+                keep = [i for i in range(a, b) if self._intact(items[i])]
+                if not keep:
+                    continue
+                poff = self._trailers(len(keep))
+                if poff is None:
+                    no_room = True
+                    break
+                parts: list[list[Part]] = []
+                for j, i in enumerate(keep):
+                    t = poff + j * trailer.SIZE
+                    self.pad.mm[t:t + trailer.SIZE] = trailer.pack(items[i][1].nbytes, items[i][2])
+                    parts.append([(addrs[i], items[i][1].nbytes), (self.pad.addr + t, trailer.SIZE)])
+                keys = [store_key(items[i][0]) for i in keep]
+                try:
+                    fut = self.path.submit(lane, sum(items[i][1].nbytes for i in keep),
+                                           _bind_put(self.client.put, keys, parts))
+                except Busy:
+                    self._give_pad(poff)
+                    no_room = True
+                    break
+                queued.append((keep, poff, fut))
+            if no_room and not queued:
+                raise Busy(self.name, lane, len(items))
+            for keep, _, fut in queued:
                 try:
                     codes = fut.result()
                 except StoreDown as e:
@@ -417,15 +418,27 @@ class RemoteTier:
                     continue
                 except CancelledError:
                     continue
-                for i, code in zip(keep[a:b], codes):
+                for i, code in zip(keep, codes):
                     ok[i] = code == 0 or code == ALREADY
                     self.counters["puts" if ok[i] else "put_refused"] += 1
                     self.counters["put_bytes"] += items[i][1].nbytes if ok[i] else 0
         finally:
-            self._give_pad(poff)
+            for _, poff, _ in queued:
+                self._give_pad(poff)
+        self.seconds["put_s"] += time.perf_counter() - t0
         if down is not None:
             raise down
         return ok
+
+    def _intact(self, item: tuple[bytes, memoryview, int | None]) -> bool:
+        """Whether a block about to be put matches its writer's CRC-32C (a store never takes a block that does
+        not: counted, logged)."""
+        bid, view, crc = item
+        if crc is None or crc32c(view) == crc:
+            return True
+        self.counters["crc_mismatch"] += 1
+        log.warning("remote: block %s does not match its writer's CRC-32C; not put", bid.hex()[:16])
+        return False
 
     # ----- reads -----
     def read(self, bids: Sequence[bytes], outs: Sequence[memoryview], lane: Lane,
@@ -437,7 +450,8 @@ class RemoteTier:
             on_ready(n)
         if n == len(bids) or not self.up:
             return n
-        chunks = [(i, min(i + CHUNK, len(bids))) for i in range(n, len(bids), CHUNK)]
+        t0 = time.perf_counter()
+        chunks = [(n + a, n + b) for a, b in _pieces([o.nbytes for o in outs[n:]], PIECE_BYTES, CHUNK)]
         futures: list[Future[Any]] = []
         try:
             for a, b in chunks:
@@ -461,6 +475,7 @@ class RemoteTier:
                 break
             if on_ready is not None:
                 on_ready(n)
+        self.seconds["get_s"] += time.perf_counter() - t0
         return n
 
     def _settle(self, rest: list[Future[Any]]) -> None:
@@ -602,7 +617,7 @@ class RemoteTier:
                     "replicas": self.cfg.replicas, "blocks_put_here": len(self.mine), "blocks_known": len(self.known),
                     "staged_blocks": len(self.staged), "staged_bytes": staged,
                     "staging_capacity": self.staging.size if self.staging is not None else 0,
-                    "counters": dict(self.counters), "path": self.path.stats()}
+                    "counters": dict(self.counters), "seconds": dict(self.seconds), "path": self.path.stats()}
 
     def close(self) -> None:
         """Put what is staged (for at most CLOSE_FLUSH_S), then let go of the store."""
@@ -632,12 +647,12 @@ def _bind_put(fn: Callable[[Sequence[str], Sequence[Sequence[Part]]], list[int]]
     return lambda: fn(keys, parts)
 
 
-def _pieces(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
-    """[a, b) ranges of consecutive items, each at most `limit` bytes (at least one item)."""
+def _pieces(sizes: Sequence[int], limit: int, most: int = 1 << 30) -> list[tuple[int, int]]:
+    """[a, b) ranges of consecutive items, each at most `limit` bytes and `most` items (at least one item)."""
     out: list[tuple[int, int]] = []
     a, total = 0, 0
     for i, n in enumerate(sizes):
-        if i > a and total + n > limit:
+        if i > a and (total + n > limit or i - a >= most):
             out.append((a, i))
             a, total = i, 0
         total += n
