@@ -177,6 +177,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
             sc = t["scan"]
             text += (f"\nssd scan: {sc['state']}, {sc['scanned']} of {sc['records']} records in "
                      f"{sc['seconds']:.1f} s")
+    for t in s["tiers"]:
+        if t["tier"] == "remote":
+            text += "\n" + _remote_line(t)
     if s.get("write_through"):
         text += "\n" + _durable_line(s["write_through"])
     if s.get("workflows"):
@@ -185,6 +188,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
         text += "\n\n" + _traffic_table(s["traffic"])
     _out(args, s, f"{text}\n\n{counters}\n\n{lat}")
     return 0
+
+
+def _remote_line(t: dict[str, Any]) -> str:
+    """The remote tier in one line: whether the store answers, what this node put there, what it got back."""
+    c = t.get("counters", {})
+    state = "up" if t["up"] else f"DOWN for {t['down_s']:.0f} s ({t['last_error']})"
+    bad = c.get("crc_mismatch", 0) + c.get("bad_value", 0)
+    return (f"remote store at {t['master']}: {state}; {t['placement']}, {t['replicas']} replica(s); "
+            f"{t['blocks_put_here']} block(s) put from here, {t['staged_blocks']} staged; "
+            f"gets {c.get('gets', 0)}, puts {c.get('puts', 0)}, bad values {bad}, lookups asked {c.get('probes', 0)}")
 
 
 def _durable_line(wt: dict[str, Any]) -> str:

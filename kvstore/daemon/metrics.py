@@ -54,6 +54,7 @@ def start_prometheus(host: str, port: int, snapshot: Callable[[], dict[str, Any]
                                     "between block sizes or tenants (over the cap until punched)",
                                     value=host.get("retiring_bytes", 0))
             yield from _workflow_metrics(s.get("workflows") or {}, s.get("hit_rates") or {})
+            yield from _remote_metrics(next((t for t in s["tiers"] if t["tier"] == "remote"), None))
             wt = s.get("write_through") or {}
             if "lag" in wt:
                 yield GaugeMetricFamily("kvstore_durable_pending_blocks", "blocks on their way to disk",
@@ -122,6 +123,27 @@ def _workflow_metrics(w: dict[str, Any], rates: dict[str, Any]) -> Any:
 
 
 PREFETCH_GAUGES = {"precision", "watched", "in_flight"}    # the rest of the predictive prefetch's figures count up
+
+
+def _remote_metrics(t: dict[str, Any] | None) -> Any:
+    """The remote tier: whether the store answers, the blocks this node put or knows of, its transfers and the
+    values that failed their check (the network path's lanes are with the other paths, path="net")."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if t is None:
+        return
+    yield GaugeMetricFamily("kvstore_remote_up", "1 while the remote store answers", value=1 if t["up"] else 0)
+    for name in ("blocks_put_here", "blocks_known", "blocks_quarantined", "staged_blocks", "staged_bytes"):
+        yield GaugeMetricFamily(f"kvstore_remote_{name}", name.replace("_", " "), value=t[name])
+    ops = CounterMetricFamily("kvstore_remote_events", "remote tier events since start", labels=["event"])
+    for name, value in sorted(t.get("counters", {}).items()):
+        ops.add_metric([name], value)
+    yield ops
+    secs = CounterMetricFamily("kvstore_remote_seconds", "wall time of the remote tier's puts and reads",
+                               labels=["op"])
+    for name, value in sorted(t.get("seconds", {}).items()):
+        secs.add_metric([name.removesuffix("_s")], value)
+    yield secs
 
 
 def _prefetch_metrics(p: dict[str, Any] | None) -> Any:

@@ -300,6 +300,41 @@ def _ssd(c: Client) -> dict[str, Any]:
     return next(t for t in c.stats()["tiers"] if t.get("tier") == "ssd")
 
 
+def test_stats_top_and_prometheus_show_the_remote_tier_and_the_network_path(master, daemons):
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from tests.mooncake_master import free_port
+
+    port = free_port()
+    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
+    b = node(daemons, master, KVSTORE_METRICS_ENABLED="true", KVSTORE_METRICS_PORT=str(port))
+    hs = hashes(8, tag=b"stats")
+    put_through(a, hs, range(8))
+    assert len(get_all(b, hs)) == 8
+
+    def cli(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "kvstore", "--socket", b.socket, *args], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    text = cli("stats")
+    assert f"remote store at {master.address}: up; write_back, 1 replica(s)" in text and "gets 8" in text
+    row = next(t for t in json.loads(cli("stats", "--json"))["tiers"] if t["tier"] == "remote")
+    assert row["counters"]["gets"] == 8 and row["capacity_bytes"] == 64 << 20
+    top = json.loads(cli("top", "--json", "--interval", "0.2", "--count", "1").splitlines()[0])
+    assert {r["path"] for r in top["paths"]} >= {"net"}
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert "kvstore_remote_up 1.0" in metrics
+    assert 'kvstore_remote_events_total{event="gets"} 8.0' in metrics
+    assert 'kvstore_tier_capacity_bytes{tier="remote"} 6.7108864e+07' in metrics
+    assert 'kvstore_traffic_bytes_total{lane="critical",path="net"} ' + f"{float(8 * GEOM.full_bytes)}" in metrics
+    assert "kvstore_acquired_lower_total 8.0" in metrics and "kvstore_hits_remote_total 0.0" in metrics
+
+
 def test_remote_config_errors_are_clear() -> None:
     from kvstore.daemon.config import ConfigError, load_config
 

@@ -608,16 +608,20 @@ class RemoteTier:
         return dict(c)
 
     def stats(self) -> dict[str, Any]:
+        """The tier's row (capacity: the segment this node lends the store; blocks: those it put or staged) and
+        its books; its network path's lanes are in the traffic stats (path `net`)."""
         with self.lock:
             staged = sum(s.nbytes for s in self.staged.values())
-            return {"tier": self.name, "kind": "mooncake", "master": self.cfg.master, "up": self.up,
+            mapped = (self.staging.size if self.staging is not None else 0) + self.pad.size
+            return {"tier": self.name, "capacity_bytes": self.cfg.segment_bytes, "mapped_bytes": mapped,
+                    "used_bytes": staged, "resident_bytes": mapped, "blocks": len(self.mine) + len(self.staged),
+                    "segments": 1, "kind": "mooncake", "master": self.cfg.master, "up": self.up,
                     "down_s": 0.0 if self.up else round(time.monotonic() - self.down_since, 3),
-                    "last_error": "" if self.up else self.last_error,
-                    "placement": self.placement,
+                    "last_error": "" if self.up else self.last_error, "placement": self.placement,
                     "replicas": self.cfg.replicas, "blocks_put_here": len(self.mine), "blocks_known": len(self.known),
-                    "staged_blocks": len(self.staged), "staged_bytes": staged,
+                    "blocks_quarantined": len(self.bad), "staged_blocks": len(self.staged), "staged_bytes": staged,
                     "staging_capacity": self.staging.size if self.staging is not None else 0,
-                    "counters": dict(self.counters), "seconds": dict(self.seconds), "path": self.path.stats()}
+                    "counters": dict(self.counters), "seconds": dict(self.seconds)}
 
     def close(self) -> None:
         """Put what is staged (for at most CLOSE_FLUSH_S), then let go of the store."""
