@@ -203,6 +203,13 @@ class RemoteTier:
         for b in bids:
             self.known[b] = until
 
+    def _mine(self, bid: bytes) -> None:
+        """(Under the tier lock.) This daemon put the block (the oldest of more than KNOWN_MAX are forgotten: the
+        store evicts old values by itself, and a block forgotten here is asked for again)."""
+        self.mine[bid] = None
+        if len(self.mine) > KNOWN_MAX:
+            self.mine.pop(next(iter(self.mine)))
+
     def _forgot(self, bids: Sequence[bytes]) -> None:
         """(Under the tier lock.) The store does not hold these (any more)."""
         for b in bids:
@@ -329,7 +336,7 @@ class RemoteTier:
             for (bid, s), stored in zip(batch, ok):
                 self._unstage(bid, s)
                 if stored and not s.deleted:
-                    self.mine[bid] = None
+                    self._mine(bid)
                     self.counters["demoted"] += 1
                 elif not stored:
                     self.counters["dropped"] += 1
@@ -363,10 +370,10 @@ class RemoteTier:
             with self.lock:
                 gone = [it[0] for it in live if it[0] not in self.announced]
                 self.announced.difference_update(it[0] for it in items)
-        stored = [it[0] for it, s in zip(live, ok) if s]
+        stored = [it[0] for it, s in zip(live, ok) if s and it[0] not in gone]
         with self.lock:
             for bid in stored:
-                self.mine[bid] = None
+                self._mine(bid)
             self.counters["written_through"] += len(stored)
         if gone:                                     # deleted while being put: not kept in the store
             self._remove_later(gone)
