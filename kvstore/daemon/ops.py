@@ -289,12 +289,22 @@ def op_workflows(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_prefetch(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
-    """Promote lower-tier blocks ahead of their get, into free host space only; `wait` replies when they are done."""
+    """Promote lower-tier blocks (the SSD's, the remote store's) ahead of their get, into free host space only;
+    `wait` replies when they are done."""
     ns = st.index.namespace(m["ns"], h)
     if st.prefetcher is None:
-        raise ProtocolError(Code.BAD_REQUEST, "prefetch: this daemon has no SSD tier (set ssd.dir)")
+        raise ProtocolError(Code.BAD_REQUEST, "prefetch: this daemon has no lower tier (set ssd.dir or "
+                                              "remote.master)")
+    hashes = split_keys(m["keys"])
+    if st.remote is not None:                       # what the store holds of them, asked without the lock
+        bids = [ns.block_id(bh) for bh in hashes]
+        st.lock.release()
+        try:
+            st.remote.probe(bids)
+        finally:
+            st.lock.acquire()
     try:
-        ticket = st.prefetcher.submit(ns, split_keys(m["keys"]))   # refused at once if the prefetch lane is full
+        ticket = st.prefetcher.submit(ns, hashes)   # refused at once if the prefetch lane is full
     except LaneFull as e:
         raise ProtocolError(Code.BUSY, str(e)) from None
     while m.get("wait") and ticket.pending:

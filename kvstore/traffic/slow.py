@@ -3,7 +3,8 @@ given bandwidth would need for its bytes, scaled by a seeded random factor. It s
 the arbiter, the queues and the lanes see exactly what a slower disk would make them see — same order, same
 counts — without the test depending on how fast this machine's disk is.
 
-Enabled in a daemon by `KVSTORE_SLOW_DEVICE=<path>:<bytes per second>[:<seed>]`, e.g. `ssd:50MB:7`."""
+Enabled in a daemon by `KVSTORE_SLOW_DEVICE=<path>:<bytes per second>[:<seed>]`, e.g. `ssd:50MB:7`; several paths
+separated by commas, e.g. `ssd:8MB:1,net:8MB:2`."""
 from __future__ import annotations
 
 import os
@@ -30,8 +31,8 @@ class SlowDevice:
 
 def from_env(path: str) -> SlowDevice | None:
     """The slow device KVSTORE_SLOW_DEVICE asks for on `path`, if any."""
-    spec = os.environ.get("KVSTORE_SLOW_DEVICE", "")
-    parts = spec.split(":")
-    if len(parts) < 2 or parts[0] != path:
-        return None
-    return SlowDevice(parse_size(parts[1]), int(parts[2]) if len(parts) > 2 else 0)
+    for spec in os.environ.get("KVSTORE_SLOW_DEVICE", "").split(","):
+        parts = spec.strip().split(":")
+        if len(parts) >= 2 and parts[0] == path:
+            return SlowDevice(parse_size(parts[1]), int(parts[2]) if len(parts) > 2 else 0)
+    return None

@@ -296,6 +296,61 @@ def test_the_read_goes_where_it_finishes_first(master, daemons, tmp_path):
         d.stop()
 
 
+def test_concurrent_reads_split_between_two_paths_equally_fast(master, daemons, tmp_path):
+    """DualPath with a mixed load: the SSD and the network equally slow, four readers at once; once one path has a
+    queue, the next read is expected to finish first on the other, so both carry reads."""
+    import threading
+
+    d = DaemonProc("2MiB", "1MiB", env=master.env(
+        KVSTORE_SSD_DIR=str(tmp_path / "ssd"), KVSTORE_SSD_CAPACITY="64MiB", KVSTORE_SSD_PROMOTE_RESERVE="0",
+        KVSTORE_SLOW_DEVICE="ssd:4MB:1,net:4MB:2"))
+    daemons.append(d)
+    d.start()
+    wait_for(lambda: remote_of(d)["up"], "the remote tier links")
+    hs = hashes(512, tag=b"mixed")
+    for start in range(0, 512, 32):
+        put_through(d, hs[start:start + 32], range(start, start + 32))
+    with d.client() as c:
+        wait_for(lambda: _ssd(c)["staged_blocks"] == 0, "the SSD has written what it staged")
+        c.evict(everything=True)
+        before = dict(c.stats()["counters"])
+    errors: list[BaseException] = []
+
+    def reader(k: int) -> None:
+        try:
+            for start in range(k * 128, (k + 1) * 128, 16):
+                got = get_all(d, hs[start:start + 16])
+                assert got == [block(i) for i in range(start, start + 16)]
+        except BaseException as e:            # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    with d.client() as c:
+        after = c.stats()["counters"]
+    chose = {t: after[f"reads_{t}"] - before[f"reads_{t}"] for t in ("ssd", "remote")}
+    assert chose["ssd"] >= 4 and chose["remote"] >= 4, chose
+
+
+def test_prefetch_brings_the_stores_blocks_into_the_host_pool(master, daemons):
+    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
+    b = node(daemons, master)
+    hs = hashes(24, tag=b"prefetch")
+    put_through(a, hs, range(24))
+    with b.client() as c:
+        r = c.namespace(spec()).prefetch(hs, wait=True)
+        assert r == {"queued": 24, "done": 24, "skipped": 0}
+        assert remote_of(b, c)["counters"]["gets"] == 24
+    assert get_all(b, hs) == [block(i) for i in range(24)]
+    with b.client() as c:
+        s = c.stats()
+        assert s["counters"]["acquired_host"] == 24 and s["counters"]["acquired_lower"] == 0
+        assert remote_of(b, c)["counters"]["gets"] == 24
+
+
 def _ssd(c: Client) -> dict[str, Any]:
     return next(t for t in c.stats()["tiers"] if t.get("tier") == "ssd")
 
