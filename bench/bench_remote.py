@@ -154,7 +154,7 @@ def main() -> None:
             pipe.send(None)
         for p in procs:
             p.join(timeout=30)
-        master.stop()
+        master.close()
     nbytes = n * bb
     gbs = {k: [nbytes / s / 1e9 for s in v] for k, v in res.items()}
     ratio = {op: [k / m for k, m in zip(gbs[f"kvstore_{op}"], gbs[f"mooncake_{op}"])] for op in ("put", "get")}

@@ -29,6 +29,7 @@ class MooncakeMaster:
         if binary is None:
             raise RuntimeError("mooncake_master not found: pip install 'kvstore[mooncake]'")
         self.binary = binary
+        self.own_dir = log_dir is None
         self.dir = log_dir or tempfile.mkdtemp(prefix="kvs-mc-")
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -68,6 +69,12 @@ class MooncakeMaster:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
             self.proc.wait(timeout=30)
+
+    def close(self) -> None:
+        """Stop it and remove the directory it made for its log."""
+        self.stop()
+        if self.own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def env(self, **extra: str) -> dict[str, str]:
         """A daemon's environment for a remote tier on this master."""

@@ -127,7 +127,8 @@ class RemoteConfig:
     staging_bytes: int = 256 << 20      # evicted blocks waiting in memory for their put; beyond it they are dropped
     timeout_s: float = 2.0              # the longest one store operation may hold a read before it is a miss
     retry_s: float = 2.0                # a store found down is tried again after this long
-    known_s: float = 30.0               # a block the store said it holds is believed present this long
+    known_s: float = 5.0                # a block the store said it holds is believed present this long (keep it
+                                        # below the master's default_kv_lease_ttl, 10 s: no eviction in between)
     in_flight: int = 4                  # transfers on the network path at once
 
 

@@ -103,20 +103,27 @@ def op_lookup(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     asked = len(blob) // HASH_BYTES
     st.looked_up.add_keys(blob, int.from_bytes(ns.prefix, "little"))
     n = host = st.index.host_prefix(ns, blob)
+    remote = 0                                      # blocks of the prefix only the remote store holds
     if st.lower and host < asked:                   # the rest of the prefix may be below: block by block
         for block_hash in split_keys(blob[host * HASH_BYTES:]):
-            if not (st.index.holds(ns, block_hash) or st.lower.holder(ns.block_id(block_hash))):
+            if st.index.holds(ns, block_hash):
+                n += 1
+                continue
+            holder = st.lower.holder(ns.block_id(block_hash))
+            if holder is None:
                 break
             n += 1
+            remote += holder is st.remote
     if st.remote is not None and n < asked:         # one question to the store for the rest, without the lock
         rest = [ns.block_id(bh) for bh in split_keys(blob[n * HASH_BYTES:])]
         st.lock.release()
         try:
-            remote = st.remote.probe(rest)
+            asked_store = st.remote.probe(rest)
         finally:
             st.lock.acquire()
-        n += remote
-        st.counters["hits_remote"] += remote
+        n += asked_store
+        remote += asked_store
+    st.counters["hits_remote"] += remote
     st.counters["lookups"] += 1
     st.counters["hits"] += n
     st.counters["hits_host"] += host

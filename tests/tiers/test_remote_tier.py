@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.mooncake,
 def master() -> Iterator[MooncakeMaster]:
     m = MooncakeMaster().start()
     yield m
-    m.stop()
+    m.close()
 
 
 def node(daemons: list[DaemonProc], m: MooncakeMaster, capacity: str = "16MiB", **env: str) -> DaemonProc:
@@ -236,7 +236,7 @@ def test_a_daemon_started_before_its_master_serves_and_links_when_it_comes(daemo
         wait_for(lambda: remote_of(d)["up"], "the tier links once the master listens", timeout=60)
         assert remote_of(d)["counters"]["connects"] == 1
     finally:
-        m.stop()
+        m.close()
 
 
 def _put_ok(d: DaemonProc, hs: list[bytes]) -> bool:

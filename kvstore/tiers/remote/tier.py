@@ -7,7 +7,9 @@ at all. Without an SSD tier the remote tier is the first lower tier and takes th
 default); beside an SSD tier the SSD takes them and the remote tier is written through (host → SSD, and → remote).
 
 What the store holds is known without asking it under the daemon's lock: `has` answers from the blocks this daemon
-put or staged and those the store said it held within `remote.known_s`. `probe` — one batched existence query to
+staged, and those it put or the store said it held within `remote.known_s` (5 s: below Mooncake's lease, 10 s after
+a put, a read or an existence query, during which the store does not evict the value — so the books do not promise
+a block the store has evicted). `probe` — one batched existence query to
 the master — runs without the state lock, for a lookup's blocks that no local tier holds.
 
 Reads move a block straight into its host slot (the pool's segments are registered with the transfer engine the
@@ -57,6 +59,7 @@ PAD_BYTES = 1 << 20             # registered memory for the trailers of transfer
 KNOWN_MAX = 1 << 20             # blocks the books remember the store holds, at most (expired ones go first)
 EXISTS_MAX = 1024               # keys in one existence query
 CLOSE_FLUSH_S = 5.0             # a graceful stop puts what is staged for at most this long
+RETRIES = 1                     # a staged block the store refused is offered once more before it is dropped
 ALREADY = -705                  # Mooncake: OBJECT_ALREADY_EXISTS (the block is there: as good as stored)
 
 
@@ -68,6 +71,7 @@ class Staged:
     filled: bool = False        # its bytes are in (fill done)
     putting: bool = False       # in a put transfer now: its room is given back by the writer
     deleted: bool = False
+    tries: int = 0              # puts the store refused (full: it evicts after refusing, so one more is tried)
 
 
 class RemoteTier:
@@ -190,7 +194,7 @@ class RemoteTier:
             return not s.deleted
         if not self.up or self.bad and self.bad.get(bid, 0.0) > now:
             return False
-        return bid in self.mine or self.known.get(bid, 0.0) > now
+        return self.known.get(bid, 0.0) > now
 
     def _learned(self, bids: Sequence[bytes]) -> None:
         """(Under the tier lock.) The store holds these now."""
@@ -204,8 +208,10 @@ class RemoteTier:
             self.known[b] = until
 
     def _mine(self, bid: bytes) -> None:
-        """(Under the tier lock.) This daemon put the block (the oldest of more than KNOWN_MAX are forgotten: the
-        store evicts old values by itself, and a block forgotten here is asked for again)."""
+        """(Under the tier lock.) This daemon put the block: known present for remote.known_s, like a block the
+        store said it held (the store evicts by itself; kept below Mooncake's lease, 10 s after a put or a read,
+        the books never promise a block it has evicted). `mine` only counts them, per namespace."""
+        self._learned([bid])
         self.mine[bid] = None
         if len(self.mine) > KNOWN_MAX:
             self.mine.pop(next(iter(self.mine)))
@@ -334,6 +340,11 @@ class RemoteTier:
                 v[1].release()
         with self.cond:
             for (bid, s), stored in zip(batch, ok):
+                if not stored and not s.deleted and s.tries < RETRIES:
+                    s.tries += 1                 # refused (the store full): once more, at the end of the line
+                    s.putting = False
+                    self.queue.append(bid)
+                    continue
                 self._unstage(bid, s)
                 if stored and not s.deleted:
                     self._mine(bid)
