@@ -701,6 +701,8 @@ def open_tier(config: Config, traffic: TrafficManager, workflows: Workflows | No
                               f"evictions; set remote.placement to write_through (or auto)")
     # Mooncake's own bound on a transfer that has started (a read into host slots is never abandoned)
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(1, int(round(cfg.timeout_s)))))
+    # Mooncake's own log lines go to the daemon's stderr: its warnings and errors only, unless kvstore logs debug
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if config.log.level == "debug" else "WARNING")
     client = MooncakeClient(cfg)
     path = traffic.path("net", cfg.in_flight, nominal_bps=1e9)
     tier = RemoteTier(cfg, path, client, write_back=where in ("write_back", "both"), placement=where).start()
