@@ -19,16 +19,15 @@ Two configurations replay the same turns, turn by turn in the same loop (their o
   (default 1) of the trace's working set with 10% to spare below mooncake_master's eviction watermark (90% of its
   segments): printed, as the multiple of the working set the store holds below the watermark. A store smaller than
   the working set refuses the puts that find it at its watermark (Mooncake evicts 5% after such a refusal; kvstore
-  does not put a refused chunk again, except on its eviction from DRAM): counted as put_refused.
+  offers a refused chunk once more on its eviction from DRAM): counted as put_refused.
 
 "ideal" is every chunk ever stored anywhere still there (computed from the trace, as bench_agentic does); "ideal,
 local only" is every chunk ever stored on the same node still there (unbounded DRAM, nothing shared): what moving
 alone costs. Per configuration: hit rate (chunks loaded / chunks looked up), recomputed tokens (chunks missed × 256:
 the tokens of full chunks; a prompt's partial last chunk is always computed), share of the ideal, and for the remote
-configuration the hits that came from the store — without an SSD tier the store is the only lower tier: the
-daemons' `hits_lower` (chunks the lookups found in the store; of them `hits_remote`, in brackets, are those the
-tier's books did not know and asked the master about) and `acquired_lower` (chunks the gets promoted from the store)
-— and the remote tier's own counters (gets, puts).
+configuration the hits that came from the store — the daemons' `hits_remote` (chunks of the lookups' prefixes that
+only the store held: from the tier's books or asked of the master) and `acquired_lower` (chunks the gets promoted
+from the store) — and the remote tier's own counters (gets, puts).
 
 Waiting for write-through: none (the default), as a real engine does not wait for its saves to reach the store; the
 chunks of a turn are in flight while the other sessions' turns run (and while the other configuration replays the
@@ -294,12 +293,12 @@ def main() -> None:
     res.update(r)
     print(f"{r['turns_moved']} of {r['turns_after_first']} turns after a session's first moved to another node "
           f"({r['moved_share']:.1%}); {r['chunks_looked_up']} chunks looked up")
-    t = Table(["configuration", "hit rate", "of ideal", "recomputed tokens", "store hits: lookup (asked) / loaded",
+    t = Table(["configuration", "hit rate", "of ideal", "recomputed tokens", "store hits: lookup / loaded",
                "store gets / puts", "late", "turn ms (median)"])
     for name, c in r["configs"].items():
         nc, rc = c["node_counters"], c["remote_counters"]
         t.add([name, f"{c['hit_rate']:.1%}", f"{c['of_ideal']:.1%}", f"{c['recomputed_tokens']:,}",
-               f"{nc['hits_lower']} ({nc['hits_remote']}) / {nc['acquired_lower']}" if rc else "-",
+               f"{nc['hits_remote']} / {nc['acquired_lower']}" if rc else "-",
                f"{rc['gets']} / {rc['puts']}" if rc else "-", c["late"] if rc else "-",
                f"{c['turn_s']['median'] * 1e3:.1f}"])
     for name, key in (("ideal, local only (unbounded DRAM)", "ideal_local_hit_chunks"),
