@@ -106,7 +106,7 @@ def build_state(config: Config) -> State:
     remote = lower.shared
     promotion = Promotion(index, pool, lower, lock, changed, copy_evicted,
                           prefetcher.escalate if prefetcher is not None else _no_flight, reserve.kick,
-                          remote.probe if remote is not None else None, counters)
+                          remote, counters)
     publisher = None
     if remote is not None and remote.write_through:
         publisher = Publisher(index, pool, remote, changed, counters, config.remote.staging_bytes)

@@ -13,15 +13,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from threading import Condition, Lock
 
 from kvstore.index import Holdings, Index, NamespaceEntry
 from kvstore.policy.workflow import Touch
-from kvstore.tiers import LowerTier, LowerTiers
+from kvstore.tiers import LowerTier, LowerTiers, SharedTier
 from kvstore.tiers.host import HostPool
 from kvstore.traffic import Lane
-from kvstore.traffic.path import choose
+from kvstore.traffic.path import rank
 
 log = logging.getLogger("kvstore")
 PROMOTION_WAIT_S = 5.0      # a get waiting for a promotion in flight gives up (a miss) after this long
@@ -33,8 +33,7 @@ class Promotion:
     def __init__(self, index: Index, pool: HostPool, lower: LowerTiers, lock: Lock, changed: Condition,
                  copy_evicted: Callable[[], None], escalate: Callable[[bytes], bool],
                  refill: Callable[[NamespaceEntry], None] | None = None,
-                 probe: Callable[[Sequence[bytes]], int] | None = None,
-                 counters: Counter[str] | None = None) -> None:
+                 shared: SharedTier | None = None, counters: Counter[str] | None = None) -> None:
         self.index = index
         self.pool = pool
         self.lower = lower
@@ -43,7 +42,7 @@ class Promotion:
         self.copy_evicted = copy_evicted        # (without the lock) the demotion copies this thread owes
         self.escalate = escalate                # a queued prefetch of a key becomes critical
         self.refill = refill                    # the reserve of free slots (movers/reserve.py) is topped up
-        self.probe = probe                      # (without the lock) the remote store's leading blocks of these
+        self.shared = shared                    # the remote store, asked (without the lock) what it holds
         self.counters: Counter[str] = counters if counters is not None else Counter()
 
     def in_flight(self, ns: NamespaceEntry, block_hash: bytes) -> bool:
@@ -62,34 +61,40 @@ class Promotion:
             self.changed.wait(left)
         return True
 
-    def _source(self, ns: NamespaceEntry, hashes: list[bytes], lane: Lane) -> LowerTier | None:
-        """(Under the state lock.) The tier to read the leading blocks from: the one that holds them, or — where
-        several do (the local SSD and the remote store) — the one whose path is expected to finish the read first
-        (DualPath §6.1: its queue ahead of this lane and its measured bandwidth). Where none is known to, the
-        remote store is asked (without the lock)."""
+    def _sources(self, ns: NamespaceEntry, hashes: list[bytes], lane: Lane,
+                 skip: frozenset[str]) -> list[LowerTier]:
+        """(Under the state lock.) The tiers that hold the leading block, the one whose path is expected to finish
+        the read first first (DualPath §6.1: its queue ahead of this lane and its measured bandwidth; the local SSD
+        before the remote store on a tie). The remote store is asked (without the lock) about a block its books do
+        not know only where it could be the faster way, or the only one."""
         bid = ns.block_id(hashes[0])
-        holders = [t for t in self.lower if t.has(bid)]
-        if not holders and self.probe is not None:
+        nbytes = ns.slot_bytes * len(hashes)
+        holders = [t for t in self.lower if t.name not in skip and t.has(bid)]
+        shared = self.shared
+        if shared is not None and shared.name not in skip and shared not in holders and (
+                not holders or shared.path.expected_s(nbytes, lane) <
+                min(t.path.expected_s(nbytes, lane) for t in holders)):
             self.lock.release()
             try:
-                found = self.probe([ns.block_id(h) for h in hashes])
+                found = shared.probe([ns.block_id(h) for h in hashes])
             finally:
                 self.lock.acquire()
-            holders = [t for t in self.lower if t.has(bid)] if found else []
-        if len(holders) <= 1:
-            return holders[0] if holders else None
-        nbytes = ns.slot_bytes * len(hashes)
-        return holders[choose([(t.path, nbytes) for t in holders], lane)]
+            if found and shared.has(bid):
+                holders.append(shared)
+        return [holders[i] for i in rank([(t.path, nbytes) for t in holders], lane)]
 
     def promote(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings, lane: Lane,
-                early: Early | None = None, touch: Touch | None = None) -> list[int]:
+                early: Early | None = None, touch: Touch | None = None,
+                skip: frozenset[str] = frozenset()) -> list[int]:
         """(Under the state lock, released during the read.) Promote the leading blocks that one lower tier holds
         into pinned host slots; returns their gids in key order — except those already handed to `early`, which
         gets the blocks verified so far while later ones are still being read. `touch`: the request's hint
-        context, which the promoted blocks are tagged with (kvstore.policy.workflow)."""
-        tier = self._source(ns, hashes, lane)
-        if tier is None:
+        context, which the promoted blocks are tagged with (kvstore.policy.workflow). A tier that serves none of
+        them (the store evicted it meanwhile, a value failed its check) leaves the read to the next holder."""
+        sources = self._sources(ns, hashes, lane, skip)
+        if not sources:
             return []
+        tier = sources[0]
         self.counters[f"reads_{tier.name}"] += 1
         run = 0
         while run < len(hashes) and tier.has(ns.block_id(hashes[run])):
@@ -132,4 +137,6 @@ class Promotion:
         self.changed.notify_all()
         if self.refill is not None:
             self.refill(ns)                      # in the background: the next promotion finds a free slot
+        if not rest and done[0] == 0 and len(sources) > 1:
+            return self.promote(ns, hashes, holder, lane, early, touch, skip | {tier.name})
         return rest

@@ -395,9 +395,10 @@ class Path:
 def choose(options: list[tuple[Path, int]], lane: Lane) -> int:
     """Of several ways to fetch the same bytes — (path, bytes it would move) each — the index of the one expected
     to finish first (DualPath §6.1); ties go to the earlier option, so list the local path first."""
-    best, best_s = 0, float("inf")
-    for i, (path, nbytes) in enumerate(options):
-        s = path.expected_s(nbytes, lane)
-        if s < best_s:
-            best, best_s = i, s
-    return best
+    return rank(options, lane)[0]
+
+
+def rank(options: list[tuple[Path, int]], lane: Lane) -> list[int]:
+    """The options' indices, the one expected to finish first first (ties keep their order)."""
+    est = [path.expected_s(nbytes, lane) for path, nbytes in options]
+    return sorted(range(len(options)), key=est.__getitem__)

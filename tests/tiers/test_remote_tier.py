@@ -296,6 +296,38 @@ def test_the_read_goes_where_it_finishes_first(master, daemons, tmp_path):
         d.stop()
 
 
+def test_a_read_the_store_cannot_serve_falls_back_to_the_ssd(master, daemons, tmp_path):
+    """The store is the faster way (the SSD slowed), but its value fails its check: the same get is served from the
+    SSD, byte-exact — a bad remote value costs a detour, never a miss while a local copy exists."""
+    from mooncake.store import MooncakeDistributedStore
+
+    d = DaemonProc("1MiB", "1MiB", env=master.env(
+        KVSTORE_SSD_DIR=str(tmp_path / "ssd"), KVSTORE_SSD_CAPACITY="64MiB", KVSTORE_SSD_PROMOTE_RESERVE="0",
+        KVSTORE_SLOW_DEVICE="ssd:4MB:1", KVSTORE_REMOTE_KNOWN_S="60"))
+    daemons.append(d)
+    d.start()
+    wait_for(lambda: remote_of(d)["up"], "the remote tier links")
+    hs = hashes(160, tag=b"fallback")
+    for start in range(0, 160, 32):
+        put_through(d, hs[start:start + 32], range(start, start + 32))
+    with d.client() as c:
+        wait_for(lambda: _ssd(c)["staged_blocks"] == 0, "the SSD has written what it staged")
+        c.evict(everything=True)
+        for start in range(0, 64, 16):                          # the SSD's path learns it is slow
+            assert len(get_all(d, hs[start:start + 16])) == 16
+        c.evict(everything=True)
+    rogue = MooncakeDistributedStore()
+    assert rogue.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "", master.address) == 0
+    try:
+        key = store_key(spec().digest() + hs[100])
+        assert rogue.upsert(key, bytes(GEOM.full_bytes) + trailer.pack(GEOM.full_bytes, crc32c(block(100)))) == 0
+        before = remote_of(d)["counters"].get("crc_mismatch", 0)
+        assert get_all(d, hs[100:104]) == [block(i) for i in range(100, 104)]
+        assert remote_of(d)["counters"]["crc_mismatch"] == before + 1
+    finally:
+        rogue.close()
+
+
 def test_concurrent_reads_split_between_two_paths_equally_fast(master, daemons, tmp_path):
     """DualPath with a mixed load: the SSD and the network equally slow, four readers at once; once one path has a
     queue, the next read is expected to finish first on the other, so both carry reads."""
