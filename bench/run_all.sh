@@ -3,7 +3,9 @@
 #   bench/results/<date>-<host>.json, bench/results/<date>-<host>.md, PNGs and logs in bench/results/<date>-<host>/
 #
 # Sets up its own environment .venv-bench from nothing (CPU torch first, or pip pulls CUDA wheels; then LMCache,
-# matplotlib and kvstore itself, editable), once: a stamp file records what was installed.
+# Mooncake's non-CUDA wheel (mooncake_master and mooncake.store: kvstore's remote tier, Mooncake's own client and
+# LMCache's mooncakestore:// backend in bench_remote), matplotlib and kvstore itself, editable), once: a stamp file
+# records what was installed (its name changes when the list does, so an older .venv-bench is completed).
 #
 #   bench/run_all.sh            # the full suite (about 15–20 minutes on 2 cores)
 #   bench/run_all.sh --quick    # smoke run: each benchmark's --quick, a few minutes
@@ -14,7 +16,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PY:-python3}
 VENV=$ROOT/.venv-bench
-STAMP=$VENV/.installed-bench-v1
+STAMP=$VENV/.installed-bench-v2
 QUICK=""
 [[ "${1:-}" == "--quick" ]] && QUICK="--quick"
 
@@ -25,14 +27,16 @@ export TOKENIZERS_PARALLELISM=false
 quiet_pip() { "$VENV/bin/pip" install -q "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; }
 
 if [[ ! -f $STAMP || pyproject.toml -nt $STAMP ]]; then
-    echo "setting up $VENV (CPU torch, lmcache, matplotlib, kvstore)"
+    echo "setting up $VENV (CPU torch, lmcache, mooncake, matplotlib, kvstore)"
     test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
     quiet_pip --upgrade pip
     quiet_pip torch==2.13.0
-    quiet_pip lmcache==0.5.6 matplotlib
-    quiet_pip -e .
-    "$VENV/bin/python" -c "import torch, lmcache, matplotlib, kvstore" \
+    quiet_pip lmcache==0.5.6 mooncake-transfer-engine-non-cuda==0.3.13.post1 matplotlib
+    quiet_pip -e ".[mooncake]"
+    "$VENV/bin/python" -c "import torch, lmcache, mooncake.store, matplotlib, kvstore" \
         || { echo "the benchmark environment is incomplete: remove $VENV and run again"; exit 1; }
+    test -x "$VENV/bin/mooncake_master" \
+        || { echo "mooncake_master is missing from $VENV/bin: remove $VENV and run again"; exit 1; }
     touch "$STAMP"
 fi
 
@@ -42,8 +46,10 @@ mkdir -p "$OUT"
 : >"$OUT/skipped.txt"
 echo "results of this run: $OUT"
 
-# the comparisons first, then the project's own benchmarks; any new bench_*.py is picked up at the end
-ORDERED="vs_lmcache agentic pool index ssd ssd_tier durability vllm_ttft"
+# the comparisons first, then the project's own benchmarks; any new bench_*.py is picked up at the end.
+# remote (the remote tier against Mooncake's own client and LMCache's Mooncake backend) and multinode (an agent
+# trace on several nodes with and without the remote tier) start their own mooncake_master: .venv-bench's
+ORDERED="vs_lmcache agentic remote multinode pool index ssd ssd_tier durability vllm_ttft"
 ALL=$ORDERED
 for f in bench/bench_*.py; do
     n=$(basename "$f" .py); n=${n#bench_}
