@@ -60,6 +60,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
+from kvstore.checksum import copy_crc32c
 from kvstore.client import Namespace
 from kvstore.connectors.daemon_link import DaemonLink
 from kvstore.connectors.hints import parse_hints, send_start, with_context
@@ -271,13 +272,18 @@ class KVStoreHiCache(HiCacheStorage):
     def _load(self, ns: Namespace, kv_keys: list[bytes], pages: list[list[np.ndarray]],
               ctx: tuple[str, str] | None = None) -> int:
         with ns.acquire(kv_keys, **with_context(ctx)) as lease:
-            n = lease.verified_prefix() if self.verify else len(lease)
-            if n < len(lease):
-                log.warning("kvstore: a stored page does not match its checksum; it and the pages after it are "
-                            "misses")
-            ns.client.copier.copy([(piece, part) for slot, pieces in zip(lease.views[:n], pages[:n])
-                                   for part, piece in _split_slot(slot, pieces)])
-        return n
+            if not self.verify:
+                ns.client.copier.copy([(piece, part) for slot, pieces in zip(lease.views, pages)
+                                       for part, piece in _split_slot(slot, pieces)])
+                return len(lease)
+            # each page's copy checked against its writer's CRC-32C, computed in the same pass as the copy: the
+            # check is on the bytes the pool now holds, not on a slot that could change after a check
+            for i, (slot, pieces, want) in enumerate(zip(lease.views, pages, lease.crcs)):
+                if want is None or _copy_checked(slot, pieces, to_slot=False) != want:
+                    log.warning("kvstore: a stored page does not match its checksum; it and the pages after it "
+                                "are misses")
+                    return i
+            return len(lease)
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         if not self.writer and self.disabled is None:
@@ -300,9 +306,12 @@ class KVStoreHiCache(HiCacheStorage):
     def _store(self, ns: Namespace, kv_keys: list[bytes], pages: list[list[np.ndarray]],
                ctx: tuple[str, str] | None = None) -> list[bool]:
         with ns.reserve(kv_keys, **with_context(ctx)) as res:
-            ns.client.copier.copy([pair for slot, i in zip(res.views, res.reserved)
-                                   for pair in _split_slot(slot, pages[i])])
-            res.commit(res.checksums() if self.verify else None)
+            if self.verify:           # the CRC-32C of each slot computed while it is written (one pass)
+                res.commit([_copy_checked(slot, pages[i], to_slot=True) for slot, i in zip(res.views, res.reserved)])
+            else:
+                ns.client.copier.copy([pair for slot, i in zip(res.views, res.reserved)
+                                       for pair in _split_slot(slot, pages[i])])
+                res.commit(checksum=False)
         return [s != ReserveStatus.NO_SPACE for s in res.status]   # stored, stored already, being stored
 
     # ----- the older flat-page interface -----
@@ -382,6 +391,15 @@ def _pool_buffers(pool: Any) -> list[tuple[int, int, np.ndarray]]:
     if not found:
         raise ValueError(f"the host pool ({type(pool).__name__}) has no contiguous CPU buffers")
     return found
+
+
+def _copy_checked(slot: np.ndarray, pieces: list[np.ndarray], to_slot: bool) -> int:
+    """Copy a page's pieces into its slot (or back) and return the CRC-32C of the slot's bytes, continued piece by
+    piece in the same pass as the copy."""
+    crc = 0
+    for part, piece in _split_slot(slot, pieces):
+        crc = copy_crc32c(part, piece, crc=crc) if to_slot else copy_crc32c(piece, part, crc=crc)
+    return crc
 
 
 def _split_slot(slot: np.ndarray, pieces: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:

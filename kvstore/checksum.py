@@ -48,16 +48,17 @@ _fused = _kvcopy.copy_crc32c if _kvcopy is not None and _kvcopy.HARDWARE else No
 FUSED = _fused is not None
 
 
-def copy_crc32c(dst: Any, src: Any, stream: bool = False) -> int:
+def copy_crc32c(dst: Any, src: Any, stream: bool = False, crc: int = 0) -> int:
     """Copy `src` into `dst` (contiguous buffers of the same length, `dst` writable, not overlapping) and return the
-    CRC-32C of the bytes copied. `stream`: the copy is large and not read again soon, so the one-pass copy may write
-    around the caches (non-temporal stores); it changes no result. Releases the GIL for large buffers."""
+    CRC-32C of the bytes copied, continuing `crc` (the CRC of the bytes before them). `stream`: the copy is large and
+    not read again soon, so the one-pass copy may write around the caches (non-temporal stores); it changes no
+    result. Releases the GIL for large buffers."""
     if _fused is not None:
-        return int(_fused(dst, src, stream=stream))
-    return copy_then_crc32c(dst, src)
+        return int(_fused(dst, src, crc, stream=stream))
+    return copy_then_crc32c(dst, src, crc)
 
 
-def copy_then_crc32c(dst: Any, src: Any) -> int:
+def copy_then_crc32c(dst: Any, src: Any, crc: int = 0) -> int:
     """The two-pass `copy_crc32c`: numpy's copy, then the CRC of the destination (the fallback, and a baseline)."""
     d, s = _flat(dst, "dst"), _flat(src, "src")
     if not d.flags.writeable:
@@ -67,7 +68,7 @@ def copy_then_crc32c(dst: Any, src: Any) -> int:
     if d.nbytes and np.shares_memory(d, s):
         raise ValueError("copy_crc32c: dst and src overlap")
     np.copyto(d, s)
-    return crc32c(d)
+    return int(_crc32c(d.data, crc))
 
 
 def _flat(buf: Any, name: str) -> np.ndarray:
