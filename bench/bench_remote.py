@@ -1,7 +1,9 @@
 """The remote tier against Mooncake Store's own client: put and get GB/s of the same bytes through the same store.
 
-One `mooncake_master` (its own HTTP metadata server) and six nodes on loopback, each lending the store a segment:
-kvstore daemon A (placement write_through: a put is put in the store at once, from the host slots), kvstore daemon B
+One `mooncake_master` (its own HTTP metadata server) and seven nodes on loopback, of which one, the store node, lends
+the store its only segment (every other node lends none: every value of every side crosses TCP to the same place,
+and no side gains from a value landing in its own segment, a local memcpy): kvstore daemon A (placement
+write_through: a put is put in the store at once, from the host slots), kvstore daemon B
 (a get promotes the blocks from the store into its host slots), two raw Mooncake clients R1 and R2 in processes
 of their own, each with a registered buffer of the same blocks, and two LMCache engines L1 and L2 (below). Per
 repetition, with fresh keys:
@@ -41,9 +43,8 @@ time is measured apart, so the table has LMCache both ways:
   Mooncake's client has no such row (it reads and writes a registered buffer directly).
 
 Without `.venv-bench` (or with one lacking lmcache, mooncake or torch) the LMCache side is skipped, saying so in the
-output and the JSON; `bench/run_all.sh` builds it. The store places each value in any node's segment (six nodes,
-each lending the same bytes), so all sides see the same mix of local and remote placements; the sides take turns
-within each repetition, after one warm-up repetition each (a segment's first transfer is slow). Target (issue 15):
+output and the JSON; `bench/run_all.sh` builds it. The sides take turns within each repetition, after one warm-up
+repetition each (a segment's first transfer is slow). Target (issue 15):
 kvstore ≥ 0.9× Mooncake's client for put and for get (the store-side rows); kvstore/LMCache is for reference.
 
     .venv/bin/python bench/bench_remote.py [--quick] [--blocks N] [--reps R] [--no-lmcache] [--lmcache-python PY]
@@ -254,9 +255,12 @@ def main() -> None:
     side = LMCacheSide(args.lmcache_python, not args.no_lmcache)
     if side.status == "skipped":
         print(f"LMCache side skipped: {side.reason}", flush=True)
-    segment = max(512 << 20, 2 * (args.reps + 1) * n * bb)
+    segment = 4 * (args.reps + 1) * n * bb + (256 << 20)   # every side's values, below Mooncake's 90% watermark
     master = MooncakeMaster().start()
-    env = master.env(KVSTORE_REMOTE_SEGMENT_BYTES=str(segment), KVSTORE_REMOTE_STAGING_BYTES=str(4 * n * bb),
+    # Every node of the run lends the store nothing but one, the store node (a raw client that only holds its
+    # segment): every value of every side crosses TCP to the same place, so no side is favoured by a value that
+    # happens to land in its own segment (a local memcpy) — the figures compare the data paths alone.
+    env = master.env(KVSTORE_REMOTE_SEGMENT_BYTES="0", KVSTORE_REMOTE_STAGING_BYTES=str(4 * n * bb),
                      KVSTORE_LOG_LEVEL="warning")
     rng = np.random.default_rng(7)
     blocks = [rng.integers(0, 256, bb, dtype=np.uint8) for _ in range(n)]
@@ -267,12 +271,18 @@ def main() -> None:
         "kvstore_get_end_to_end", "lmcache_put_end_to_end", "lmcache_put_store_side", "lmcache_get_end_to_end",
         "lmcache_get_store_side")}
     try:
-        side.start(master, n, bb, segment)          # LMCache's engines take a while to import: they start first
+        side.start(master, n, bb, 0)                # LMCache's engines take a while to import: they start first
+        here, there = mp.Pipe()                     # the store node: the one segment of the run
+        p = mp.Process(target=raw_node, args=(there, master.address, master.metadata, 1, 4096, segment))
+        p.start()
+        pipes.append(here)
+        procs.append(p)
+        assert here.recv() == 0, "the store node could not set up"
         a = Daemon(f"{4 * n * bb}", env={**env, "KVSTORE_REMOTE_PLACEMENT": "write_through"}).start()
         b = Daemon(f"{4 * n * bb}", env=env).start()
         for _ in range(2):
             here, there = mp.Pipe()
-            p = mp.Process(target=raw_node, args=(there, master.address, master.metadata, n, bb, segment))
+            p = mp.Process(target=raw_node, args=(there, master.address, master.metadata, n, bb, 0))
             p.start()
             pipes.append(here)
             procs.append(p)
@@ -287,10 +297,10 @@ def main() -> None:
             hashes = [os.urandom(16) for _ in range(n)]
             e2e_s, put_s = kvstore_put(a, hashes, blocks)
             get_s, get_e2e_s = kvstore_get(b, hashes, outs)
-            pipes[0].send(("put", rep))
-            mput_s, ok1 = pipes[0].recv()
-            pipes[1].send(("get", rep))
-            mget_s, ok2 = pipes[1].recv()
+            pipes[1].send(("put", rep))
+            mput_s, ok1 = pipes[1].recv()
+            pipes[2].send(("get", rep))
+            mget_s, ok2 = pipes[2].recv()
             assert ok1 and ok2, "Mooncake's own client failed a put or a get"
             lm = side.rep(rep)
             if rep:

@@ -119,7 +119,7 @@ class RemoteConfig:
     protocol: str = "tcp"               # tcp | rdma
     device: str = ""                    # the RDMA device names (rdma only), e.g. "mlx5_0"
     hostname: str = "127.0.0.1"         # this node's address as the other nodes reach it
-    segment_bytes: int = 512 << 20      # memory this node contributes to the store (held by its transfer engine)
+    segment_bytes: int = 512 << 20      # memory this node lends the store (held by its transfer engine); 0: none
     buffer_bytes: int = 64 << 20        # the client's own transfer buffer
     replicas: int = 1                   # copies of each block in the store (on distinct nodes' segments)
     placement: str = "auto"             # auto | write_back | write_through | both (auto: write_back without an SSD
@@ -393,9 +393,11 @@ def _check_remote(r: RemoteConfig) -> list[str]:
         errors.append(f"remote.placement: must be one of {', '.join(PLACEMENTS)}, got {r.placement!r}")
     if not 1 <= r.replicas <= 8:
         errors.append(f"remote.replicas: must be 1..8, got {r.replicas}")
-    if r.segment_bytes < 1 << 20 or r.buffer_bytes < 1 << 20:
-        errors.append(f"remote.segment_bytes and remote.buffer_bytes: must be at least 1MiB, got "
-                      f"{r.segment_bytes} and {r.buffer_bytes}")
+    if 0 < r.segment_bytes < 1 << 20:
+        errors.append(f"remote.segment_bytes: must be 0 (this node lends the store nothing) or at least 1MiB, got "
+                      f"{r.segment_bytes}")
+    if r.buffer_bytes < 1 << 20:
+        errors.append(f"remote.buffer_bytes: must be at least 1MiB, got {r.buffer_bytes}")
     if r.staging_bytes < 0:
         errors.append(f"remote.staging_bytes: must not be negative, got {r.staging_bytes}")
     for name in ("timeout_s", "retry_s", "known_s"):
