@@ -270,21 +270,32 @@ def test_blocks_with_two_replicas_outlive_the_node_that_wrote_them(master, daemo
     wait_for(served, "B gets every block from the surviving replicas", timeout=90)
 
 
+def ssd_beside_store(master: MooncakeMaster, daemons: list[DaemonProc], ssd_dir: str, n: int, tag: bytes,
+                     capacity: str = "1MiB", **env: str) -> tuple[DaemonProc, list[bytes]]:
+    """A node with an SSD tier beside the store, holding n blocks in both: written through 32 at a time (each
+    batch waited for) through a host pool too small for them (most evicted to the SSD), the SSD's staging
+    written, the host pool emptied."""
+    d = DaemonProc(capacity, "1MiB", env=master.env(
+        KVSTORE_SSD_DIR=ssd_dir, KVSTORE_SSD_CAPACITY="64MiB", KVSTORE_SSD_PROMOTE_RESERVE="0", **env))
+    daemons.append(d)
+    d.start()
+    wait_for(lambda: remote_of(d)["up"], "the remote tier links")
+    hs = hashes(n, tag=tag)
+    for start in range(0, n, 32):
+        put_through(d, hs[start:start + 32], range(start, start + 32))
+    with d.client() as c:
+        wait_for(lambda: _ssd(c)["staged_blocks"] == 0, "the SSD has written what it staged")
+        c.evict(everything=True)
+    return d, hs
+
+
 def test_the_read_goes_where_it_finishes_first(master, daemons, tmp_path):
     """DualPath: a node with an SSD tier and the store both holding its blocks reads each promotion from the path
     expected to finish first. With the SSD slowed, reads go to the store; with the network slowed, to the SSD."""
     for slow, slow_tier, fast in (("ssd", "ssd", "remote"), ("net", "remote", "ssd")):
-        d = DaemonProc("1MiB", "1MiB", env=master.env(
-            KVSTORE_SSD_DIR=str(tmp_path / slow), KVSTORE_SSD_CAPACITY="64MiB", KVSTORE_SSD_PROMOTE_RESERVE="0",
-            KVSTORE_SLOW_DEVICE=f"{slow}:4MB:1"))
-        daemons.append(d)
-        d.start()
-        wait_for(lambda d=d: remote_of(d)["up"], "the remote tier links")
-        hs = hashes(384, tag=slow.encode())
-        for start in range(0, 384, 32):                        # 3 MiB through a 1 MiB pool: most go to SSD too
-            put_through(d, hs[start:start + 32], range(start, start + 32))
+        d, hs = ssd_beside_store(master, daemons, str(tmp_path / slow), 384, slow.encode(),
+                                 KVSTORE_SLOW_DEVICE=f"{slow}:4MB:1")
         with d.client() as c:
-            wait_for(lambda: _ssd(c)["staged_blocks"] == 0, "the SSD has written what it staged")
             before = dict(c.stats()["counters"])
             for start in range(0, 256, 32):                    # each chunk was evicted: promoted from one holder
                 outs = [bytearray(GEOM.full_bytes) for _ in range(32)]
@@ -301,18 +312,9 @@ def test_a_read_the_store_cannot_serve_falls_back_to_the_ssd(master, daemons, tm
     SSD, byte-exact — a bad remote value costs a detour, never a miss while a local copy exists."""
     from mooncake.store import MooncakeDistributedStore
 
-    d = DaemonProc("1MiB", "1MiB", env=master.env(
-        KVSTORE_SSD_DIR=str(tmp_path / "ssd"), KVSTORE_SSD_CAPACITY="64MiB", KVSTORE_SSD_PROMOTE_RESERVE="0",
-        KVSTORE_SLOW_DEVICE="ssd:4MB:1", KVSTORE_REMOTE_KNOWN_S="60"))
-    daemons.append(d)
-    d.start()
-    wait_for(lambda: remote_of(d)["up"], "the remote tier links")
-    hs = hashes(160, tag=b"fallback")
-    for start in range(0, 160, 32):
-        put_through(d, hs[start:start + 32], range(start, start + 32))
+    d, hs = ssd_beside_store(master, daemons, str(tmp_path / "ssd"), 160, b"fallback",
+                             KVSTORE_SLOW_DEVICE="ssd:4MB:1", KVSTORE_REMOTE_KNOWN_S="60")
     with d.client() as c:
-        wait_for(lambda: _ssd(c)["staged_blocks"] == 0, "the SSD has written what it staged")
-        c.evict(everything=True)
         for start in range(0, 64, 16):                          # the SSD's path learns it is slow
             assert len(get_all(d, hs[start:start + 16])) == 16
         c.evict(everything=True)
@@ -333,18 +335,9 @@ def test_concurrent_reads_split_between_two_paths_equally_fast(master, daemons, 
     queue, the next read is expected to finish first on the other, so both carry reads."""
     import threading
 
-    d = DaemonProc("2MiB", "1MiB", env=master.env(
-        KVSTORE_SSD_DIR=str(tmp_path / "ssd"), KVSTORE_SSD_CAPACITY="64MiB", KVSTORE_SSD_PROMOTE_RESERVE="0",
-        KVSTORE_SLOW_DEVICE="ssd:4MB:1,net:4MB:2"))
-    daemons.append(d)
-    d.start()
-    wait_for(lambda: remote_of(d)["up"], "the remote tier links")
-    hs = hashes(512, tag=b"mixed")
-    for start in range(0, 512, 32):
-        put_through(d, hs[start:start + 32], range(start, start + 32))
+    d, hs = ssd_beside_store(master, daemons, str(tmp_path / "ssd"), 512, b"mixed", capacity="2MiB",
+                             KVSTORE_SLOW_DEVICE="ssd:4MB:1,net:4MB:2")
     with d.client() as c:
-        wait_for(lambda: _ssd(c)["staged_blocks"] == 0, "the SSD has written what it staged")
-        c.evict(everything=True)
         before = dict(c.stats()["counters"])
     errors: list[BaseException] = []
 
