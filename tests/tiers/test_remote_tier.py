@@ -72,11 +72,18 @@ def get_all(d: DaemonProc, hs: list[bytes], model: str = "tiny") -> list[bytes]:
         return [bytes(o) for o in outs[:n]]
 
 
-def test_a_block_stored_on_one_node_is_a_byte_exact_hit_on_another(master, daemons):
+def writer_and_reader(master: MooncakeMaster, daemons: list[DaemonProc], n: int, tag: bytes,
+                      **reader_env: str) -> tuple[DaemonProc, DaemonProc, list[bytes]]:
+    """Node A writes n blocks through to the store (seeds 0..n-1), node B starts empty."""
     a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
-    b = node(daemons, master)
-    hs = hashes(40, tag=b"cross")
-    put_through(a, hs, range(40))
+    b = node(daemons, master, **reader_env)
+    hs = hashes(n, tag=tag)
+    put_through(a, hs, range(n))
+    return a, b, hs
+
+
+def test_a_block_stored_on_one_node_is_a_byte_exact_hit_on_another(master, daemons):
+    a, b, hs = writer_and_reader(master, daemons, 40, b"cross")
     with b.client() as c:
         ns = c.namespace(spec())
         assert ns.lookup(hs) == 40
@@ -142,10 +149,7 @@ def test_a_value_that_fails_its_writers_crc_is_a_miss(master, daemons):
     it, on every reader; it is quarantined and removed from the store."""
     from mooncake.store import MooncakeDistributedStore
 
-    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
-    b = node(daemons, master)
-    hs = hashes(12, tag=b"crc")
-    put_through(a, hs, range(12))
+    a, b, hs = writer_and_reader(master, daemons, 12, b"crc")
     digest = spec().digest()
     rogue = MooncakeDistributedStore()
     assert rogue.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "", master.address) == 0
@@ -174,10 +178,7 @@ def test_a_value_that_fails_its_writers_crc_is_a_miss(master, daemons):
 
 
 def test_a_delete_on_one_node_removes_the_block_for_all(master, daemons):
-    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
-    b = node(daemons, master)
-    hs = hashes(8, tag=b"del")
-    put_through(a, hs, range(8))
+    a, b, hs = writer_and_reader(master, daemons, 8, b"del")
     with a.client() as c:
         assert c.namespace(spec()).delete(hs[4:]) == 4
     with b.client() as c:
@@ -187,10 +188,7 @@ def test_a_delete_on_one_node_removes_the_block_for_all(master, daemons):
 
 
 def test_master_down_daemons_keep_serving_and_link_again_when_it_returns(master, daemons):
-    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
-    b = node(daemons, master, KVSTORE_REMOTE_TIMEOUT_S="1")
-    hs = hashes(16, tag=b"down")
-    put_through(a, hs, range(16))
+    a, b, hs = writer_and_reader(master, daemons, 16, b"down", KVSTORE_REMOTE_TIMEOUT_S="1")
     master.stop()
     # A's host pool keeps serving; B's lookups of remote blocks are misses, and it says the store is down
     assert get_all(a, hs) == [block(i) for i in range(16)]
@@ -361,10 +359,7 @@ def test_concurrent_reads_split_between_two_paths_equally_fast(master, daemons, 
 
 
 def test_prefetch_brings_the_stores_blocks_into_the_host_pool(master, daemons):
-    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
-    b = node(daemons, master)
-    hs = hashes(24, tag=b"prefetch")
-    put_through(a, hs, range(24))
+    a, b, hs = writer_and_reader(master, daemons, 24, b"prefetch")
     with b.client() as c:
         r = c.namespace(spec()).prefetch(hs, wait=True)
         assert r == {"queued": 24, "done": 24, "skipped": 0}
