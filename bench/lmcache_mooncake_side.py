@@ -27,7 +27,8 @@ command read from stdin: `{"op": "put", "tag": T}` (writer: store a fresh sequen
 cache and poll `lookup(search_range=["RemoteBackend"])` until Mooncake holds every token: LMCache's store is
 asynchronous) or `{"op": "get", "tag": T}` (reader: `lookup` then `retrieve` sequence T into its zeroed paged cache),
 each answered with its seconds, the connector's copy seconds, the tokens found and a digest of the bytes; end of
-stdin closes the engine (the writer must live until the reader is done: the values sit in its segment). Replies go to
+stdin closes the engine (the writer must live until the reader is done, where its values sit in its own segment; the
+bench has every value in one store node's segment). Replies go to
 the worker's original stdout; everything the libraries print goes to stderr (the bench sends it to a log file).
 """
 from __future__ import annotations
@@ -199,7 +200,7 @@ def make_engine(name: str, master: str, metadata: str, pages: int, layers: int, 
             # "master_server_addr" (default 127.0.0.1:50051); the mooncake_ prefix is stripped and the key forwarded
             "mooncake_master_server_addr": master,
             "protocol": "tcp",
-            "global_segment_size": str(segment),   # bytes this node lends to the store, like every other node
+            "global_segment_size": str(segment),   # bytes this node lends the store (bench_remote: 0, like the rest)
             "local_buffer_size": str(64 << 20),    # only used with save_chunk_meta=True
             "save_chunk_meta": False,   # zero-copy batch_put_from / batch_get_into into LMCache's memory objects
             "transfer_timeout": 60,     # s; LMCache drops a put that takes longer (a warning only)
