@@ -146,7 +146,9 @@ class MooncakeClient:
             self._regions[addr] = size
 
     def registered(self, addr: int, size: int) -> bool:
-        return any(old <= addr and addr + size <= old + n for old, n in self._regions.items())
+        """Whether [addr, addr+size) lies in registered memory (a snapshot of the regions: another thread may be
+        registering one)."""
+        return any(old <= addr and addr + size <= old + n for old, n in tuple(self._regions.items()))
 
     def unregister(self, addr: int) -> None:
         with self._lock:
