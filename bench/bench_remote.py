@@ -266,6 +266,7 @@ def main() -> None:
     blocks = [rng.integers(0, 256, bb, dtype=np.uint8) for _ in range(n)]
     outs = [np.ones(bb, dtype=np.uint8) for _ in range(n)]           # touched: no page faults in the timed copy
     pipes, procs = [], []
+    daemons: list[Daemon] = []
     res: dict[str, list[float]] = {k: [] for k in (
         "kvstore_put", "kvstore_get", "mooncake_put", "mooncake_get", "kvstore_put_end_to_end",
         "kvstore_get_end_to_end", "lmcache_put_end_to_end", "lmcache_put_store_side", "lmcache_get_end_to_end",
@@ -278,8 +279,10 @@ def main() -> None:
         pipes.append(here)
         procs.append(p)
         assert here.recv() == 0, "the store node could not set up"
-        a = Daemon(f"{4 * n * bb}", env={**env, "KVSTORE_REMOTE_PLACEMENT": "write_through"}).start()
-        b = Daemon(f"{4 * n * bb}", env=env).start()
+        a = Daemon(f"{4 * n * bb}", env={**env, "KVSTORE_REMOTE_PLACEMENT": "write_through"})
+        daemons.append(a.start())
+        b = Daemon(f"{4 * n * bb}", env=env)
+        daemons.append(b.start())
         for _ in range(2):
             here, there = mp.Pipe()
             p = mp.Process(target=raw_node, args=(there, master.address, master.metadata, n, bb, 0))
@@ -314,9 +317,9 @@ def main() -> None:
                     for k, v in zip(("lmcache_put_end_to_end", "lmcache_put_store_side", "lmcache_get_end_to_end",
                                      "lmcache_get_store_side"), lm):
                         res[k].append(v)
-        a.stop()
-        b.stop()
     finally:
+        for d in daemons:                   # stopped whatever happened: no daemon outlives the run
+            d.stop()
         for pipe in pipes:
             pipe.send(None)
         for p in procs:
