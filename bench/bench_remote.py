@@ -355,8 +355,8 @@ def main() -> None:
         else:
             mc = ["-", "-", "-", "-"]
         t.add([label, med(pairs[op][0]), *mc, med(pairs[op][1]), rmed(vs_lmc, op)])
-    print(f"{n} blocks of {bb >> 20} MiB per repetition, {args.reps} repetitions, 6 nodes on loopback (tcp); "
-          "GB/s and ratios are medians")
+    print(f"{n} blocks of {bb >> 20} MiB per repetition, {args.reps} repetitions, 7 nodes on loopback (tcp), every "
+          "value in the store node's segment; GB/s and ratios are medians")
     print(t)
     print("store side: kvstore's tier put time (CRC check + transfers from the host slots) / B's acquire "
           "(promotion into its slots); Mooncake's batch_put_from / batch_get_into; LMCache less our connector copy")
