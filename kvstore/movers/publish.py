@@ -9,17 +9,16 @@ demotion where the remote tier takes evictions. A block evicted or deleted befor
 """
 from __future__ import annotations
 
-import logging
 from collections import Counter, deque
 from threading import Condition
 
 from kvstore.index import Holdings, Index, NamespaceEntry
+from kvstore.movers.writethrough import write_slots
 from kvstore.tiers import LowerTier
 from kvstore.tiers.host import HostPool
 from kvstore.traffic import Lane
 from kvstore.workers import Worker
 
-log = logging.getLogger("kvstore")
 BATCH = 32
 
 
@@ -65,15 +64,7 @@ class Publisher:
                 bids = [ns.block_id(h) for ns, h, _ in live]
                 self.tier.announce(bids)                   # a delete from now on cancels the put
                 self.writing = len(live)
-            try:
-                stored = self.tier.write(list(zip(bids, views, crcs)), Lane.STORE) if live else 0
-            except Exception:
-                log.exception("%s: publishing a batch of %d blocks failed; they stay on this node",
-                              self.tier.name, len(live))
-                stored = 0
-            finally:
-                for v in views:
-                    v.release()
+            stored = write_slots(self.tier, bids, views, crcs, Lane.STORE, "a publishing")
             with self.changed:
                 self.counters["published"] += stored
                 gids = [gid for _, _, gid in live]

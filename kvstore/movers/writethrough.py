@@ -58,6 +58,20 @@ class DurableTier(LowerTier, Protocol):
     def on_disk(self, bid: bytes) -> bool: ...
 
 
+def write_slots(tier: LowerTier, bids: list[bytes], views: list[memoryview], crcs: list[int | None], lane: Lane,
+                what: str) -> int:
+    """(Without the state lock.) Write a batch of announced blocks straight from their pinned host slots; how many
+    the tier stored (0, logged, if its write raised: the blocks stay in the host pool). The views are released."""
+    try:
+        return tier.write(list(zip(bids, views, crcs)), lane) if bids else 0
+    except Exception:
+        log.exception("%s: %s batch of %d blocks failed; they stay in the host pool", tier.name, what, len(bids))
+        return 0
+    finally:
+        for v in views:
+            v.release()
+
+
 class WriteThrough:
     def __init__(self, index: Index, pool: HostPool, tier: DurableTier, changed: Condition, counters: Counter[str],
                  max_bytes: int, enabled: bool = True, synced: bool = True, pin_cap: int = 1 << 62) -> None:
@@ -220,15 +234,7 @@ class WriteThrough:
                 self.tier.announce([e.bid for e in live])                # a delete from now on cancels the write
                 if watched:
                     self.tier.when_written(watched, self._demoted)
-            try:
-                stored = self.tier.write([(e.bid, v, crc) for e, v, crc in zip(live, views, crcs)], Lane.STORE)
-            except Exception:
-                log.exception("%s: a write-through batch of %d blocks failed; they stay in the host pool",
-                              self.tier.name, len(live))
-                stored = 0
-            finally:
-                for v in views:
-                    v.release()
+            stored = write_slots(self.tier, [e.bid for e in live], views, crcs, Lane.STORE, "a write-through")
             with self.changed:
                 self.counters["written_through"] += stored
                 self._unpin(live)

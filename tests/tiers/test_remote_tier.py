@@ -415,15 +415,29 @@ def test_stats_top_and_prometheus_show_the_remote_tier_and_the_network_path(mast
     assert "kvstore_acquired_lower_total 8.0" in metrics and "kvstore_hits_remote_total 0.0" in metrics
 
 
-def test_remote_config_errors_are_clear() -> None:
+@pytest.mark.parametrize("env, message", [
+    ({"KVSTORE_REMOTE_MASTER": "nohost"}, "remote.master: must be host:port"),
+    ({"KVSTORE_REMOTE_PLACEMENT": "sideways"}, "remote.placement: must be one of"),
+    ({"KVSTORE_REMOTE_REPLICAS": "0"}, "remote.replicas: must be 1..8"),
+    ({"KVSTORE_REMOTE_PROTOCOL": "udp"}, "remote.protocol: must be tcp or rdma"),
+    ({"KVSTORE_REMOTE_METADATA": "ftp://x"}, "remote.metadata: must be an http://"),
+    ({"KVSTORE_REMOTE_SEGMENT_BYTES": "4KiB"}, "remote.segment_bytes: must be 0"),
+    ({"KVSTORE_REMOTE_BUFFER_BYTES": "4KiB"}, "remote.buffer_bytes: must be at least 1MiB"),
+    ({"KVSTORE_REMOTE_TIMEOUT_S": "0"}, "remote.timeout_s: must be above 0"),
+    ({"KVSTORE_REMOTE_IN_FLIGHT": "0"}, "remote.in_flight: must be 1..64"),
+])
+def test_remote_config_errors_are_clear(env: dict[str, str], message: str) -> None:
     from kvstore.daemon.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="remote.master: must be host:port"):
-        load_config(None, {"KVSTORE_REMOTE_MASTER": "nohost"})
-    with pytest.raises(ConfigError, match="remote.placement: must be one of"):
-        load_config(None, {"KVSTORE_REMOTE_MASTER": "127.0.0.1:1", "KVSTORE_REMOTE_PLACEMENT": "sideways"})
-    with pytest.raises(ConfigError, match="remote.replicas"):
-        load_config(None, {"KVSTORE_REMOTE_MASTER": "127.0.0.1:1", "KVSTORE_REMOTE_REPLICAS": "0"})
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, {"KVSTORE_REMOTE_MASTER": "127.0.0.1:1", **env})
+
+
+def test_a_node_may_lend_the_store_nothing() -> None:
+    from kvstore.daemon.config import load_config
+
+    assert load_config(None, {"KVSTORE_REMOTE_MASTER": "127.0.0.1:1",
+                              "KVSTORE_REMOTE_SEGMENT_BYTES": "0"}).remote.segment_bytes == 0
 
 
 def test_write_back_beside_an_ssd_tier_is_refused_with_the_reason(master, tmp_path):

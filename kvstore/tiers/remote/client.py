@@ -104,14 +104,9 @@ class MooncakeClient:
         if rc != 0:
             raise StoreDown(f"remote: setting up Mooncake Store's client failed (code {rc}); is mooncake_master "
                             f"running at {c.master} with its metadata server at {metadata_address(c)}?")
-        old, self._store = self._store, store
-        for addr, size in self._regions.items():      # a new client: the memory it moves must be registered again
+        self._store = store
+        for addr, size in self._regions.items():      # memory named before the client existed
             store.register_buffer(addr, size)
-        if old is not None:
-            try:
-                old.close()
-            except Exception:                          # the old one's master is gone: nothing to tell it
-                pass
 
     def healthy(self) -> bool:
         """Whether the master answers now (one small RPC)."""

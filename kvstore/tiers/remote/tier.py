@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,6 @@ KNOWN_MAX = 1 << 20             # blocks the books remember the store holds, at 
 EXISTS_MAX = 1024               # keys in one existence query
 CLOSE_FLUSH_S = 5.0             # a graceful stop puts what is staged for at most this long
 RETRIES = 1                     # a staged block the store refused is offered once more before it is dropped
-ALREADY = -705                  # Mooncake: OBJECT_ALREADY_EXISTS (the block is there: as good as stored)
 
 
 @dataclass(slots=True, eq=False)
@@ -422,7 +422,7 @@ class RemoteTier:
             finally:
                 self._give_pad(poff)
             for i, code in zip(keep, codes):
-                ok[i] = code == 0 or code == ALREADY
+                ok[i] = code == 0              # (a key the store holds already also answers 0: as good as stored)
                 self.counters["puts" if ok[i] else "put_refused"] += 1
                 self.counters["put_bytes"] += items[i][1].nbytes if ok[i] else 0
         try:
@@ -443,7 +443,7 @@ class RemoteTier:
                 keys = [store_key(items[i][0]) for i in keep]
                 try:
                     fut = self.path.submit(lane, sum(items[i][1].nbytes for i in keep),
-                                           _bind_put(self.client.put, keys, parts))
+                                           partial(self.client.put, keys, parts))
                 except Busy:
                     self._give_pad(poff)
                     no_room = True
@@ -484,7 +484,7 @@ class RemoteTier:
         try:
             for a, b in chunks:
                 futures.append(self.path.submit(lane, sum(o.nbytes for o in outs[a:b]),
-                                                _bind(self._get_chunk, bids[a:b], outs[a:b]), tag=bids[a]))
+                                                partial(self._get_chunk, bids[a:b], outs[a:b]), tag=bids[a]))
         except Busy:
             pass                                     # the chunks queued so far: a shorter prefix
         for k, fut in enumerate(futures):
@@ -667,16 +667,6 @@ class RemoteTier:
         if self.staging is not None:
             self.staging.close()
         self.pad.close()
-
-
-def _bind(fn: Callable[[Sequence[bytes], Sequence[memoryview]], Any], bids: Sequence[bytes],
-          outs: Sequence[memoryview]) -> Callable[[], Any]:
-    return lambda: fn(bids, outs)
-
-
-def _bind_put(fn: Callable[[Sequence[str], Sequence[Sequence[Part]]], list[int]], keys: list[str],
-              parts: list[list[Part]]) -> Callable[[], list[int]]:
-    return lambda: fn(keys, parts)
 
 
 def _pieces(sizes: Sequence[int], limit: int, most: int = 1 << 30) -> list[tuple[int, int]]:
