@@ -200,6 +200,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.copy_engine = "auto"
         self._leases: list[tuple[_Move, Lease]] = []
         self._reservations: list[tuple[_Move, Reservation]] | None = None
+        self._reserved_at = 0.0                   # when this step's reservations were made or last renewed
         self._to_commit: list[tuple[_Move, Reservation]] = []
         self._load_errors: set[int] = set()
         self.stats = MoveStats()
@@ -513,6 +514,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         if self._reservations is None:
             self._reservations = self._reserve(meta.saves)
+            self._reserved_at = time.monotonic()
+        elif self._reservations and time.monotonic() - self._reserved_at > self._lease_s() / 3:
+            self._renew()
         a = self.geometry.layer_range(li)[0]
         for move, res in self._reservations:
             if res.done or not move.ids:
@@ -532,6 +536,20 @@ class KVStoreConnector(KVConnectorBase_V1):
             except Exception as e:  # noqa: BLE001
                 self._io_failed(e)
                 res.done = True
+
+    def _lease_s(self) -> float:
+        return self.link.client.lease_s if self.link is not None and self.link.client is not None else 60.0
+
+    def _renew(self) -> None:
+        """A forward pass that outlasts a third of the daemon's reservation lease (a long prompt on a slow machine):
+        the reservations of this step are extended, else the daemon would abort them mid-pass (and give their
+        slots to other writers while this one still copies into them)."""
+        self._reserved_at = time.monotonic()
+        try:
+            assert self.link is not None and self.link.client is not None
+            self.link.client.renew()
+        except Exception as e:  # noqa: BLE001 - a lease not renewed is a later commit refused, nothing worse
+            self._io_failed(e)
 
     def _reserve(self, saves: list[RequestBlocks]) -> list[tuple[_Move, Reservation]]:
         """This step's reservations, one per request with blocks to save (at the first layer saved)."""

@@ -66,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("what", nargs="+", metavar="[TIER] SIZE", help="tier (host or ssd, default host) and capacity")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_resize)
+    c = sub.add_parser("tenants", help="quota, use, borrowing and lending per tenant; `tenants set NAME --host 8GiB`")
+    c.add_argument("action", nargs="*", metavar="set NAME", help="set NAME: change a tenant's quota online (admin)")
+    c.add_argument("--host", help="with set: the tenant's guaranteed host-pool bytes, e.g. 8GiB (0: none)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_tenants)
     c = sub.add_parser("evict", help="evict unpinned blocks")
     g = c.add_mutually_exclusive_group(required=True)
     g.add_argument("--all", action="store_true")
@@ -338,6 +343,40 @@ def cmd_resize(args: argparse.Namespace) -> int:
     _out(args, r, f"host pool capacity {format_size(r['capacity'])} (mapped {format_size(r['mapped_bytes'])}): "
                   f"released {r['released_segments']} segment(s), evicted {r['evicted']} block(s), "
                   f"{format_size(r['draining_bytes'])} draining behind pins, in {r['seconds'] * 1e3:.2f} ms")
+    return 0
+
+
+def _ms(seconds: float | None) -> str:
+    return "over 10 s" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    if args.action:
+        if len(args.action) != 2 or args.action[0] != "set" or args.host is None:
+            raise ValueError("usage: kvstore tenants set NAME --host SIZE (the default tenant's NAME is '')")
+        with _client(args) as c:
+            r = c.set_quota(args.action[1], parse_size(args.host))
+        _out(args, r, f"tenant {r['tenant'] or '(default)'}: host quota {format_size(r['host_before'])} -> "
+                      f"{format_size(r['host'])} (it holds {format_size(r['used_bytes'])}; memory moves as loads "
+                      "need it, nothing moves now)")
+        return 0
+    with _client(args) as c:
+        r = c.tenants()
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    rows = [[t["tenant"] or "(default)", format_size(t["quota_bytes"]), format_size(t["used_bytes"]),
+             format_size(t["borrowed_bytes"]), format_size(t["lent_bytes"]),
+             "-" if t["hit_rate"] is None else f"{t['hit_rate']:.1%}", t["evictions"], t["reclaims"],
+             t["taken_back"]] for t in r["tenants"]]
+    print(_table(["tenant", "quota", "used", "borrowed", "lent", "hit rate", "evictions", "reclaimed",
+                  "taken back"], rows))
+    rs = r["reclaim_seconds"]
+    mode = "quotas with lending" if r["lending"] and r["active"] else "static partitions" if r["active"] else \
+        "one shared LRU (no quota set)"
+    print(f"\nhost pool {format_size(r['charged_bytes'])} of {format_size(r['capacity_bytes'])}; {mode}; "
+          f"idle after {r['window_s']:g} s; reclaims {r['reclaims']} (p50 {_ms(rs['p50'])}, p99 {_ms(rs['p99'])}"
+          " each, bucket bounds)")
     return 0
 
 

@@ -58,7 +58,8 @@ ORIGIN_MODULES = ("kvstore", "kvstore.connectors", "kvstore.connectors.vllm_conn
                   "kvstore.connectors.vllm_plugin")
 
 
-def run(model: str, socket: str | None, steps: list[dict], extra: dict, short: bool = False) -> None:
+def run(model: str, socket: str | None, steps: list[dict], extra: dict, short: bool = False,
+        batch: int = 0) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if not short:
@@ -80,9 +81,10 @@ def run(model: str, socket: str | None, steps: list[dict], extra: dict, short: b
                                kv_connector_module_path="kvstore.connectors.vllm_connector",
                                kv_role="kv_both", kv_load_failure_policy="recompute",
                                kv_connector_extra_config={"socket": socket, "retry_s": 0.5, "timeout_s": 5, **extra})
+    chunk = {"max_num_batched_tokens": batch} if batch else {}   # a prompt longer than `batch`: chunked prefill
     llm = LLM(model=model, dtype="float32", block_size=BLOCK_SIZE, enable_prefix_caching=False,
               prefix_caching_hash_algo="sha256_cbor", max_model_len=1024, seed=0, enforce_eager=True,
-              kv_transfer_config=ktc)
+              kv_transfer_config=ktc, **chunk)
     # before this script imports anything of kvstore's: what vLLM itself loaded
     origin = {"plugin_loaded_by_vllm": "kvstore.connectors.vllm_plugin" in sys.modules,
               "kv_connector": ktc.kv_connector, "kv_connector_module_path": ktc.kv_connector_module_path,
@@ -122,8 +124,9 @@ def main() -> None:
     ap.add_argument("--short-config", action="store_true")
     ap.add_argument("--steps", required=True)
     ap.add_argument("--extra", default="{}")
+    ap.add_argument("--batch", type=int, default=0, help="vLLM's max_num_batched_tokens (0: its default)")
     a = ap.parse_args()
-    run(a.model, a.socket, json.loads(a.steps), json.loads(a.extra), a.short_config)
+    run(a.model, a.socket, json.loads(a.steps), json.loads(a.extra), a.short_config, a.batch)
 
 
 if __name__ == "__main__":

@@ -145,6 +145,7 @@ class Client:
         self._segments: dict[int, _Mapped] = {}
         self.copier = Copier(copy_threads)
         self.max_keys = 1024
+        self.lease_s = 60.0                   # the daemon's reservation lease (hello says): renew() before it ends
         self.generation = -1
         # called with (segment id, its mapped bytes) just before a segment is unmapped: whoever registered the
         # memory elsewhere (a GPU connector pins it) lets go of it first
@@ -438,6 +439,7 @@ class Client:
     def namespace(self, spec: NamespaceSpec) -> Namespace:
         reply = self.call("hello", namespace=spec.to_dict(), client=f"pid {os.getpid()}", **self._credentials())
         self.max_keys = reply["max_keys"]
+        self.lease_s = reply.get("reservation_lease_s", self.lease_s)
         self.daemon_pid = reply["pid"]
         ns = Namespace(self, reply["ns"], spec)
         self._spaces.add(ns)
@@ -458,6 +460,20 @@ class Client:
 
     def resize(self, nbytes: int, tier: str = "host") -> dict[str, Any]:
         return self.call("resize", bytes=nbytes, tier=tier)
+
+    def renew(self) -> int:
+        """Extend every reservation this connection holds open by a whole lease from now (a writer whose copies
+        outlast `lease_s`, e.g. a forward pass saving layer by layer on a slow machine). Returns how many."""
+        return int(self.call("renew")["n"])
+
+    def tenants(self) -> dict[str, Any]:
+        """Per tenant: quota, used, borrowed, lent, hit rate, evictions, reclaims (every tenant for the admin, your
+        own otherwise), and the pool's capacity and charged bytes."""
+        return self.call("tenants")
+
+    def set_quota(self, tenant: str, host: int) -> dict[str, Any]:
+        """Change a tenant's guaranteed host bytes online (admin)."""
+        return self.call("tenant_quota", tenant=tenant, host=host)
 
     def evict(self, nbytes: int = 0, everything: bool = False, ns: int | None = None) -> dict[str, Any]:
         fields: dict[str, Any] = {"all": everything} if everything else {"bytes": nbytes}

@@ -138,6 +138,37 @@ def _resize_lower(st: State, name: str, nbytes: int) -> dict[str, Any]:
     return {"tier": name, "released_segments": 0, "draining_bytes": 0, "seconds": time.perf_counter() - t0, **r}
 
 
+def op_tenants(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    """Per tenant: quota, used, borrowed, lent, hit rate, evictions, reclaims (kvstore.index.quotas): every tenant's
+    row for the admin, the connection's own otherwise."""
+    q = st.index.quotas
+    rows = q.rows([t.name for t in st.config.tenants])
+    if not h.admin:
+        mine = tenant_of(st.config, h)
+        rows = [r for r in rows if r["tenant"] == mine]
+    return {"tenants": rows, "capacity_bytes": st.pool.capacity, "mapped_bytes": st.pool.mapped_bytes,
+            "charged_bytes": st.pool.mapped_bytes + st.pool.reaping_bytes - st.pool.retiring_bytes,
+            "fragmentation": q.fragmentation(), **q.stats()}
+
+
+def op_tenant_quota(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    """Change a tenant's host quota online: O(1), nothing moves now (kvstore.index.quotas.Quotas.set)."""
+    if not h.admin:
+        raise forbidden("tenants set")
+    name = m["tenant"]
+    known = {t.name for t in st.config.tenants} | {c.tenant for c in st.pool.classes.values()} | set(
+        st.index.quotas.quotas)
+    if name not in known and name != "" and not name.startswith("uid:"):
+        raise ProtocolError(Code.BAD_REQUEST, f"tenants set: no tenant {name[:64]!r}; tenants: "
+                                              f"{', '.join(sorted(repr(t) for t in known)) or 'none'}")
+    before = st.index.quotas.quota(name)
+    try:
+        st.index.quotas.set(name, m["host"])
+    except ValueError as e:
+        raise ProtocolError(Code.BAD_REQUEST, f"tenants set: {e}") from None
+    return {"tenant": name, "host_before": before, "host": m["host"], "used_bytes": st.index.quotas.held(name)}
+
+
 def op_evict(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     if not h.admin:
         raise forbidden("evict")

@@ -45,10 +45,22 @@ class ServerConfig:
 @dataclass(slots=True)
 class TenantConfig:
     """A tenant: who may speak as it (`uids`, any if empty) and its `secret` (none if empty); a connection that
-    names no tenant gets the first one listing its uid."""
+    names no tenant gets the first one listing its uid. `host`: the host-pool bytes guaranteed to it (its quota; 0:
+    none, it lives on what others leave, see `tenancy`)."""
     name: str
     uids: list[int] = field(default_factory=list)
     secret: str = ""
+    host: int = 0
+
+
+@dataclass(slots=True)
+class TenancyConfig:
+    """Quotas and lending between tenants (kvstore.index.quotas, SwiftCache §3.5). With no quota anywhere, the pool
+    is one LRU shared by all (memory follows use)."""
+    lending: bool = True                # a tenant may grow past its quota into memory no one else needs now
+    window_s: float = 60.0              # a lender's segment untouched this long is idle: it may be lent
+    default_host: int = 0               # the quota of a tenant not listed (the daemon's user "", "uid:<n>")
+    unknown: str = "share"              # share | refuse: a hello from a user of no listed tenant (but the daemon's)
 
 
 @dataclass(slots=True)
@@ -148,6 +160,7 @@ class Config:
     hints: HintsConfig = field(default_factory=HintsConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    tenancy: TenancyConfig = field(default_factory=TenancyConfig)
     tenants: list[TenantConfig] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,10 +173,11 @@ class Config:
 SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "remote": RemoteConfig,
             "traffic": TrafficConfig,
             "metrics": MetricsConfig, "hints": HintsConfig, "prefetch": PrefetchConfig,
-            "log": LogConfig}
+            "log": LogConfig, "tenancy": TenancyConfig}
 SIZE_FIELDS = {("server", "max_frame_bytes"), ("server", "min_block_bytes"), ("pool", "capacity"),
                ("pool", "segment_bytes"), ("ssd", "capacity"), ("ssd", "staging_bytes"),
-               ("remote", "segment_bytes"), ("remote", "buffer_bytes"), ("remote", "staging_bytes")}
+               ("remote", "segment_bytes"), ("remote", "buffer_bytes"), ("remote", "staging_bytes"),
+               ("tenancy", "default_host")}
 LISTS = ("tenants",)    # top-level lists, not sections: set by file only (a secret does not belong in the env)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -261,15 +275,21 @@ def _build(raw: dict[str, Any], errors: list[str]) -> Config:
 
 
 def _tenants(raw: list[Any], errors: list[str]) -> list[TenantConfig]:
-    """The `tenants:` list: each a mapping {name, uids, secret}; names unique, neither "" nor "uid:<n>" (those are
-    the implicit tenants), and each needs uids or a secret (else any local user could claim it)."""
+    """The `tenants:` list: each a mapping {name, uids, secret, host}; names unique, neither "" nor "uid:<n>" (those
+    are the implicit tenants), and each needs uids or a secret (else any local user could claim it)."""
     out: list[TenantConfig] = []
     for i, t in enumerate(raw):
         where = f"tenants[{i}]"
-        if not isinstance(t, dict) or set(t) - {"name", "uids", "secret"}:
-            errors.append(f"{where}: must be a mapping of name, uids (optional), secret (optional)")
+        if not isinstance(t, dict) or set(t) - {"name", "uids", "secret", "host"}:
+            errors.append(f"{where}: must be a mapping of name, uids (optional), secret (optional), host (optional: "
+                          "its quota, e.g. 8GiB)")
             continue
         name, uids, secret = t.get("name"), t.get("uids") or [], t.get("secret") or ""
+        try:
+            host = parse_size(t.get("host") or 0)
+        except (ValueError, TypeError):
+            errors.append(f"{where}.host: expected a size (e.g. 8GiB), got {t.get('host')!r}")
+            continue
         if not isinstance(name, str) or not 1 <= len(name) <= 64 or name.startswith("uid:") or "\x00" in name:
             errors.append(f"{where}.name: must be a string of 1..64 characters, not starting with 'uid:' (and "
                           f"without NUL), got {name!r}")
@@ -282,7 +302,7 @@ def _tenants(raw: list[Any], errors: list[str]) -> list[TenantConfig]:
         elif not uids and not secret:
             errors.append(f"{where}: give uids, a secret or both (otherwise any local user could claim {name!r})")
         else:
-            out.append(TenantConfig(name, list(uids), secret))
+            out.append(TenantConfig(name, list(uids), secret, host))
     return out
 
 
@@ -369,12 +389,28 @@ def _check(cfg: Config) -> list[str]:
     errors += _check_traffic(cfg.traffic)
     errors += _check_hints(cfg.hints)
     errors += _check_prefetch(cfg.prefetch)
+    errors += _check_tenancy(cfg)
     if cfg.log.level not in LOG_LEVELS:
         errors.append(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}")
     return errors
 
 
 PLACEMENTS = ("auto", "write_back", "write_through", "both")
+
+
+def _check_tenancy(cfg: Config) -> list[str]:
+    t = cfg.tenancy
+    errors = []
+    if t.unknown not in ("share", "refuse"):
+        errors.append(f"tenancy.unknown: must be share or refuse, got {t.unknown!r}")
+    if not 0.01 <= t.window_s <= 86400:
+        errors.append(f"tenancy.window_s: must be 0.01..86400 seconds, got {t.window_s}")
+    quotas = sum(x.host for x in cfg.tenants) + t.default_host
+    if quotas > cfg.pool.capacity:
+        errors.append(f"tenants: the host quotas ({quotas} bytes, tenancy.default_host included) exceed "
+                      f"pool.capacity ({cfg.pool.capacity} bytes): a quota is a guarantee; lower them or grow the "
+                      "pool")
+    return errors
 
 
 def _check_remote(r: RemoteConfig) -> list[str]:

@@ -53,7 +53,8 @@ def op_ping(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 def op_hello(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     _fix_tenant(st, h, m.get("tenant"), m.get("secret"))
     reply: dict[str, Any] = {"version": __version__, "pid": os.getpid(), "generation": st.pool.generation,
-                             "max_keys": st.config.server.max_keys_per_request, "tenant": h.tenant}
+                             "max_keys": st.config.server.max_keys_per_request, "tenant": h.tenant,
+                             "reservation_lease_s": st.config.server.reservation_lease_s}
     if "namespace" in m:
         try:
             spec = NamespaceSpec.from_dict(m["namespace"])
@@ -129,6 +130,9 @@ def op_lookup(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     st.counters["hits_host"] += host
     st.counters["hits_lower"] += n - host
     st.counters["misses"] += asked - n
+    figures = st.index.quotas.of(ns.tenant)
+    figures.hits += n
+    figures.misses += asked - n
     return {"n": n, "host": host}
 
 
@@ -319,6 +323,13 @@ def op_prefetch(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     return {"queued": ticket.queued, "done": ticket.done, "skipped": ticket.skipped}
 
 
+def op_renew(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
+    """Extend the connection's open reservations by a whole lease (server.reservation_lease_s) from now: a writer
+    whose copies outlast the lease (a slow forward pass saving layer by layer) keeps its slots."""
+    lease = st.config.server.reservation_lease_s
+    return {"n": st.index.renew(h, time.monotonic() + lease), "lease_s": lease}
+
+
 def op_release(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     st.index.release(m["slots"], h)
     return {"n": len(m["slots"])}
@@ -354,6 +365,8 @@ def op_delete(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 HANDLERS: dict[str, Handler] = {
     "ping": op_ping, "hello": op_hello, "segments": op_segments, "lookup": op_lookup, "reserve": op_reserve,
     "commit": op_commit, "abort": op_abort, "acquire": op_acquire, "release": op_release, "delete": op_delete,
+    "renew": op_renew,
     "prefetch": op_prefetch, "stats": admin.op_stats, "list": admin.op_list, "resize": admin.op_resize,
+    "tenants": admin.op_tenants, "tenant_quota": admin.op_tenant_quota,
     "evict": admin.op_evict, "flush": op_flush, "hint": op_hint, "workflows": op_workflows,
 }

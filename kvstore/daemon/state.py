@@ -29,6 +29,7 @@ from kvstore.daemon.hints import Hints
 from kvstore.daemon.metrics import OpMetrics
 from kvstore.hll import HyperLogLog
 from kvstore.index import Index
+from kvstore.index.quotas import Quotas
 from kvstore.movers.demotion import Demotion
 from kvstore.movers.predictive import PredictivePrefetch
 from kvstore.movers.prefetch import Prefetcher
@@ -98,7 +99,9 @@ def build_state(config: Config) -> State:
     lower = open_lower_tiers(config, traffic, workflows)
     pool = HostPool(config.pool.capacity, config.pool.segment_bytes)
     demotion = Demotion(lower.first, pool, counters) if lower else None
-    index = Index(pool, config.pool.eviction, demotion, counters, workflows=workflows)
+    t = config.tenancy
+    quotas = Quotas(pool, {x.name: x.host for x in config.tenants}, t.default_host, t.lending, t.window_s)
+    index = Index(pool, config.pool.eviction, demotion, counters, workflows=workflows, quotas=quotas)
     prefetcher = Prefetcher(index, pool, lower, changed, counters) if lower else None
     copy_evicted = partial(copy_deferred, demotion, index, lock, False)
     reserve = Reserve(index, pool, lock, counters, config.ssd.promote_reserve if demotion is not None else 0,

@@ -7,7 +7,7 @@ role, and which tenant it speaks for.
 - Tenant: fixed at the connection's first hello. A named tenant must be configured (`tenants:`), list the peer's
   uid (if it lists any) and have the secret given (compared in constant time); else `forbidden`. With no name, the
   first tenant listing the peer's uid, else the default tenant "" for the daemon's own uid and "uid:<n>" for any
-  other: two users that configured nothing still never share blocks.
+  other (refused with `tenancy.unknown: refuse`): two users that configured nothing still never share blocks.
 """
 from __future__ import annotations
 
@@ -72,7 +72,13 @@ def resolve(cfg: Config, peer: Peer, name: str | None, secret: str | None) -> st
     mine = next((t for t in cfg.tenants if peer.uid in t.uids), None)
     if mine is not None:
         return mine.name
-    return "" if peer.uid == os.getuid() else f"uid:{peer.uid}"
+    if peer.uid == os.getuid():
+        return ""
+    if cfg.tenancy.unknown == "refuse":
+        raise ProtocolError(Code.FORBIDDEN, f"hello: uid {peer.uid} belongs to no tenant and this daemon refuses "
+                                            "unknown tenants (tenancy.unknown: refuse); name a tenant with its "
+                                            "secret, or ask for one in the daemon's tenants: configuration")
+    return f"uid:{peer.uid}"
 
 
 def tenant_of(cfg: Config, h: Conn) -> str:

@@ -24,6 +24,7 @@ a time, and the caller may let go of the lock between chunks. A request the book
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 
@@ -31,6 +32,7 @@ from kvstore.index.capacity import CapacityBooks, EvictionSink
 from kvstore.index.errors import InvalidRequest, NotHeld
 from kvstore.index.keytable import KeyTable
 from kvstore.index.namespaces import Holdings, NamespaceEntry, Namespaces
+from kvstore.index.quotas import Quotas
 from kvstore.index.sweep import SlotCursor
 from kvstore.policy import make_policy
 from kvstore.policy.workflow import Touch, Workflows
@@ -44,8 +46,10 @@ RESERVED, EXISTS, IN_PROGRESS, NO_SPACE = (ReserveStatus.RESERVED, ReserveStatus
 
 class Index(CapacityBooks):
     def __init__(self, pool: HostPool, policy: str = "lru", on_evict: EvictionSink | None = None,
-                 counters: Counter[str] | None = None, workflows: Workflows | None = None) -> None:
+                 counters: Counter[str] | None = None, workflows: Workflows | None = None,
+                 quotas: Quotas | None = None) -> None:
         self.pool = pool
+        self.quotas = quotas if quotas is not None else Quotas(pool)   # tenants' guarantees and lending
         self.on_evict = on_evict                    # where evicted blocks are handed (the demotion mover)
         self.table = KeyTable()
         self.workflows = workflows if workflows is not None else Workflows()   # the hints' books (the daemon's)
@@ -259,6 +263,13 @@ class Index(CapacityBooks):
             return False
         return True
 
+    def renew(self, holder: Holdings, until: float) -> int:
+        """Extend every open store reservation of the holder to `until` (a writer still copying, e.g. a long forward
+        pass saving layer by layer). Returns how many; the leases stay oldest first (all end at `until`)."""
+        for key in holder.leases:
+            holder.leases[key] = until
+        return len(holder.leases)
+
     def expire(self, holder: Holdings, now: float) -> int:
         """Abort the holder's store reservations whose lease ended by `now` (a later commit of them gets NotHeld).
         O(expired): leases are kept oldest first."""
@@ -316,6 +327,7 @@ class Index(CapacityBooks):
         seg, slot = self._seg_slot(gid)
         seg.keys[slot] = key
         seg.used[slot] = self._clock
+        seg.touched = time.monotonic()
         seg.crc[slot] = crc
         self.table.insert(key, gid, ns.cls)
         self.policy.added(key, ns.cls, touch)
@@ -387,10 +399,12 @@ class Index(CapacityBooks):
         return gid
 
     def _pin(self, key: bytes, gid: int, touch: Touch | None = None) -> None:
-        self.pool.segment_of(gid).used[gid & 0xFFFFFFFF] = self._clock
+        seg = self.pool.segment_of(gid)
+        seg.used[gid & 0xFFFFFFFF] = self._clock
+        seg.touched = time.monotonic()
         if self.pins[gid] == 0:
             self.policy.pinned(key)
-            self.pool.segment_of(gid).busy += 1
+            seg.busy += 1
             if touch is not None:
                 self.policy.accessed(key, touch)     # its tags: the block is relinked at its unpin
         else:

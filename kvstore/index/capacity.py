@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvstore.index.keytable import KeyTable
 from kvstore.index.namespaces import NamespaceEntry, Namespaces, SlotKey
+from kvstore.index.quotas import Quotas
 from kvstore.index.sweep import SlotCursor
 from kvstore.policy import EvictionPolicy
 from kvstore.tiers.host import HostPool, Segment, gid_of, split_gid
@@ -94,6 +95,7 @@ class CapacityBooks:
     pins: Counter[int]
     zombies: dict[int, bytes]
     counters: Counter[str]
+    quotas: Quotas
     on_evict: EvictionSink | None
     _kept_own: bool = False     # the last allocation refused to evict a block of the put's own chain
 
@@ -178,15 +180,29 @@ class CapacityBooks:
         """A slot of the class `slot` (tenant, slot bytes), whose eviction class is `cls`. With `protect` (a put's
         own chain, given only where an eviction drops the block: no lower tier), None with `_kept_own` set rather
         than evict one of its blocks, or — Belady's bypass, estimated — a block the policy values above the
-        block coming (`admits`, with the request's hint context `touch`)."""
+        block coming (`admits`, with the request's hint context `touch`). A tenant within its quota takes borrowed
+        memory back before it evicts its own (kvstore.index.quotas)."""
         tenant, slot_bytes = slot
+        q = self.quotas
+        unit = self.pool.segment_size(slot_bytes)
+        t0 = 0.0
         while True:
-            gid = self.pool.allocate(slot_bytes, tenant)
+            gid = self.pool.allocate(slot_bytes, tenant, grow=q.may_grow(tenant, unit))
             if gid is not None:
+                if t0:
+                    q.reclaim_seconds.observe(time.perf_counter() - t0)
                 return gid
+            if q.active and q.within(tenant, unit):
+                seg = q.borrowed_segment(tenant)
+                if seg is not None:             # ScaleUp: one segment of borrowed memory comes back
+                    t0 = t0 or time.perf_counter()
+                    q.took(seg, tenant, reclaim=True)
+                    self._retire(seg, for_room=True)
+                    continue
             key = self.policy.victim(cls)
             stale = self._staler_segment(slot, key) if len(self.pool.classes) > 1 else None
             if stale is not None:
+                q.took(stale, tenant, reclaim=False)
                 self._retire(stale, for_room=True)   # memory moves to this class: a new segment fits
             elif protect is not None and key is not None and (key in protect or not self._admitted(key, touch)):
                 self.counters["kept_own_chain" if key in protect else "not_admitted"] += 1
@@ -214,13 +230,15 @@ class CapacityBooks:
         seg, i = self._where(victim)
         mine = seg.used[i]
         best: tuple[int, Segment] | None = None
+        now = time.monotonic()
         for other, cls in self.namespaces.classes.items():
             key = self.policy.victim(cls) if other != slot else None
             if key is None:
                 continue
             seg, i = self._where(key)
             used = seg.used[i]
-            if seg.busy == 0 and not seg.draining and used < mine and (best is None or used < best[0]):
+            if seg.busy == 0 and not seg.draining and used < mine and (best is None or used < best[0]) \
+                    and self.quotas.may_take(seg, slot[0], now):
                 best = (used, seg)
         return None if best is None else best[1]
 
@@ -234,13 +252,17 @@ class CapacityBooks:
         return self.pool.segments[seg_id], slot
 
     def _reclaim_other(self, slot: SlotKey) -> bool:
-        """Free a whole idle segment of another class (fewest blocks first) so this one can grow."""
-        idle = [s for s in self.pool.segments.values() if s.slot_key != slot and s.busy == 0 and not s.draining]
+        """Free a whole idle segment of another class (fewest blocks first) so this one can grow: one the tenant's
+        quota lets it take (kvstore.index.quotas)."""
+        now = time.monotonic()
+        idle = [s for s in self.pool.segments.values() if s.slot_key != slot and s.busy == 0 and not s.draining
+                and self.quotas.may_take(s, slot[0], now)]
         while idle and not self.pool.fits(slot[1]):
             seg = min(idle, key=lambda s: s.live)
             idle.remove(seg)
+            self.quotas.took(seg, slot[0], reclaim=False)
             self._retire(seg, for_room=True)
-        return self.pool.fits(slot[1])
+        return self.pool.fits(slot[1]) and self.quotas.may_grow(slot[0], self.pool.segment_size(slot[1]))
 
     # ----- leaving the pool -----
     def _retire(self, seg: Segment, for_room: bool = False) -> int:
@@ -335,6 +357,7 @@ class CapacityBooks:
         ns.blocks -= 1
         if evicted:
             self.counters["evictions"] += 1
+            self.quotas.of(ns.tenant).evictions += 1
             if self.on_evict is not None:
                 seg = self.pool.segment_of(gid)
                 e = Eviction(ns.block_id(key[4:]), gid, ns.slot_bytes, keep, seg.draining, seg.urgent)

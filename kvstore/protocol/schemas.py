@@ -32,6 +32,7 @@ SCHEMAS: dict[str, Schema] = {
     "abort": _KEYS,
     "acquire": {**_KEYS, **_CONTEXT, "lane": ("str", False), "stream": ("bool", False)},
     "release": {"slots": ("ints", True)},
+    "renew": {},
     "delete": _KEYS,
     "stats": {},
     "list": {"ns": ("int", False), "limit": ("int", False), "tags": ("bool", False)},
@@ -41,6 +42,8 @@ SCHEMAS: dict[str, Schema] = {
     "flush": {"ns": ("int", False), "keys": ("keys", False), "timeout_ms": ("int", False)},
     "hint": _HINT,
     "workflows": {"limit": ("int", False)},
+    "tenants": {},
+    "tenant_quota": {"tenant": ("str", True), "host": ("int", True)},
 }
 _COMMON = {"v", "op", "id"}
 

@@ -32,6 +32,8 @@ import mmap
 import os
 import queue
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 _FALLOC_FL_KEEP_SIZE = 0x01
@@ -74,6 +76,7 @@ class Segment:
     copying: int = 0              # slots held only until their demotion copy is made (part of `busy`)
     walk_at: int = -1             # lent: the next slot whose block a drain step evicts (-1: not being walked)
     tenant: str = ""              # whose blocks it holds (only that tenant's connections get its fd)
+    touched: float = 0.0          # monotonic time of its last store or read (idle segments may be lent)
 
     @property
     def slot_key(self) -> tuple[str, int]:
@@ -103,6 +106,7 @@ class HostPool:
         self.generation = 0          # bumps when a segment is created or released
         self.reaping_bytes = 0       # released segments not yet punched out of memory
         self.retiring_bytes = 0      # lent segments (retired for another class) not yet punched: over the cap
+        self.held: Counter[str] = Counter()   # tenant -> bytes of its segments not draining (kvstore.index.quotas)
         self._reap_lock = threading.Lock()
         self._to_reap: queue.SimpleQueue[Segment | None] = queue.SimpleQueue()
         self._reaper: threading.Thread | None = None
@@ -127,12 +131,12 @@ class HostPool:
             return self.retiring_bytes == 0
 
     # ----- slots -----
-    def allocate(self, slot_bytes: int, tenant: str = "") -> int | None:
-        """A free slot of this size in one of the tenant's segments (creating a segment if the cap allows), or None:
-        the caller must evict."""
+    def allocate(self, slot_bytes: int, tenant: str = "", grow: bool = True) -> int | None:
+        """A free slot of this size in one of the tenant's segments (creating a segment if the cap and `grow`
+        allow), or None: the caller must evict."""
         cls = self.classes.get((tenant, slot_bytes))
         if cls is None or not cls.with_free:
-            if not self.fits(slot_bytes):
+            if not grow or not self.fits(slot_bytes):
                 return None
             seg = self._create(slot_bytes, tenant)
             cls = self.classes[(tenant, slot_bytes)]
@@ -181,18 +185,21 @@ class HostPool:
             os.close(fd)                  # whatever failed, the memfd does not leak
             raise
         seg = Segment(seg_id, slot_bytes, n, fd, list(range(n - 1, -1, -1)), [None] * n, [0] * n, [None] * n,
-                      tenant=tenant)
+                      tenant=tenant, touched=time.monotonic())
         cls = self.classes.setdefault(seg.slot_key, SlotClass(slot_bytes, tenant))
         cls.segments[seg_id] = seg
         cls.with_free[seg_id] = seg
         self.segments[seg_id] = seg
         self.mapped_bytes += seg.size
+        self.held[tenant] += seg.size
         self.generation += 1
         return seg
 
     def drain(self, seg: Segment, lend: bool = False) -> None:
         """Stop allocating from a segment chosen for release; with `lend`, its bytes stop counting against the cap
         at once (see the module docstring; the caller checked `may_lend`)."""
+        if not seg.draining:
+            self.held[seg.tenant] -= seg.size
         seg.draining = True
         self.classes[seg.slot_key].with_free.pop(seg.id, None)
         if lend and not seg.lent:
@@ -211,6 +218,8 @@ class HostPool:
             del self.classes[seg.slot_key]
         del self.segments[seg.id]
         self.mapped_bytes -= seg.size
+        if not seg.draining:
+            self.held[seg.tenant] -= seg.size
         self.generation += 1
         if inline:
             _punch_and_close(seg)
@@ -250,6 +259,7 @@ class HostPool:
             os.close(seg.fd)
         self.segments.clear()
         self.classes.clear()
+        self.held.clear()
         self.mapped_bytes = self.used_bytes = 0
 
     def resident_bytes(self) -> int:

@@ -51,11 +51,11 @@ class Engine:
     """One engine process going through `steps`; `results()` yields each step's result, `wait_point()` blocks until
     the engine waits for the test (then the test acts and calls `go()`)."""
 
-    def __init__(self, model: str, daemon: DaemonProc, steps: list[dict], log: Path) -> None:
+    def __init__(self, model: str, daemon: DaemonProc, steps: list[dict], log: Path, *args: str) -> None:
         self.log_path = log
         self.log = open(log, "w")           # everything the engine printed (vLLM logs to stdout)
         self.proc = subprocess.Popen([sys.executable, SCRIPT, "run", "--model", model, "--socket", daemon.socket,
-                                      "--steps", json.dumps(steps)], env=ENV, stdout=subprocess.PIPE,
+                                      "--steps", json.dumps(steps), *args], env=ENV, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.waiting: str | None = None
 
@@ -105,8 +105,8 @@ class Engine:
             self.proc.wait()
 
 
-def run_engine(model: str, daemon: DaemonProc, steps: list[dict], log: Path) -> tuple[list[dict], str]:
-    e = Engine(model, daemon, steps, log)
+def run_engine(model: str, daemon: DaemonProc, steps: list[dict], log: Path, *args: str) -> tuple[list[dict], str]:
+    e = Engine(model, daemon, steps, log, *args)
     try:
         results = [e.result() for _ in steps]
         return results, e.finish()
@@ -183,6 +183,24 @@ def test_fresh_engine_loads_from_daemon_and_survives_its_faults(models, tmp_path
     assert log.count("daemon unavailable") == 2, log
     assert log.count("is back after") == 2, log
     print(f"\nA {a}\nB {r1}\nB altered {r2}\nB daemon down {r3}\nB reconnected {r4} {r5}")
+
+
+def test_a_prompt_prefilled_in_chunks_is_stored_whole_and_verified(models, tmp_path, start_daemon):
+    """A prompt longer than vLLM's token budget per step is prefilled over several steps: each step saves the blocks
+    it completed (a new reservation per step, its CRC-32C chained layer by layer), after a head of the prompt came
+    from the daemon (the reservations skip the blocks it holds). Every block must come back and pass its checksum in
+    a fresh engine, itself prefilling in chunks."""
+    m1, _ = models
+    daemon = start_daemon(capacity="64MiB", segment="1MiB")
+    long = [_RNG.randrange(4, 1024) for _ in range(900)]           # 28 full blocks, 10 steps of 96 tokens
+    head, whole = ({"tokens": t, "max_tokens": 8, "wait": None} for t in (long[:200], long))
+    (a1, a2), _ = run_engine(m1, daemon, [head, whole], tmp_path / "a.log", "--batch", "96")
+    assert (a1["num_cached_tokens"], a2["num_cached_tokens"]) == (0, 6 * 32)
+    with daemon.client() as c:
+        assert [r["blocks"] for r in c.list()["namespaces"] if r["model"] == m1] == [28]
+    (b,), log = run_engine(m1, daemon, [whole], tmp_path / "b.log", "--batch", "96")
+    assert "does not match its checksum" not in log, log
+    assert (b["num_cached_tokens"], b["output"]) == (28 * 32, a2["output"])
 
 
 def test_two_models_never_hit_each_other(models, tmp_path, start_daemon):
