@@ -43,6 +43,7 @@ def op_stats(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     if not h.admin:
         host = s["tiers"][0]
         host["classes"] = [c for c in host["classes"] if c["tenant"] == h.tenant]
+        s["tenants"]["rows"] = [r for r in s["tenants"]["rows"] if r["tenant"] == h.tenant]
     return s
 
 
@@ -142,10 +143,11 @@ def op_tenants(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     """Per tenant: quota, used, borrowed, lent, hit rate, evictions, reclaims (kvstore.index.quotas): every tenant's
     row for the admin, the connection's own otherwise."""
     q = st.index.quotas
-    rows = q.rows([t.name for t in st.config.tenants])
-    if not h.admin:
+    if h.admin:
+        rows = q.rows([t.name for t in st.config.tenants])
+    else:
         mine = tenant_of(st.config, h)
-        rows = [r for r in rows if r["tenant"] == mine]
+        rows = [r for r in q.rows([mine]) if r["tenant"] == mine]
     return {"tenants": rows, "capacity_bytes": st.pool.capacity, "mapped_bytes": st.pool.mapped_bytes,
             "charged_bytes": st.pool.mapped_bytes + st.pool.reaping_bytes - st.pool.retiring_bytes,
             "fragmentation": q.fragmentation(), **q.stats()}
@@ -214,7 +216,9 @@ def snapshot(st: State) -> dict[str, Any]:
             "latency": {op: hist.to_dict() for op, hist in st.metrics.latency.items()}, "process": process.state(),
             "workers": workers.stats(), "write_through": st.write_through.stats() if st.write_through else None,
             "publish": st.publisher.stats() if st.publisher else None,
-            "hit_rates": hit_rates(st.counters), "workflows": workflow_stats(st), **idx.stats()}
+            "hit_rates": hit_rates(st.counters), "workflows": workflow_stats(st),
+            "tenants": {"rows": idx.quotas.rows([t.name for t in st.config.tenants]), **idx.quotas.stats()},
+            **idx.stats()}
 
 
 def hit_rates(c: Counter[str]) -> dict[str, dict[str, float | None]]:

@@ -55,6 +55,7 @@ def start_prometheus(host: str, port: int, snapshot: Callable[[], dict[str, Any]
                                     value=host.get("retiring_bytes", 0))
             yield from _workflow_metrics(s.get("workflows") or {}, s.get("hit_rates") or {})
             yield from _remote_metrics(next((t for t in s["tiers"] if t["tier"] == "remote"), None))
+            yield from _tenant_metrics(s.get("tenants") or {})
             wt = s.get("write_through") or {}
             if "lag" in wt:
                 yield GaugeMetricFamily("kvstore_durable_pending_blocks", "blocks on their way to disk",
@@ -144,6 +145,38 @@ def _remote_metrics(t: dict[str, Any] | None) -> Any:
     for name, value in sorted(t.get("seconds", {}).items()):
         secs.add_metric([name.removesuffix("_s")], value)
     yield secs
+
+
+TENANT_GAUGES = ("quota_bytes", "used_bytes", "borrowed_bytes", "lent_bytes")
+TENANT_COUNTERS = ("hits", "misses", "evictions", "reclaims", "lent_segments", "taken_back")
+
+
+def _tenant_metrics(t: dict[str, Any]) -> Any:
+    """Per tenant (kvstore.index.quotas): quota, used, borrowed and lent bytes, hit rate; counters of lookups' hits
+    and misses, evictions, segments reclaimed, lent and taken back; the reclaim latency."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    if not t:
+        return
+    gauges = {n: GaugeMetricFamily(f"kvstore_tenant_{n}", f"{n.replace('_', ' ')} per tenant (host pool)",
+                                   labels=["tenant"]) for n in TENANT_GAUGES}
+    counters = {n: CounterMetricFamily(f"kvstore_tenant_{n}", f"{n.replace('_', ' ')} per tenant since start",
+                                       labels=["tenant"]) for n in TENANT_COUNTERS}
+    rate = GaugeMetricFamily("kvstore_tenant_hit_rate", "share of the blocks a tenant looked up that were found",
+                             labels=["tenant"])
+    for r in t["rows"]:
+        for n, fam in (*gauges.items(), *counters.items()):
+            fam.add_metric([r["tenant"]], r[n])
+        if r["hit_rate"] is not None:
+            rate.add_metric([r["tenant"]], r["hit_rate"])
+    yield from gauges.values()
+    yield from counters.values()
+    yield rate
+    h = t["reclaim_seconds"]
+    lat = HistogramMetricFamily("kvstore_tenant_reclaim_seconds", "time an allocation spent taking borrowed memory "
+                                "back for a tenant within its quota")
+    lat.add_metric([], _cumulative(h), h["sum"])
+    yield lat
 
 
 def _prefetch_metrics(p: dict[str, Any] | None) -> Any:

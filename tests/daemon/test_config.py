@@ -153,6 +153,10 @@ def test_other_kvstore_variables_are_not_fields():
     ("metrics", "port", 0, "must be 1..65535"),
     ("metrics", "port", 70000, "must be 1..65535"),
     ("log", "level", "loud", "must be one of debug, info, warning, error"),
+    ("tenancy", "unknown", "maybe", "must be share or refuse"),
+    ("tenancy", "window_s", 0, "must be 0.01..86400 seconds"),
+    ("tenancy", "lending", "often", "expected true or false"),
+    ("tenancy", "default_host", "lots", "expected a size"),
 ])
 def test_each_invalid_field_has_its_own_message(tmp_path, section, field, value, fragment):
     with pytest.raises(ConfigError) as e:
@@ -200,12 +204,25 @@ def test_tenants_are_read_from_the_file_and_their_secrets_never_printed(tmp_path
     ([{"name": "a", "uids": ["root"]}], "tenants[0].uids: expected a list of user ids"),
     ([{"name": "a", "uids": [1], "secret": 5}], "tenants[0].secret: expected a string"),
     ([{"name": "a"}], "tenants[0]: give uids, a secret or both"),
+    ([{"name": "a", "secret": "x", "host": "a lot"}], "tenants[0].host: expected a size"),
 ])
 def test_each_invalid_tenant_has_its_own_message(tmp_path, tenants, fragment):
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, {"tenants": tenants}), env={})
     (only,) = errors_of(e)
     assert fragment in only
+
+
+def test_quotas_must_fit_the_pool(tmp_path):
+    """A quota is a guarantee: quotas (the default tenant's included) above the pool's capacity are refused."""
+    ok = load_config(write(tmp_path, {"pool": {"capacity": "8GiB"}, "tenancy": {"default_host": "2GiB"},
+                                      "tenants": [{"name": "a", "secret": "x", "host": "6GiB"}]}), env={})
+    assert ([t.host for t in ok.tenants], ok.tenancy.default_host) == ([6 << 30], 2 << 30)
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, {"pool": {"capacity": "8GiB"}, "tenancy": {"default_host": "3GiB"},
+                                     "tenants": [{"name": "a", "secret": "x", "host": "6GiB"}]}), env={})
+    (only,) = errors_of(e)
+    assert "the host quotas (9663676416 bytes, tenancy.default_host included) exceed pool.capacity" in only
 
 
 def test_unknown_field_from_the_environment(tmp_path):

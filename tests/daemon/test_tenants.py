@@ -226,3 +226,39 @@ def test_another_user_gets_a_tenant_of_its_own_and_no_admin_role(start_daemon):
                        "evict": "forbidden"}
         outs = [bytearray(GEOM.full_bytes) for _ in range(4)]
         assert mine.get(hashes(4), outs) == 4 and [bytes(o) for o in outs] == [block(i) for i in range(4)]
+
+
+def test_a_daemon_refusing_unknown_tenants_refuses_another_user(start_daemon):
+    """tenancy.unknown: refuse — a uid no tenant lists (a forked child as nobody) is refused at hello with the
+    setting named; the daemon's own user is still served."""
+    import json
+
+    d = start_daemon(env={"KVSTORE_TENANCY_UNKNOWN": "refuse"})
+    for path, mode in ((d.dir, 0o755), (os.path.dirname(d.socket), 0o755), (d.socket, 0o666)):
+        os.chmod(path, mode)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        out: dict[str, object] = {}
+        try:
+            os.close(read_end)
+            os.setgid(65534)
+            os.setuid(65534)
+            with Client(d.socket) as c:
+                try:
+                    c.namespace(spec())
+                    out["hello"] = "ok"
+                except KVStoreError as e:
+                    out["hello"], out["message"] = e.code, e.message
+        except BaseException as e:  # noqa: BLE001 - said to the parent, which fails the test
+            out["error"] = repr(e)
+        finally:
+            os.write(write_end, json.dumps(out).encode())
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        out = json.loads(f.read() or "{}")
+    os.waitpid(pid, 0)
+    assert out.get("hello") == "forbidden" and "tenancy.unknown: refuse" in str(out.get("message")), out
+    with d.client() as c:
+        assert c.namespace(spec()).put(hashes(2), [block(0), block(1)]).stored == 2
