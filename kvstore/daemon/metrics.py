@@ -165,8 +165,10 @@ def _tenant_metrics(t: dict[str, Any]) -> Any:
     rate = GaugeMetricFamily("kvstore_tenant_hit_rate", "share of the blocks a tenant looked up that were found",
                              labels=["tenant"])
     for r in t["rows"]:
-        for n, fam in (*gauges.items(), *counters.items()):
-            fam.add_metric([r["tenant"]], r[n])
+        for n, g in gauges.items():
+            g.add_metric([r["tenant"]], r[n])
+        for n, c in counters.items():
+            c.add_metric([r["tenant"]], r[n])
         if r["hit_rate"] is not None:
             rate.add_metric([r["tenant"]], r["hit_rate"])
     yield from gauges.values()
