@@ -1,4 +1,4 @@
-"""`kvstore serve | stats | top | ls | resize | evict | flush | ping | verify | hint | workflows`: human tables by
+"""`kvstore serve | stats | top | ls | resize | tenants | evict | flush | ping | verify | hint | workflows`: human tables by
 default, `--json` for scripts."""
 from __future__ import annotations
 
