@@ -58,8 +58,10 @@ class DaemonLink:
 
     def __init__(self, path: str | None, spec_for: Callable[[str], NamespaceSpec], *, log: logging.Logger,
                  who: str = "", without: str = "serving without the external KV cache", per_thread: bool = False,
-                 retry_s: float = 5.0, timeout_s: float = 5.0) -> None:
+                 retry_s: float = 5.0, timeout_s: float = 5.0, tenant: str | None = None,
+                 secret: str | None = None) -> None:
         self.path = path
+        self.tenant, self.secret = tenant, secret     # None: KVSTORE_TENANT / KVSTORE_TENANT_SECRET, else none
         self.spec_for = spec_for
         self.log = log
         self.tag = f"kvstore ({who})" if who else "kvstore"
@@ -111,7 +113,7 @@ class DaemonLink:
         return ns
 
     def _connect(self) -> _Connection:
-        client = Client(self.path, timeout=self.timeout_s)
+        client = Client(self.path, timeout=self.timeout_s, tenant=self.tenant, secret=self.secret)
         with self._lock:
             self._clients.append(client)
         conn = self._held.conn = _Connection(client)

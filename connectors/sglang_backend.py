@@ -45,7 +45,8 @@ the daemon's policy then ranks them by the workflows' books alone.
 extra config (beside SGLang's backend_name, module_path, class_name, interface_v1): socket (default
 $KVSTORE_SERVER_SOCKET, else the daemon's default), model / group / salt (namespace overrides), retry_s (5: how often
 a lost daemon is tried again), timeout_s (5: the longest one daemon call may take), verify (true: each block carries a
-CRC-32C checked before its bytes reach the pool).
+CRC-32C checked before its bytes reach the pool), tenant / tenant_secret (the tenant the engine speaks for; default
+$KVSTORE_TENANT / $KVSTORE_TENANT_SECRET, else its user's).
 """
 from __future__ import annotations
 
@@ -165,7 +166,8 @@ class KVStoreHiCache(HiCacheStorage):
         self.link = DaemonLink(self.extra.get("socket"), lambda adapter: spec, log=log, who="HiCache",
                                without="HiCache runs without its storage tier", per_thread=True,
                                retry_s=float(self.extra.get("retry_s", 5.0)),
-                               timeout_s=float(self.extra.get("timeout_s", 5.0)))
+                               timeout_s=float(self.extra.get("timeout_s", 5.0)),
+                               tenant=self.extra.get("tenant"), secret=self.extra.get("tenant_secret"))
         self.disabled = None
         log.info("kvstore HiCache backend: model %s, tp %d/%d, %s%s", spec.model, spec.tp_rank, spec.tp_size,
                  self.geometry, "" if self.writer else " (reader: another rank writes)")

@@ -22,7 +22,8 @@ extra config: socket (default: $KVSTORE_SERVER_SOCKET or the daemon's default), 
 overrides), retry_s (5), timeout_s (5), save (true), load (true), verify (true: blocks carry a CRC-32C, checked
 before they are loaded; false trades that proof for less CPU per block), copy_engine (auto: on a GPU one Triton
 kernel per layer where it proves byte-exact, else one copy_ per page run; kernel; copy), durable (false: every
-save asks the daemon for durability), durable_wait_s (0; below timeout_s).
+save asks the daemon for durability), durable_wait_s (0; below timeout_s), tenant / tenant_secret (the tenant the
+engine speaks for, its quota's owner; default $KVSTORE_TENANT / $KVSTORE_TENANT_SECRET, else its user's).
 
 Durability: a request's saves are durable commits when the configuration says `durable: true` or the request asks
 for it (`kv_transfer_params: {"kvstore_durable": true}`, e.g. vLLM's `extra_args` of SamplingParams): the daemon
@@ -224,7 +225,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         geometry = self.geometry
         self.link = DaemonLink(extra.get("socket"), lambda adapter: make_spec(geometry, fields, tp_rank, adapter),
                                log=log, who=who, without="serving without the external KV cache",
-                               retry_s=float(extra.get("retry_s", 5.0)), timeout_s=float(extra.get("timeout_s", 5.0)))
+                               retry_s=float(extra.get("retry_s", 5.0)), timeout_s=float(extra.get("timeout_s", 5.0)),
+                               tenant=extra.get("tenant"), secret=extra.get("tenant_secret"))
         log.info("kvstore connector (%s): model %s, %s, tp %d/%d", who, fields["model"], self.geometry, tp_rank,
                  fields["tp_size"])
 

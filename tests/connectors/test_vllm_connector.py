@@ -203,6 +203,26 @@ def test_a_prompt_prefilled_in_chunks_is_stored_whole_and_verified(models, tmp_p
     assert (b["num_cached_tokens"], b["output"]) == (28 * 32, a2["output"])
 
 
+def test_an_engine_speaks_for_its_tenant(models, tmp_path, daemons):
+    """`tenant` / `tenant_secret` in the extra config: the engine's blocks are its tenant's (its quota's), and a
+    wrong secret gets no cache at all, not another tenant's."""
+    m1, _ = models
+    conf = tmp_path / "kvstore.yaml"
+    conf.write_text(json.dumps({"tenants": [{"name": "team-a", "secret": "sa", "host": "32MiB"}]}))
+    daemon = DaemonProc(capacity="64MiB", segment="1MiB", env={"KVSTORE_CONFIG": str(conf)}).start()
+    daemons.append(daemon)
+    (a,), _ = run_engine(m1, daemon, [step()], tmp_path / "a.log", "--extra",
+                         json.dumps({"tenant": "team-a", "tenant_secret": "sa"}))
+    with daemon.client() as c:
+        assert [(r["tenant"], r["blocks"]) for r in c.list()["namespaces"]] == [("team-a", 6)]
+        row = next(r for r in c.tenants()["tenants"] if r["tenant"] == "team-a")
+        assert row["used_bytes"] > 0 and row["quota_bytes"] == 32 << 20
+    (w,), log = run_engine(m1, daemon, [step()], tmp_path / "w.log", "--extra",
+                           json.dumps({"tenant": "team-a", "tenant_secret": "wrong"}))
+    assert (w["num_cached_tokens"], w["output"]) == (0, a["output"])
+    assert "wrong secret for tenant 'team-a'" in log, log[-3000:]
+
+
 def test_two_models_never_hit_each_other(models, tmp_path, start_daemon):
     m1, m2 = models
     daemon = start_daemon(capacity="64MiB", segment="1MiB")
