@@ -1,5 +1,5 @@
-"""`kvstore serve | stats | top | ls | resize | tenants | evict | flush | ping | verify | hint | workflows`: human tables by
-default, `--json` for scripts."""
+"""`kvstore serve | stats | top | ls | resize | tenants | evict | flush | ping | verify | hint | workflows`: human
+tables by default, `--json` for scripts."""
 from __future__ import annotations
 
 import argparse

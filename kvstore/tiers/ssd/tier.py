@@ -140,6 +140,20 @@ class SsdTier:
                 self._urgent[key] = None
             return buf
 
+    def wait_room(self, nbytes: int, timeout: float) -> int:
+        """(Without the daemon's state lock.) Wait until `nbytes` of staging (at most all of it) are free, or
+        `timeout`; the free bytes. An operator's eviction (`kvstore evict --all`) moves blocks down in chunks that
+        fit, instead of evicting faster than the disk writes and dropping what staging cannot hold."""
+        deadline = time.monotonic() + timeout
+        want = min(nbytes, self.cfg.staging_bytes)
+        with self.lock:
+            while self.cfg.staging_bytes - self.staged_bytes < want:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.lock.wait(left)
+            return self.cfg.staging_bytes - self.staged_bytes
+
     def fill(self, key: bytes, buf: StagingBuffer, data: memoryview) -> None:
         """(Without the daemon's state lock.) Copy the evicted block's bytes into the buffer `stage` gave
         (numpy, without the GIL), then publish it: readers may take it, the writer may write it (unless it was
@@ -191,6 +205,7 @@ class SsdTier:
                         if isinstance(v, mmap.mmap):       # no one else holds it: reuse it, faulted in already
                             self._spare.setdefault(len(v), []).append(v)
                 gone = self._unstaged_locked([k for k, _ in batch])
+                self.lock.notify_all()                     # an operator's eviction waiting for staging room
             _call(gone)
 
     def _next_batch(self) -> tuple[list[tuple[bytes, bytes | bytearray | mmap.mmap]], Lane]:
