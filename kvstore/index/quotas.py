@@ -74,6 +74,10 @@ class Quotas:
         """Whether any tenant has a guarantee or a cap; else the pool is one shared LRU."""
         return not self.lending or self.default > 0 or any(self.quotas.values())
 
+    def total(self) -> int:
+        """The bytes guaranteed: every listed quota and the default one (which any unlisted tenant may claim)."""
+        return sum(self.quotas.values()) + self.default
+
     def set(self, tenant: str, nbytes: int) -> None:
         """A quota changed at run time: O(1). Lowered below what the tenant holds, it becomes a borrower of the
         difference (taken back as others need it); raised, it reclaims as its load needs. ValueError where the

@@ -235,6 +235,10 @@ def test_quotas_change_online_from_the_cli(tmp_path, daemons):
         # quotas past the pool's capacity are refused, and the refusal says why
         out = cli("set", "a", "--host", "7MiB")
         assert out.returncode == 1 and "over the pool's capacity" in out.stderr, out
+        with d.client() as c:                                # nor may the pool shrink below the quotas
+            with pytest.raises(KVStoreError) as e:
+                c.resize(6 * MIB)
+            assert e.value.code == "bad_request" and "quotas total 8388608 bytes" in e.value.message
         out = cli("set", "nobody", "--host", "1MiB")
         assert out.returncode == 1 and "no tenant 'nobody'" in out.stderr, out
     finally:
