@@ -118,7 +118,7 @@ def op_resize(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     quotas = st.index.quotas.total()
     if m["bytes"] < quotas:
         raise ProtocolError(Code.BAD_REQUEST, f"resize: the tenants' host quotas total {quotas} bytes, above "
-                                              f"{m['bytes']}: lower them first (kvstore tenants set NAME --host SIZE)")
+                                              f"{m['bytes']}: lower them first (kvstore tenants set NAME --host N)")
     r = st.index.resize(m["bytes"])
     return {"capacity": r.capacity, "released_segments": r.released_segments, "evicted": r.evicted,
             "draining_bytes": r.draining_bytes, "mapped_bytes": st.pool.mapped_bytes, "seconds": r.seconds}
