@@ -49,7 +49,7 @@ echo "results of this run: $OUT"
 # the comparisons first, then the project's own benchmarks; any new bench_*.py is picked up at the end.
 # remote (the remote tier against Mooncake's own client and LMCache's Mooncake backend) and multinode (an agent
 # trace on several nodes with and without the remote tier) start their own mooncake_master: .venv-bench's
-ORDERED="vs_lmcache agentic remote multinode pool index ssd ssd_tier durability vllm_ttft"
+ORDERED="vs_lmcache agentic remote multinode pool index ssd ssd_tier durability tenants vllm_ttft"
 ALL=$ORDERED
 for f in bench/bench_*.py; do
     n=$(basename "$f" .py); n=${n#bench_}

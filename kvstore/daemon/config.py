@@ -60,6 +60,8 @@ class TenancyConfig:
     lending: bool = True                # a tenant may grow past its quota into memory no one else needs now
     window_s: float = 60.0              # a lender's segment untouched this long is idle: it may be lent
     default_host: int = 0               # the quota of a tenant not listed (the daemon's user "", "uid:<n>")
+    compact_bytes: int = 16 << 20       # of a segment going to another tenant, its blocks moved to the owner's other
+                                        # segments (evicting the owner's coldest instead): copied under the lock
     unknown: str = "share"              # share | refuse: a hello from a user of no listed tenant (but the daemon's)
 
 
@@ -177,7 +179,7 @@ SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "remot
 SIZE_FIELDS = {("server", "max_frame_bytes"), ("server", "min_block_bytes"), ("pool", "capacity"),
                ("pool", "segment_bytes"), ("ssd", "capacity"), ("ssd", "staging_bytes"),
                ("remote", "segment_bytes"), ("remote", "buffer_bytes"), ("remote", "staging_bytes"),
-               ("tenancy", "default_host")}
+               ("tenancy", "default_host"), ("tenancy", "compact_bytes")}
 LISTS = ("tenants",)    # top-level lists, not sections: set by file only (a secret does not belong in the env)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

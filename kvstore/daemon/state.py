@@ -100,7 +100,8 @@ def build_state(config: Config) -> State:
     pool = HostPool(config.pool.capacity, config.pool.segment_bytes)
     demotion = Demotion(lower.first, pool, counters) if lower else None
     t = config.tenancy
-    quotas = Quotas(pool, {x.name: x.host for x in config.tenants}, t.default_host, t.lending, t.window_s)
+    quotas = Quotas(pool, {x.name: x.host for x in config.tenants}, t.default_host, t.lending, t.window_s,
+                    compact_bytes=t.compact_bytes)
     index = Index(pool, config.pool.eviction, demotion, counters, workflows=workflows, quotas=quotas)
     prefetcher = Prefetcher(index, pool, lower, changed, counters) if lower else None
     copy_evicted = partial(copy_deferred, demotion, index, lock, False)

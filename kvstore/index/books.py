@@ -24,6 +24,7 @@ a time, and the caller may let go of the lock between chunks. A request the book
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
@@ -42,6 +43,9 @@ from kvstore.tiers.host import HostPool, Segment
 
 RESERVED, EXISTS, IN_PROGRESS, NO_SPACE = (ReserveStatus.RESERVED, ReserveStatus.EXISTS, ReserveStatus.IN_PROGRESS,
                                           ReserveStatus.NO_SPACE)
+
+
+CLOCK_SAMPLE_S = 0.05      # how finely the recency clock is mapped to time
 
 
 class Index(CapacityBooks):
@@ -65,6 +69,26 @@ class Index(CapacityBooks):
         self.moving: deque[Segment] = deque()       # lent segments still being emptied by drain steps
         self.counters: Counter[str] = Counter() if counters is None else counters
         self._clock = 1                             # advances per commit and acquire: recency across sizes
+        self._clock_times: deque[tuple[int, float]] = deque([(1, time.monotonic())])   # when the clock was where
+
+    def _advance(self) -> None:
+        """The recency clock moves on (a commit or an acquire); when it did so is noted every CLOCK_SAMPLE_S, so
+        that a block's last use (a clock value) can be told in time (`used_at`: the lending window)."""
+        self._clock += 1
+        now = time.monotonic()
+        times = self._clock_times
+        if now - times[-1][1] >= CLOCK_SAMPLE_S:
+            times.append((self._clock, now))
+            horizon = now - 2 * self.quotas.window_s
+            while len(times) > 2 and times[1][1] < horizon:
+                times.popleft()
+
+    def used_at(self, clock: int) -> float:
+        """About when (time.monotonic(), within CLOCK_SAMPLE_S) the clock stood at `clock`; a clock older than the
+        samples kept (twice the lending window) is answered with the oldest sample's time."""
+        times = self._clock_times
+        i = bisect.bisect_right(times, clock, key=lambda t: t[0])
+        return times[max(0, i - 1)][1]
 
     # ----- namespaces -----
     def register(self, spec: NamespaceSpec, holder: Holdings) -> NamespaceEntry:
@@ -107,7 +131,7 @@ class Index(CapacityBooks):
             holder.pins[gid] += 1
             gids.append(gid)
         self.counters["gets"] += len(gids)
-        self._clock += 1
+        self._advance()
         return gids
 
     def release(self, gids: list[int], holder: Holdings) -> None:
@@ -319,7 +343,7 @@ class Index(CapacityBooks):
                 if before in self.table:
                     self.policy.accessed(before, touch)
         self.counters["puts"] += len(full)
-        self._clock += 1
+        self._advance()
         return len(full)
 
     def _publish(self, ns: NamespaceEntry, key: bytes, gid: int, crc: int | None = None,
@@ -327,7 +351,6 @@ class Index(CapacityBooks):
         seg, slot = self._seg_slot(gid)
         seg.keys[slot] = key
         seg.used[slot] = self._clock
-        seg.touched = time.monotonic()
         seg.crc[slot] = crc
         self.table.insert(key, gid, ns.cls)
         self.policy.added(key, ns.cls, touch)
@@ -401,7 +424,6 @@ class Index(CapacityBooks):
     def _pin(self, key: bytes, gid: int, touch: Touch | None = None) -> None:
         seg = self.pool.segment_of(gid)
         seg.used[gid & 0xFFFFFFFF] = self._clock
-        seg.touched = time.monotonic()
         if self.pins[gid] == 0:
             self.policy.pinned(key)
             seg.busy += 1

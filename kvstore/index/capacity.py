@@ -98,8 +98,11 @@ class CapacityBooks:
     quotas: Quotas
     on_evict: EvictionSink | None
     _kept_own: bool = False     # the last allocation refused to evict a block of the put's own chain
+    _compacting: Segment | None = None   # a segment whose blocks `_compact` moves out (released by `_retire`)
 
     def _unpin(self, gid: int) -> None: raise NotImplementedError
+
+    def used_at(self, clock: int) -> float: raise NotImplementedError
 
     # ----- operator eviction and resize -----
     def evict(self, nid: int | None = None, nbytes: int = 0, everything: bool = False) -> tuple[int, int]:
@@ -197,13 +200,13 @@ class CapacityBooks:
                 if seg is not None:             # ScaleUp: one segment of borrowed memory comes back
                     t0 = t0 or time.perf_counter()
                     q.took(seg, tenant, reclaim=True)
-                    self._retire(seg, for_room=True)
+                    self._hand_over(seg, tenant)
                     continue
             key = self.policy.victim(cls)
             stale = self._staler_segment(slot, key) if len(self.pool.classes) > 1 else None
             if stale is not None:
                 q.took(stale, tenant, reclaim=False)
-                self._retire(stale, for_room=True)   # memory moves to this class: a new segment fits
+                self._hand_over(stale, tenant)      # memory moves to this class: a new segment fits
             elif protect is not None and key is not None and (key in protect or not self._admitted(key, touch)):
                 self.counters["kept_own_chain" if key in protect else "not_admitted"] += 1
                 self._kept_own = True
@@ -238,7 +241,7 @@ class CapacityBooks:
             seg, i = self._where(key)
             used = seg.used[i]
             if seg.busy == 0 and not seg.draining and used < mine and (best is None or used < best[0]) \
-                    and self.quotas.may_take(seg, slot[0], now):
+                    and self.quotas.may_take(seg, slot[0], self.used_at(used), now):
                 best = (used, seg)
         return None if best is None else best[1]
 
@@ -256,13 +259,90 @@ class CapacityBooks:
         quota lets it take (kvstore.index.quotas)."""
         now = time.monotonic()
         idle = [s for s in self.pool.segments.values() if s.slot_key != slot and s.busy == 0 and not s.draining
-                and self.quotas.may_take(s, slot[0], now)]
+                and self.quotas.may_take(s, slot[0], self._cold_at(s), now)]
         while idle and not self.pool.fits(slot[1]):
             seg = min(idle, key=lambda s: s.live)
             idle.remove(seg)
             self.quotas.took(seg, slot[0], reclaim=False)
-            self._retire(seg, for_room=True)
+            self._hand_over(seg, slot[0])
         return self.pool.fits(slot[1]) and self.quotas.may_grow(slot[0], self.pool.segment_size(slot[1]))
+
+    def _cold_at(self, seg: Segment) -> float:
+        """When the coldest block of the segment's class was last used (now if it has none)."""
+        cls = self.namespaces.classes.get(seg.slot_key)
+        key = self.policy.victim(cls) if cls is not None else None
+        if key is None:
+            return time.monotonic()
+        other, i = self._where(key)
+        return self.used_at(other.used[i])
+
+    # ----- memory moving between tenants -----
+    def _hand_over(self, seg: Segment, taker: str) -> None:
+        """Retire `seg` for an allocation of `taker`; a segment of another tenant is compacted first, so that its
+        owner loses its coldest blocks, not the ones that shared the segment. (Only under a policy whose books
+        follow keys, not slots — LRU; the workflow policy's rows are per slot: its segments go as they stand.)"""
+        if seg.tenant != taker and getattr(self.policy, "by_key", False):
+            self._compact(seg)
+        self._retire(seg, for_room=True)
+
+    def _compact(self, seg: Segment) -> int:
+        """Move the segment's most recently used unpinned blocks, up to `quotas.compact_bytes`, into free slots of
+        its owner's other segments of that size, evicting the owner's coldest blocks there for room (copied down at
+        once: their slots are written next). A block that is itself the coldest leaves with the segment, and so do
+        the blocks beyond the budget (their copies made off the lock, as for any retiring segment). Under the state
+        lock: at most twice the budget in copies (16 MiB: a few ms here). Returns the blocks moved."""
+        cls = self.namespaces.classes.get(seg.slot_key)
+        budget = self.quotas.compact_bytes // seg.slot_bytes
+        if cls is None or budget <= 0:
+            return 0
+        self.pool.drain(seg)                            # its free slots are no one's from here on
+        self._compacting = seg                          # ... and it stays until `_retire` releases or lends it
+        hot = sorted((s for s in range(seg.nslots) if seg.keys[s] is not None), key=lambda s: -seg.used[s])
+        moved = 0
+        try:
+            for slot in hot[:budget]:
+                key, gid = seg.keys[slot], gid_of(seg.id, slot)
+                if key is None or self.table.get(key) != gid or self.pins[gid]:
+                    continue
+                dst = self._room_beside(seg, cls, key)
+                if dst is None:
+                    break                               # nothing of the owner is colder: the rest go with it
+                if dst:
+                    self._move(key, gid, dst)
+                    moved += 1
+        finally:
+            self._compacting = None
+        self.counters["blocks_compacted"] += moved
+        return moved
+
+    def _room_beside(self, seg: Segment, cls: int, key: bytes) -> int | None:
+        """A free slot for `key` in another segment of its class: a free one, else one freed by evicting the
+        class's coldest block (its copy down made now). 0 when `key` itself was evicted as the coldest; None when
+        the class has no block left to evict outside `seg`."""
+        while True:
+            gid = self.pool.allocate(seg.slot_bytes, seg.tenant, grow=False)
+            if gid is not None:
+                return gid
+            victim = self.policy.victim(cls)
+            if victim is None:
+                return None
+            at = self.table.get(victim)
+            self._remove(victim, evicted=True, now=True)
+            if victim == key:
+                return 0
+            if at is not None and at >> 32 == seg.id:
+                continue                                # it was in the segment anyway: no room made elsewhere
+
+    def _move(self, key: bytes, src: int, dst: int) -> None:
+        """Relocate an unpinned block between two slots of one class: bytes, CRC, recency; its key keeps its place in
+        the policy's order (no client holds the old slot: only pinned slots are read by clients)."""
+        s_seg, s = self._seg_slot(src)
+        d_seg, d = self._seg_slot(dst)
+        with self.pool.view(src) as a, self.pool.view(dst) as b:
+            b[:] = a
+        d_seg.keys[d], d_seg.used[d], d_seg.crc[d] = key, s_seg.used[s], s_seg.crc[s]
+        self.table.set_value(key, dst)
+        self.pool.free(src)
 
     # ----- leaving the pool -----
     def _retire(self, seg: Segment, for_room: bool = False) -> int:
@@ -346,9 +426,10 @@ class CapacityBooks:
             return False
         return self._remove(key, evicted=True)
 
-    def _remove(self, key: bytes, evicted: bool = False, keep: bool = False) -> bool:
+    def _remove(self, key: bytes, evicted: bool = False, keep: bool = False, now: bool = False) -> bool:
         """Take a block out of the host pool; an evicted one goes to the eviction sink, which may hold its slot.
-        With `keep` (only from `_evict_for_slot`), its unpinned slot stays allocated for the caller."""
+        With `keep` (only from `_evict_for_slot`), its unpinned slot stays allocated for the caller; with `now`,
+        the sink copies it at once (its slot is written next, under the same lock)."""
         self.policy.removed(key)                        # while the key table still has it
         gid = self.table.remove(key)
         if gid is None:
@@ -360,7 +441,7 @@ class CapacityBooks:
             self.quotas.of(ns.tenant).evictions += 1
             if self.on_evict is not None:
                 seg = self.pool.segment_of(gid)
-                e = Eviction(ns.block_id(key[4:]), gid, ns.slot_bytes, keep, seg.draining, seg.urgent)
+                e = Eviction(ns.block_id(key[4:]), gid, ns.slot_bytes, keep, seg.draining, seg.urgent or now)
                 if self.on_evict(e) and not keep:
                     self.pins[gid] += 1                 # held for the sink's copy, keeping its segment alive:
                     seg.busy += 1                       # `let_go` frees it
@@ -385,7 +466,7 @@ class CapacityBooks:
     def _free(self, gid: int) -> None:
         seg = self.pool.segment_of(gid)
         self.pool.free(gid)
-        if seg.draining and seg.live == 0:
+        if seg.draining and seg.live == 0 and seg is not self._compacting:
             self.pool.release(seg, seg.urgent)
 
     def _unbusy(self, seg: Segment) -> None:

@@ -4,16 +4,21 @@ A tenant's quota is host-pool memory guaranteed to it; what it *holds* is the by
 draining). Memory moves between tenants a whole segment at a time: the segment is the elastic unit.
 
 - **Reclaim (ScaleUp).** A tenant within its quota (holding + one segment <= quota) that needs memory when the pool
-  is full takes it back from a borrower (a tenant holding more than its quota): the borrower's stalest idle segment
-  is retired for it, its blocks demoted where a lower tier exists (else dropped). It grows by exactly the demand
-  that came (one segment per allocation that found no slot), within one allocation: the reclaim latency is that
-  allocation's (`reclaim_seconds`).
+  is full takes it back from a borrower (a tenant holding more than its quota): one idle segment of the borrower is
+  retired for it. It grows by exactly the demand that came (one segment per allocation that found no slot), within
+  one allocation: the reclaim latency is that allocation's (`reclaim_seconds`).
 - **Borrowing (lending on).** A tenant at or over its quota may create segments while the pool has room, and take a
   segment of another tenant only where that tenant stays at or above its quota (another borrower: memory follows
-  use among them), or where the segment is idle — untouched for `window_s` (ScaleDown: a lender keeps the memory
-  its demand of the last window touched; what it did not touch is lent). A tenant is never pushed below its quota
-  by another's load, except by its idle segments while lending is on (the point of lending) and, in a reclaim, by
-  less than one segment where no borrower is a whole segment over (quotas hold to the segment).
+  use among them), or where that tenant's coldest block has not been used for `window_s` (ScaleDown: a lender
+  keeps the memory its demand of the last window used; the rest is lent). A tenant is never pushed below its quota
+  by another's load, except through blocks idle for the window while lending is on (the point of lending) and, in
+  a reclaim, by less than one segment where no borrower is a whole segment over (quotas hold to the segment).
+- **What the owner loses** when a segment of it goes is decided by its own policy, not by which blocks happen to
+  share the segment (sessions interleave: one request's chain spans most of a tenant's segments, so retiring any
+  segment as it stands cut every hot chain — measured, bench_tenants): the books first move the segment's blocks
+  into the owner's other segments, evicting the owner's coldest blocks for room (kvstore.index.capacity,
+  `_compact`; its most recently used `compact_bytes` of them, copied under the state lock: the bound on that
+  stall). The rest leave with the segment as before.
 - **Static partitions (lending off).** A tenant never holds more than its quota.
 - With no quota anywhere and lending on (the default), every tenant is a borrower with nothing to protect: one LRU
   shared by all, as before quotas existed.
@@ -52,6 +57,7 @@ class Quotas:
     default: int = 0                                        # the quota of a tenant not listed
     lending: bool = True
     window_s: float = 60.0
+    compact_bytes: int = 16 << 20                           # a segment's blocks moved, not dropped, when it goes
     figures: dict[str, TenantFigures] = field(default_factory=dict)
     reclaim_seconds: Histogram = field(default_factory=Histogram)
     counters: Counter[str] = field(default_factory=Counter)
@@ -97,8 +103,9 @@ class Quotas:
         """Whether the tenant may map a new segment of `nbytes` where the pool has room."""
         return self.lending or self.within(tenant, nbytes)
 
-    def may_take(self, seg: Segment, taker: str, now: float) -> bool:
-        """Whether an allocation of `taker` may retire `seg` (of another class) for its memory."""
+    def may_take(self, seg: Segment, taker: str, cold_at: float, now: float) -> bool:
+        """Whether an allocation of `taker` may retire `seg` (of another class) for its memory; `cold_at`: when
+        the owner's coldest block (its policy's victim) was last used."""
         owner = seg.tenant
         if owner == taker:
             return True                          # its own memory, another block size
@@ -106,13 +113,14 @@ class Quotas:
             return False                         # static partitions: never past the quota
         if self.held(owner) - seg.size >= self.quota(owner):
             return True                          # another borrower, left at or above its quota
-        return self.lending and now - seg.touched >= self.window_s   # a lender's idle segment
+        return self.lending and now - cold_at >= self.window_s   # a lender holding memory its demand left idle
 
     def borrowed_segment(self, taker: str) -> Segment | None:
         """(ScaleUp.) A borrower's segment for a tenant within its quota: idle (nothing pinned or reserved), of a
-        tenant left at or above its quota if any, else of one holding more than its quota; the least recently
-        touched. None if no tenant borrows."""
-        best: tuple[bool, float, Segment] | None = None
+        tenant left at or above its quota if any, else of one holding more than its quota; the one with the fewest
+        blocks (the books move its blocks into the owner's other segments first, evicting the owner's coldest
+        ones: which segment goes decides only what is copied). None if no tenant borrows."""
+        best: tuple[bool, int, Segment] | None = None
         for cls in self.pool.classes.values():
             owner = cls.tenant
             if owner == taker:
@@ -123,7 +131,7 @@ class Quotas:
             for seg in cls.segments.values():
                 if seg.busy or seg.draining:
                     continue
-                rank = (held - seg.size < quota, seg.touched, seg)
+                rank = (held - seg.size < quota, seg.live, seg)
                 if best is None or rank[:2] < best[:2]:
                     best = rank
         return None if best is None else best[2]

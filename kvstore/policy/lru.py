@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 class LruPolicy:
     """The host pool's LRU, on the key table's per-class intrusive lists."""
     name = "lru"
+    by_key = True           # its books follow the key, not the slot: a block may move between slots (compaction)
 
     def __init__(self, table: KeyTable) -> None:
         self.table = table

@@ -32,7 +32,6 @@ import mmap
 import os
 import queue
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -76,7 +75,6 @@ class Segment:
     copying: int = 0              # slots held only until their demotion copy is made (part of `busy`)
     walk_at: int = -1             # lent: the next slot whose block a drain step evicts (-1: not being walked)
     tenant: str = ""              # whose blocks it holds (only that tenant's connections get its fd)
-    touched: float = 0.0          # monotonic time of its last store or read (idle segments may be lent)
 
     @property
     def slot_key(self) -> tuple[str, int]:
@@ -185,7 +183,7 @@ class HostPool:
             os.close(fd)                  # whatever failed, the memfd does not leak
             raise
         seg = Segment(seg_id, slot_bytes, n, fd, list(range(n - 1, -1, -1)), [None] * n, [0] * n, [None] * n,
-                      tenant=tenant, touched=time.monotonic())
+                      tenant=tenant)
         cls = self.classes.setdefault(seg.slot_key, SlotClass(slot_bytes, tenant))
         cls.segments[seg_id] = seg
         cls.with_free[seg_id] = seg

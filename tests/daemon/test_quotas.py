@@ -109,6 +109,32 @@ def test_a_borrower_gives_memory_back_and_never_pushes_the_lender_below_its_quot
         b.close()
 
 
+def test_memory_taken_back_costs_the_borrower_its_coldest_blocks_not_its_segment_mates(tmp_path, daemons):
+    """Blocks of one request's chain end up in every segment (sessions interleave): a segment given back as it
+    stands cut every hot chain (bench_tenants). The segment's blocks move into the owner's other segments first, and
+    its coldest blocks go instead."""
+    d = quota_daemon(tmp_path, daemons, {"a": "4MiB", "b": "4MiB"})
+    a, b = Tenant(d, "a"), Tenant(d, "b")
+    try:
+        assert a.put(0, 8 * PER_SEG) == 8 * PER_SEG          # block i in a's segment i // PER_SEG
+        hot = [s * PER_SEG + PER_SEG - 1 for s in range(8)]   # one hot block in each of a's 8 segments
+        for i in hot:
+            assert a.intact(i, 1)
+        assert b.put(0, 4 * PER_SEG) == 4 * PER_SEG           # 4 segments go back to b
+        r = rows(d)
+        assert (r["a"]["used_bytes"], r["b"]["reclaims"]) == (4 * MIB, 4)
+        assert sum(a.held(i, 1) for i in hot) == 8, "a lost hot blocks that merely shared a segment"
+        assert all(a.intact(i, 1) for i in hot)
+        assert a.held(0, 1) == 0                                # its coldest went instead
+        held = sum(a.held(i, 1) for i in range(8 * PER_SEG))
+        assert held == 4 * PER_SEG                              # a's 4 MiB are full: 8 hot + the 24 most recent
+        with d.client() as c:
+            assert c.stats()["counters"]["blocks_compacted"] > 0
+    finally:
+        a.close()
+        b.close()
+
+
 def test_static_partitions_never_lend(tmp_path, daemons):
     d = quota_daemon(tmp_path, daemons, {"a": "4MiB", "b": "4MiB"}, lending=False)
     a, b = Tenant(d, "a"), Tenant(d, "b")
