@@ -148,11 +148,12 @@ def ssd_settled(c: Client, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         s = c.stats()
-        lanes = s["traffic"][0]["lanes"].values()
+        ssd = next(t for t in s["tiers"] if t["tier"] == "ssd")
+        lanes = [r for p in s["traffic"] if p["path"] in ("ssd", "mem") for r in p["lanes"].values()]
         wt = s.get("write_through") or {"queued": 0, "writing": 0}
-        if s["tiers"][1]["staged_blocks"] == 0 and s["pinned"] == 0 and not wt["queued"] and not wt["writing"] and \
+        if ssd["staged_blocks"] == 0 and s["pinned"] == 0 and not wt["queued"] and not wt["writing"] and \
                 not any(r["queued"] or r["in_flight"] for r in lanes):
             return s
         if time.monotonic() > deadline:
-            raise AssertionError(f"the SSD tier did not settle in {timeout} s: {s['tiers'][1]}, {s['traffic']}")
+            raise AssertionError(f"the SSD tier did not settle in {timeout} s: {ssd}, {s['traffic']}")
         time.sleep(0.01)

@@ -147,6 +147,20 @@ class RemoteConfig:
 
 
 @dataclass(slots=True)
+class DonatedConfig:
+    """The donated tier (kvstore.tiers.donated, SwiftCache §3.2): memory an engine lends the daemon while it does not
+    need it (shared memory, or GPU memory by CUDA IPC handle), a tier between the host pool and the SSD, handed back
+    on the donor's demand within its deadline. Donors connect to their own socket (kvstore.client.donor)."""
+    enabled: bool = False               # off: no donated tier, no donors' socket
+    socket: str = ""                    # empty: donate.sock beside server.socket
+    kind: str = "memfd"                 # memfd (shared memory, any machine) | cuda (GPU memory by CUDA IPC handle)
+    max_bytes: int = 0                  # all donated regions together; 0: no cap (donors lend what they have)
+    max_donors: int = 16                # donor connections at once
+    max_deadline_ms: int = 60000        # a reclaim asking for a longer deadline gets this one
+    in_flight: int = 2                  # copies the tier's path runs at once (its worker threads)
+
+
+@dataclass(slots=True)
 class LogConfig:
     level: str = "info"
 
@@ -163,6 +177,7 @@ class Config:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     log: LogConfig = field(default_factory=LogConfig)
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)
+    donated: DonatedConfig = field(default_factory=DonatedConfig)
     tenants: list[TenantConfig] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,11 +190,11 @@ class Config:
 SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "remote": RemoteConfig,
             "traffic": TrafficConfig,
             "metrics": MetricsConfig, "hints": HintsConfig, "prefetch": PrefetchConfig,
-            "log": LogConfig, "tenancy": TenancyConfig}
+            "log": LogConfig, "tenancy": TenancyConfig, "donated": DonatedConfig}
 SIZE_FIELDS = {("server", "max_frame_bytes"), ("server", "min_block_bytes"), ("pool", "capacity"),
                ("pool", "segment_bytes"), ("ssd", "capacity"), ("ssd", "staging_bytes"),
                ("remote", "segment_bytes"), ("remote", "buffer_bytes"), ("remote", "staging_bytes"),
-               ("tenancy", "default_host"), ("tenancy", "compact_bytes")}
+               ("tenancy", "default_host"), ("tenancy", "compact_bytes"), ("donated", "max_bytes")}
 LISTS = ("tenants",)    # top-level lists, not sections: set by file only (a secret does not belong in the env)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -392,6 +407,7 @@ def _check(cfg: Config) -> list[str]:
     errors += _check_hints(cfg.hints)
     errors += _check_prefetch(cfg.prefetch)
     errors += _check_tenancy(cfg)
+    errors += _check_donated(cfg.donated)
     if cfg.log.level not in LOG_LEVELS:
         errors.append(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}")
     return errors
@@ -412,6 +428,21 @@ def _check_tenancy(cfg: Config) -> list[str]:
         errors.append(f"tenants: the host quotas ({quotas} bytes, tenancy.default_host included) exceed "
                       f"pool.capacity ({cfg.pool.capacity} bytes): a quota is a guarantee; lower them or grow the "
                       "pool")
+    return errors
+
+
+def _check_donated(d: DonatedConfig) -> list[str]:
+    errors = []
+    if d.kind not in ("memfd", "cuda"):
+        errors.append(f"donated.kind: must be memfd or cuda, got {d.kind!r}")
+    if d.socket and not os.path.isabs(d.socket):
+        errors.append(f"donated.socket: must be an absolute path (or empty: beside server.socket), got {d.socket!r}")
+    if not 1 <= d.max_donors <= 1024:
+        errors.append(f"donated.max_donors: must be 1..1024, got {d.max_donors}")
+    if not 0 <= d.max_deadline_ms <= 3_600_000:
+        errors.append(f"donated.max_deadline_ms: must be 0..3600000, got {d.max_deadline_ms}")
+    if not 1 <= d.in_flight <= 64:
+        errors.append(f"donated.in_flight: must be 1..64, got {d.in_flight}")
     return errors
 
 

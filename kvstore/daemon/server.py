@@ -322,10 +322,10 @@ class Daemon:
             st.write_through.close()         # before the pool closes: its writes read from the slots
         if st.publisher is not None:
             st.publisher.close()
-        if st.lower and st.lower.first.name == "ssd" and self.config.ssd.persist_on_stop:
+        ssd = st.lower.named("ssd") if st.lower else None
+        if ssd is not None and self.config.ssd.persist_on_stop:
             t0 = time.monotonic()
             with st.lock:
-                written, left = persist_host_pool(st.index, st.pool, st.lower.first,
-                                                  self.config.server.shutdown_timeout_s)
-            log.info("%s: wrote %d block(s) of the host pool in %.1f s for the next start%s", st.lower.first.name,
-                     written, time.monotonic() - t0, f"; {left} left out (shutdown_timeout_s)" if left else "")
+                written, left = persist_host_pool(st.index, st.pool, ssd, self.config.server.shutdown_timeout_s)
+            log.info("%s: wrote %d block(s) of the host pool in %.1f s for the next start%s", ssd.name, written,
+                     time.monotonic() - t0, f"; {left} left out (shutdown_timeout_s)" if left else "")

@@ -119,8 +119,9 @@ def build_state(config: Config) -> State:
         predictive = PredictivePrefetch(config.prefetch, workflows, index, pool, lower, prefetcher, lock,
                                         copy_evicted)
     write_through = None
-    if lower and isinstance(lower.first, DurableTier):     # durable commits and flushes, even without write_through
-        write_through = WriteThrough(index, pool, lower.first, changed, counters, config.ssd.staging_bytes,
+    durable = next((t for t in lower if isinstance(t, DurableTier)), None) if lower else None
+    if durable is not None:                              # durable commits and flushes, even without write_through
+        write_through = WriteThrough(index, pool, durable, changed, counters, config.ssd.staging_bytes,
                                      enabled=config.ssd.write_through, synced=config.ssd.sync != "never",
                                      pin_cap=int(config.pool.capacity * config.server.max_reserved_fraction))
     hints = Hints(workflows, config.hints, on_call=predictive.called if predictive is not None else None,

@@ -17,6 +17,11 @@ TIER_TYPES: dict[str, str] = {
     "ssd": "kvstore.tiers.ssd.tier",
     "remote": "kvstore.tiers.remote.tier",
 }
+# Tiers that sit above the others (faster, and they move their blocks down to the tier below them): opened after
+# them, given the first of them as `below`, and placed first (evictions from the host pool go to it).
+STACKED: dict[str, str] = {
+    "donated": "kvstore.tiers.donated.tier",
+}
 
 
 def open_lower_tiers(config: Config, traffic: TrafficManager, workflows: Workflows | None = None) -> LowerTiers:
@@ -28,6 +33,11 @@ def open_lower_tiers(config: Config, traffic: TrafficManager, workflows: Workflo
             tier = importlib.import_module(module).open_tier(config, traffic, workflows)
             if tier is not None:
                 opened.append(tier)
+        for module in STACKED.values():
+            tier = importlib.import_module(module).open_tier(config, traffic, workflows,
+                                                             below=opened[0] if opened else None)
+            if tier is not None:
+                opened.insert(0, tier)
     except BaseException:
         LowerTiers(opened).close()
         raise

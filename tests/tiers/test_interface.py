@@ -9,7 +9,9 @@ from pathlib import Path
 
 import kvstore
 from kvstore.tiers import LowerTier
-from kvstore.tiers.registry import TIER_TYPES
+from kvstore.tiers.registry import STACKED, TIER_TYPES
+
+ALL_TIERS = {**TIER_TYPES, **STACKED}
 
 PACKAGE = Path(kvstore.__file__).parent
 
@@ -31,8 +33,8 @@ def tier_package(module: str) -> str:
 
 
 def test_no_index_op_server_or_mover_names_a_tier_module():
-    tier_modules = tuple(tier_package(m) for m in TIER_TYPES.values())
-    assert tier_modules == ("kvstore.tiers.ssd", "kvstore.tiers.remote")
+    tier_modules = tuple(tier_package(m) for m in ALL_TIERS.values())
+    assert tier_modules == ("kvstore.tiers.ssd", "kvstore.tiers.remote", "kvstore.tiers.donated")
     # daemon/config.py is where a tier registers its configuration section, checked against the tier's own lists
     checked = [p for d in ("index", "daemon", "movers", "policy", "traffic") for p in (PACKAGE / d).glob("*.py")
                if p.name != "config.py"]
@@ -45,7 +47,7 @@ def test_no_index_op_server_or_mover_names_a_tier_module():
 def test_every_registered_tier_implements_the_interface():
     wanted = {name for name in dir(LowerTier) if not name.startswith("_")} | set(LowerTier.__annotations__)
     assert {"stage", "fill", "read", "read_async", "write", "announce", "delete", "has", "path"} <= wanted
-    for module in TIER_TYPES.values():
+    for module in ALL_TIERS.values():
         mod = importlib.import_module(module)
         assert callable(getattr(mod, "open_tier", None)), f"{module} has no open_tier(config, traffic)"
         tier_cls = inspect.signature(mod.open_tier).return_annotation
