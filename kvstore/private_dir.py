@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import stat
 
 __all__ = ["NotPrivateDir", "ensure_private_dir"]
@@ -55,3 +56,36 @@ def _open_dir(path: str, what: str) -> int:
             raise
     raise NotPrivateDir(f"{what} {path} is a symlink or not a directory; refusing to follow it: give the path of "
                         f"a real directory")
+
+
+class SocketServed(OSError):
+    """Another process answers at the socket's path."""
+
+
+class NotASocket(OSError):
+    """Something other than a socket is at the path."""
+
+
+def listen_private(path: str, backlog: int) -> socket.socket:
+    """Listen on a Unix socket at `path`, mode 0600 from its creation (its directory checked by the caller): a stale
+    socket (nobody answers) is replaced; a live one (SocketServed) or any other file (NotASocket) is not."""
+    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise NotASocket(errno.EEXIST, f"{path} exists and is not a socket")
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            raise SocketServed(errno.EADDRINUSE, f"another process serves at {path}")
+        except (ConnectionRefusedError, FileNotFoundError):
+            os.unlink(path)                     # a stale socket from a process that died
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(backlog)
+    return sock

@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 import struct
 import sys
 import threading
@@ -33,7 +32,7 @@ from kvstore.daemon.session import Session
 from kvstore.daemon.state import State, build_state
 from kvstore.daemon.tenants import Peer
 from kvstore.movers.persist import persist_host_pool
-from kvstore.private_dir import NotPrivateDir, ensure_private_dir
+from kvstore.private_dir import NotASocket, NotPrivateDir, SocketServed, ensure_private_dir, listen_private
 from kvstore.protocol import Code, encode, error
 from kvstore.tiers import TierUnavailable
 from kvstore.units import format_size
@@ -71,28 +70,14 @@ def bind_unix(path: str) -> socket.socket:
 
 def _bind_unix(path: str) -> socket.socket:
     prepare_socket_dir(path)
-    if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
-        raise StartupError(f"{path} exists and is not a socket; refusing to replace it (remove it or set "
-                           f"server.socket / KVSTORE_SERVER_SOCKET to another path)")
-    if os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-            raise SocketInUse(f"another kvstore daemon is serving at {path}; stop it first (or set "
-                              f"server.socket / KVSTORE_SERVER_SOCKET to another path)")
-        except (ConnectionRefusedError, FileNotFoundError):
-            os.unlink(path)  # a stale socket from a daemon that died
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
     try:
-        sock.bind(path)
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
-    sock.listen(128)
-    return sock
+        return listen_private(path, 128)
+    except NotASocket:
+        raise StartupError(f"{path} exists and is not a socket; refusing to replace it (remove it or set "
+                           f"server.socket / KVSTORE_SERVER_SOCKET to another path)") from None
+    except SocketServed:
+        raise SocketInUse(f"another kvstore daemon is serving at {path}; stop it first (or set "
+                          f"server.socket / KVSTORE_SERVER_SOCKET to another path)") from None
 
 
 class Daemon:

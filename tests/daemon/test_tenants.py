@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -181,75 +182,23 @@ def test_a_delete_of_blocks_below_races_no_get_into_bringing_them_back(tmp_path,
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second user")
-def test_another_user_gets_a_tenant_of_its_own_and_no_admin_role(start_daemon):
-    """A second uid (a forked child that setuid()s to nobody), with nothing configured: the kernel's credentials
-    give it tenant uid:65534, no admin role, and none of the daemon user's segments or blocks."""
+def as_nobody(d: DaemonProc, act: Callable[[Client], dict[str, object]]) -> dict[str, object]:
+    """Run `act` with a client of the daemon in a forked child that setuid()s to nobody; what it returned (or the
+    error it raised, as {"error": repr}), through a pipe."""
     import json
 
-    d = start_daemon()
     for path, mode in ((d.dir, 0o755), (os.path.dirname(d.socket), 0o755), (d.socket, 0o666)):
         os.chmod(path, mode)                                  # let the other user reach the socket (tests only)
-    with d.client() as root:
-        mine = root.namespace(spec())
-        assert mine.put(hashes(4), [block(i) for i in range(4)]).stored == 4
-        root_live = root.call("segments", ids=[])["live"]
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:                                          # the child: nobody
-            out: dict[str, object] = {}
-            try:
-                os.close(read_end)
-                os.setgid(65534)
-                os.setuid(65534)
-                with Client(d.socket) as c:
-                    out["tenant"] = c.call("hello")["tenant"]
-                    ns = c.namespace(spec())
-                    out["hit"] = ns.lookup(hashes(4))
-                    out["fds"] = len(c._roundtrip("segments", {"ids": root_live}, want_fds=True)[1])
-                    out["listed"] = [n["tenant"] for n in c.list()["namespaces"]]
-                    for name, call in (("resize", lambda: c.resize(1 << 40)), ("evict", lambda: c.evict(1 << 20))):
-                        try:
-                            call()
-                            out[name] = "ok"
-                        except KVStoreError as e:
-                            out[name] = e.code
-            except BaseException as e:  # noqa: BLE001 - said to the parent, which fails the test
-                out["error"] = repr(e)
-            finally:
-                os.write(write_end, json.dumps(out).encode())
-                os._exit(0)
-        os.close(write_end)
-        with os.fdopen(read_end) as f:
-            out = json.loads(f.read() or "{}")
-        os.waitpid(pid, 0)
-        assert out == {"tenant": "uid:65534", "hit": 0, "fds": 0, "listed": ["uid:65534"], "resize": "forbidden",
-                       "evict": "forbidden"}
-        outs = [bytearray(GEOM.full_bytes) for _ in range(4)]
-        assert mine.get(hashes(4), outs) == 4 and [bytes(o) for o in outs] == [block(i) for i in range(4)]
-
-
-def test_a_daemon_refusing_unknown_tenants_refuses_another_user(start_daemon):
-    """tenancy.unknown: refuse — a uid no tenant lists (a forked child as nobody) is refused at hello with the
-    setting named; the daemon's own user is still served."""
-    import json
-
-    d = start_daemon(env={"KVSTORE_TENANCY_UNKNOWN": "refuse"})
-    for path, mode in ((d.dir, 0o755), (os.path.dirname(d.socket), 0o755), (d.socket, 0o666)):
-        os.chmod(path, mode)
     read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:
+    if pid == 0:                                              # the child: nobody
         out: dict[str, object] = {}
         try:
             os.close(read_end)
             os.setgid(65534)
             os.setuid(65534)
             with Client(d.socket) as c:
-                try:
-                    c.namespace(spec())
-                    out["hello"] = "ok"
-                except KVStoreError as e:
-                    out["hello"], out["message"] = e.code, e.message
+                out = act(c)
         except BaseException as e:  # noqa: BLE001 - said to the parent, which fails the test
             out["error"] = repr(e)
         finally:
@@ -259,6 +208,52 @@ def test_a_daemon_refusing_unknown_tenants_refuses_another_user(start_daemon):
     with os.fdopen(read_end) as f:
         out = json.loads(f.read() or "{}")
     os.waitpid(pid, 0)
+    return out
+
+
+def test_another_user_gets_a_tenant_of_its_own_and_no_admin_role(start_daemon):
+    """A second uid (a forked child that setuid()s to nobody), with nothing configured: the kernel's credentials
+    give it tenant uid:65534, no admin role, and none of the daemon user's segments or blocks."""
+    d = start_daemon()
+    with d.client() as root:
+        mine = root.namespace(spec())
+        assert mine.put(hashes(4), [block(i) for i in range(4)]).stored == 4
+        root_live = root.call("segments", ids=[])["live"]
+
+        def act(c: Client) -> dict[str, object]:
+            out: dict[str, object] = {"tenant": c.call("hello")["tenant"]}
+            ns = c.namespace(spec())
+            out["hit"] = ns.lookup(hashes(4))
+            out["fds"] = len(c._roundtrip("segments", {"ids": root_live}, want_fds=True)[1])
+            out["listed"] = [n["tenant"] for n in c.list()["namespaces"]]
+            for name, call in (("resize", lambda: c.resize(1 << 40)), ("evict", lambda: c.evict(1 << 20))):
+                try:
+                    call()
+                    out[name] = "ok"
+                except KVStoreError as e:
+                    out[name] = e.code
+            return out
+
+        out = as_nobody(d, act)
+        assert out == {"tenant": "uid:65534", "hit": 0, "fds": 0, "listed": ["uid:65534"], "resize": "forbidden",
+                       "evict": "forbidden"}
+        outs = [bytearray(GEOM.full_bytes) for _ in range(4)]
+        assert mine.get(hashes(4), outs) == 4 and [bytes(o) for o in outs] == [block(i) for i in range(4)]
+
+
+def test_a_daemon_refusing_unknown_tenants_refuses_another_user(start_daemon):
+    """tenancy.unknown: refuse — a uid no tenant lists (a forked child as nobody) is refused at hello with the
+    setting named; the daemon's own user is still served."""
+    d = start_daemon(env={"KVSTORE_TENANCY_UNKNOWN": "refuse"})
+
+    def act(c: Client) -> dict[str, object]:
+        try:
+            c.namespace(spec())
+            return {"hello": "ok"}
+        except KVStoreError as e:
+            return {"hello": e.code, "message": e.message}
+
+    out = as_nobody(d, act)
     assert out.get("hello") == "forbidden" and "tenancy.unknown: refuse" in str(out.get("message")), out
     with d.client() as c:
         assert c.namespace(spec()).put(hashes(2), [block(0), block(1)]).stored == 2

@@ -29,7 +29,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore.private_dir import ensure_private_dir
+from kvstore.private_dir import NotASocket, SocketServed, ensure_private_dir, listen_private
 from kvstore.protocol.codes import Code, ProtocolError
 from kvstore.protocol.frames import FrameReader, Limits, decode, encode
 from kvstore.protocol.schemas import error, ok
@@ -292,25 +292,10 @@ def bind_private(path: str) -> socket.socket:
     one another process serves at is not (TierUnavailable)."""
     try:
         ensure_private_dir(os.path.dirname(path) or ".", "donated socket directory")
-        if os.path.lexists(path):
-            if not stat.S_ISSOCK(os.lstat(path).st_mode):
-                raise TierUnavailable(f"{path} exists and is not a socket; refusing to replace it")
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(path)
-                raise TierUnavailable(f"another process is serving donors at {path}")
-            except (ConnectionRefusedError, FileNotFoundError):
-                os.unlink(path)         # stale: its daemon died
-            finally:
-                probe.close()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            sock.bind(path)
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
-        sock.listen(16)
-        return sock
+        return listen_private(path, 16)
+    except NotASocket:
+        raise TierUnavailable(f"{path} exists and is not a socket; refusing to replace it") from None
+    except SocketServed:
+        raise TierUnavailable(f"another process is serving donors at {path}") from None
     except OSError as e:
         raise TierUnavailable(f"cannot listen for donors at {path}: {e.strerror or e}") from None
