@@ -157,6 +157,10 @@ def test_other_kvstore_variables_are_not_fields():
     ("tenancy", "window_s", 0, "must be 0.01..86400 seconds"),
     ("tenancy", "lending", "often", "expected true or false"),
     ("tenancy", "default_host", "lots", "expected a size"),
+    ("donated", "kind", "tpu", "must be memfd or cuda"),
+    ("donated", "socket", "donate.sock", "must be an absolute path"),
+    ("donated", "max_donors", 0, "must be 1..1024"),
+    ("donated", "in_flight", 0, "must be 1..64"),
 ])
 def test_each_invalid_field_has_its_own_message(tmp_path, section, field, value, fragment):
     with pytest.raises(ConfigError) as e:
@@ -180,7 +184,7 @@ def test_file_and_environment_errors_are_reported_together(tmp_path):
         load_config(path, env={"KVSTORE_METRICS_PORT": "[9100", "KVSTORE_SERVER_MAX_CONNECTIONS": "0"})
     errs = errors_of(e)
     assert len(errs) == 5, errs
-    known = "server, pool, ssd, remote, traffic, metrics, hints, prefetch, log, tenancy, tenants"
+    known = "server, pool, ssd, remote, traffic, metrics, hints, prefetch, log, tenancy, donated, tenants"
     assert any(x.startswith(f"cache: unknown section (known: {known})") for x in errs)
     assert any(x.startswith("pool.colour: unknown field (known: capacity") for x in errs)
     assert any(x.startswith("pool.capacity: expected a size") for x in errs)
