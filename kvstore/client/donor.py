@@ -25,7 +25,7 @@ import socket
 from typing import Any
 
 from kvstore.client.connection import KVStoreError
-from kvstore.protocol.frames import FrameReader, decode, encode
+from kvstore.protocol.frames import FrameReader, decode, encode, send_frame
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 RECLAIM_MARGIN_S = 30.0     # how much longer than its deadline a reclaim's reply may take (copies in flight)
@@ -111,12 +111,7 @@ class Donor:
         data = encode({"op": op, "id": self._ids, **fields})
         self.sock.settimeout(timeout or self.timeout)
         try:
-            if fds:
-                sent = socket.send_fds(self.sock, [data], fds)
-                if sent < len(data):
-                    self.sock.sendall(data[sent:])
-            else:
-                self.sock.sendall(data)
+            send_frame(self.sock, data, fds)
             body = self._frames.next()
             while body is None:
                 chunk = self.sock.recv(1 << 16)

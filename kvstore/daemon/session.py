@@ -33,6 +33,7 @@ from kvstore.protocol import (
     error,
     ok,
 )
+from kvstore.protocol.frames import send_frame
 
 log = logging.getLogger("kvstore")
 REFUSALS: dict[type[Refused], str] = {UnknownNamespace: Code.UNKNOWN_NAMESPACE, NotHeld: Code.NOT_FOUND,
@@ -166,12 +167,7 @@ class Session:
     def _send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
         data = encode(msg)
         try:
-            if fds:
-                sent = socket.send_fds(self.sock, [data], fds)
-                if sent < len(data):
-                    self.sock.sendall(data[sent:])
-            else:
-                self.sock.sendall(data)
+            send_frame(self.sock, data, fds)
         finally:
             for fd in fds or ():
                 os.close(fd)

@@ -30,7 +30,6 @@ one region shared by two block sizes would need. `fragmentation()` reports both,
 from __future__ import annotations
 
 import math
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,7 +185,3 @@ class Quotas:
         return {"active": self.active, "lending": self.lending, "window_s": self.window_s,
                 "reclaims": self.counters["reclaims"], "lent_segments": self.counters["lent_segments"],
                 "reclaim_seconds": self.reclaim_seconds.to_dict()}
-
-
-def now() -> float:
-    return time.monotonic()

@@ -2,6 +2,7 @@
 objects); `FrameReader` is the one reader of a byte stream into frames, on both sides of the socket."""
 from __future__ import annotations
 
+import socket
 import struct
 import threading
 from dataclasses import dataclass
@@ -29,6 +30,16 @@ def _packer() -> msgpack.Packer:
     if p is None:
         p = _local.packer = msgpack.Packer(use_bin_type=True)
     return p
+
+
+def send_frame(sock: socket.socket, data: bytes, fds: list[int] | None = None) -> None:
+    """Send one encoded frame, with file descriptors riding on its first bytes (SCM_RIGHTS) where given."""
+    if fds:
+        sent = socket.send_fds(sock, [data], fds)
+        if sent < len(data):
+            sock.sendall(data[sent:])
+    else:
+        sock.sendall(data)
 
 
 def encode(msg: dict[str, Any]) -> bytes:
