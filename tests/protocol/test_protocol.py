@@ -24,18 +24,31 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 # The wire contract, written out here (not imported) so that a change to it shows up as a failing test.
 # op → {field: (kind, required)}
+_KEYS = {"ns": ("int", True), "keys": ("keys", True)}
+_CONTEXT = {"wf": ("id", False), "agent": ("id", False)}
 SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
-    "ping": {}, "stats": {},
-    "hello": {"namespace": ("map", False), "client": ("str", False)},
+    "ping": {}, "stats": {}, "renew": {}, "tenants": {},
+    "hello": {"namespace": ("map", False), "client": ("str", False), "tenant": ("str", False),
+              "secret": ("str", False)},
     "segments": {"ids": ("ints", True)},
-    **{op: {"ns": ("int", True), "keys": ("keys", True)}
-       for op in ("lookup", "reserve", "commit", "abort", "acquire", "delete")},
+    **{op: {**_KEYS, **_CONTEXT} for op in ("lookup", "reserve")},
+    "commit": {**_KEYS, **_CONTEXT, "crcs": ("ints", False), "durable": ("bool", False),
+               "timeout_ms": ("int", False)},
+    "abort": _KEYS, "delete": _KEYS,
+    "acquire": {**_KEYS, **_CONTEXT, "lane": ("str", False), "stream": ("bool", False)},
     "release": {"slots": ("ints", True)},
-    "list": {"ns": ("int", False), "limit": ("int", False)},
-    "resize": {"bytes": ("int", True)},
+    "list": {"ns": ("int", False), "limit": ("int", False), "tags": ("bool", False)},
+    "resize": {"bytes": ("int", True), "tier": ("str", False)},
     "evict": {"ns": ("int", False), "bytes": ("int", False), "all": ("bool", False)},
+    "prefetch": {**_KEYS, "wait": ("bool", False)},
+    "flush": {"ns": ("int", False), "keys": ("keys", False), "timeout_ms": ("int", False)},
+    "hint": {"kind": ("id", True), "workflow": ("id", False), "session": ("id", False), "type": ("id", False),
+             "agent": ("id", False), "step": ("int", False), "next": ("ids", False), "priority": ("prio", False)},
+    "workflows": {"limit": ("int", False)},
+    "tenant_quota": {"tenant": ("str", True), "host": ("int", True)},
 }
-VALID = {"int": 1, "bool": True, "str": "x", "map": {}, "ints": [1], "keys": bytes(16)}
+VALID = {"int": 1, "bool": True, "str": "x", "map": {}, "ints": [1], "keys": bytes(16), "id": "x", "ids": ["x"],
+         "prio": 1}
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +142,23 @@ def wrong(kind: str) -> st.SearchStrategy[Any]:
                           st.lists(st.integers(-(1 << 63), -1), min_size=1, max_size=3)),
         "keys": st.one_of(st.binary(max_size=100).filter(lambda b: len(b) % 16), st.text(max_size=32),
                           st.lists(st.binary(min_size=16, max_size=16), max_size=3)),
+        "id": st.one_of(st.text(min_size=257, max_size=300), st.just("\u00e9" * 129)),   # 258 bytes of UTF-8
+        "ids": st.one_of(st.just(["a"] * 17), st.lists(st.integers(0, 9), min_size=1, max_size=3)),
+        "prio": st.one_of(st.booleans(), st.integers(-(1 << 63), -1), st.text(min_size=257, max_size=300)),
     }[kind]
 
 
 def base_request(op: str) -> dict[str, Any]:
     return {"v": 1, "op": op, "id": 7, **{name: VALID[kind] for name, (kind, req) in SCHEMAS[op].items() if req}}
+
+
+def test_the_contract_written_here_is_the_daemons():
+    # every op and field the daemon accepts is written out above, so that the fuzzers know what "unknown" means and
+    # a change to the wire contract fails here first, by name
+    from kvstore.protocol.schemas import SCHEMAS as DAEMON
+    assert sorted(DAEMON) == sorted(SCHEMAS)
+    for op, schema in DAEMON.items():
+        assert schema == SCHEMAS[op], op
 
 
 # ----- fuzz -----
