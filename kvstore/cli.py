@@ -312,7 +312,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         headers.insert(1, "tenant")
         for row, n in zip(rows, data["namespaces"]):
             row.insert(1, n.get("tenant") or "-")
-    text = _table(headers, rows)
+    text = _table(headers, rows) + _sharing_tables(data)
     if "keys" in data:
         krows = [[k.hex(), f"{gid >> 32}:{gid & 0xFFFFFFFF}"] for k, gid in data["keys"]]
         kheads = ["hash", "slot"]
@@ -324,6 +324,29 @@ def cmd_ls(args: argparse.Namespace) -> int:
         data["keys"] = [[k.hex(), gid] for k, gid in data["keys"]]
     _out(args, data, text)
     return 0
+
+
+def _sharing_tables(data: dict[str, Any]) -> str:
+    """Share groups that more than one model used or that engines declared, base/residual pairs and forks."""
+    text = ""
+    groups = [g for g in data.get("groups", []) if g["declared"] or len(g["models"]) > 1]
+    if groups:
+        text += "\n\nshare groups\n" + _table(
+            ["group", "models", "namespaces", "blocks", "bytes"],
+            [[g["group"], ", ".join(g["models"]), g["namespaces"], g["blocks"], format_size(g["bytes"])]
+             for g in groups])
+    if data.get("pairs"):
+        text += "\n\nbase/residual pairs (bytes as held, and as whole blocks per agent)\n" + _table(
+            ["base ns", "group", "agents", "base", "residuals", "held", "as whole blocks"],
+            [[p["base"], p["group"], ", ".join(a or "-" for a in p["adapters"]), format_size(p["base_bytes"]),
+              format_size(p["residual_bytes"]), format_size(p["base_bytes"] + p["residual_bytes"]),
+              format_size(p["unified_bytes"])] for p in data["pairs"]])
+    if data.get("forks"):
+        text += "\n\nforks (context blocks: inherited at the fork; base and own residuals held now)\n" + _table(
+            ["child ns", "adapter", "parent ns", "base ns", "context", "inherited", "base held", "residuals held"],
+            [[f["child"], f["adapter"] or "-", "-" if f["parent"] is None else f["parent"], f["base"],
+              f["context_blocks"], f["inherited"], f["base_held"], f["residual_held"]] for f in data["forks"]])
+    return text
 
 
 def _workflows_cell(flows: dict[str, list[str]]) -> str:

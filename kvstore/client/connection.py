@@ -57,15 +57,17 @@ import numpy as np
 from kvstore.client.blocks import Namespace
 from kvstore.client.copier import Copier
 from kvstore.client.hints import SessionHandle, WorkflowHandle
+from kvstore.client.pairs import ForkView, Pair
 from kvstore.protocol import HEADER, VERSION, FrameReader, decode, encode
-from kvstore.protocol.keys import NamespaceSpec
+from kvstore.protocol.keys import NamespaceSpec, pack_keys
 from kvstore.protocol.paths import default_socket_path
 
 MAX_FDS = 253          # segment handles one reply can carry (SCM_RIGHTS)
 RECV_BYTES = 1 << 16   # one recv: a whole small reply, or a large one's next chunk
 QUIET_S = 0.05         # a connection quiet this long is checked for a close by the daemon before the next request
 REPLAYABLE = frozenset({"ping", "hello", "stats", "list", "segments", "lookup", "acquire", "reserve", "prefetch",
-                        "workflows"})
+                        "workflows", "fork"})
+NS_FIELDS = ("ns", "residual", "parent")      # fields that carry a namespace id (renamed through reconnects)
 
 
 class NoDaemon(ConnectionError):
@@ -282,12 +284,17 @@ class Client:
         """The fields, built while connection `since` was current, with its namespace id renamed through every
         reconnect since. Only through those: a restarted daemon numbers namespaces from 1 again, so an id of the
         current connection may be another namespace's id on an earlier one."""
-        nid = fields.get("ns")
-        if nid is None or since == self._epoch:
+        if since == self._epoch or not any(f in fields for f in NS_FIELDS):
             return fields
-        for epoch in range(since + 1, self._epoch + 1):
-            nid = self._renames.get(epoch, {}).get(nid, nid)
-        return {**fields, "ns": nid}
+        out = dict(fields)
+        for name in NS_FIELDS:
+            nid = fields.get(name)
+            if nid is None:
+                continue
+            for epoch in range(since + 1, self._epoch + 1):
+                nid = self._renames.get(epoch, {}).get(nid, nid)
+            out[name] = nid
+        return out
 
     def _reopen_if_closed(self) -> None:
         """If the connection broke, or has been quiet a while and the daemon closed it (an end of stream waits to
@@ -444,6 +451,20 @@ class Client:
         ns = Namespace(self, reply["ns"], spec)
         self._spaces.add(ns)
         return ns
+
+    def pair(self, base: NamespaceSpec, residual: NamespaceSpec) -> Pair:
+        """A base namespace and one adapter's residual namespace (ForkKV), each said hello to; the daemon checks
+        at the pair's first request that they are one model's base (role base) and residual (role residual)."""
+        return Pair(self.namespace(base), self.namespace(residual))
+
+    def fork(self, base: Namespace, child: Namespace, hashes: Sequence[bytes],
+             parent: Namespace | None = None) -> ForkView:
+        """Agent `child` (its residual namespace) forks the context `hashes` over `base`, from `parent`'s residual
+        namespace if named: it inherits the base blocks by reference (nothing is copied) and writes only its
+        residuals. The answer says what the child must still compute (kvstore.client.pairs.ForkView)."""
+        extra = {} if parent is None else {"parent": parent.id}
+        r = self.call("fork", ns=base.id, residual=child.id, keys=pack_keys(hashes), **extra)
+        return ForkView(r["base"], r["host"], r["residual"], r["parent"])
 
     def ping(self) -> dict[str, Any]:
         return self.call("ping")

@@ -21,7 +21,7 @@ from kvstore.daemon.hints import unscoped
 from kvstore.daemon.pauses import pause_point
 from kvstore.daemon.tenants import Conn, forbidden, tenant_of
 from kvstore.index import NamespaceEntry
-from kvstore.protocol import Code, ProtocolError
+from kvstore.protocol import HASH_BYTES, Code, ProtocolError
 
 if TYPE_CHECKING:
     from kvstore.daemon.state import State
@@ -31,7 +31,8 @@ COUNTERS = ("lookups", "hits", "hits_host", "hits_lower", "hits_remote", "misses
             "promotions", "prefetched", "prefetch_skipped", "prefetch_busy", "prefetch_cancelled", "written_through",
             "write_through_skipped", "held_cap", "reservations_expired", "idle_closed", "segment_moves",
             "segment_moves_inline", "admin_chunks", "kept_own_chain", "not_admitted", "reserve_evictions",
-            "published", "publish_skipped", "publish_gone", "reads_ssd", "reads_remote", "blocks_compacted")
+            "published", "publish_skipped", "publish_gone", "reads_ssd", "reads_remote", "blocks_compacted",
+            "forks", "evictions_coupled")
 CHUNK_BLOCKS = 256          # blocks evicted or listed per hold of the state lock
 EVICT_ROOM_WAIT_S = 30.0    # an operator's eviction waits this long at most for staging room per chunk
 CHUNK_SLOTS = 8192          # slots of a namespace's class looked at per hold
@@ -61,8 +62,8 @@ def op_list(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         rows.append({"id": n.id, "model": s.model, "group": s.share_group, "adapter": s.adapter,
                      "tp": f"{s.tp_rank}/{s.tp_size}", "role": s.role, "digest": n.digest.hex(), "tenant": n.tenant,
                      "geometry": s.geometry.to_dict(), "slot_bytes": n.slot_bytes, "blocks": n.blocks,
-                     "bytes": n.blocks * n.slot_bytes})
-    reply: dict[str, Any] = {"namespaces": rows}
+                     "bytes": n.blocks * n.slot_bytes, "models": sorted(n.models)})
+    reply: dict[str, Any] = {"namespaces": rows, "groups": _groups(shown), **_pairs(st, shown)}
     known = {n.digest: n.id for n in shown}
     for tier in st.lower:                        # an admin sees every digest; others their tenant's registered ones
         reply[tier.name] = [{"digest": d.hex(), "ns": known.get(d), "blocks": n}
@@ -75,6 +76,52 @@ def op_list(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         if m.get("tags"):
             reply["tags"] = [_tags(st, ns, k, tenant) for k, _ in reply["keys"]]
     return reply
+
+
+def _groups(shown: list[NamespaceEntry]) -> list[dict[str, Any]]:
+    """Share groups (ICaRus): per tenant and group, the models that said hello to its namespaces and what they
+    hold. `declared`: a group named in the engines' configuration (else the model is its own group)."""
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for n in shown:
+        g = groups.setdefault((n.tenant, n.spec.share_group), {
+            "group": n.spec.share_group, "tenant": n.tenant, "declared": bool(n.spec.group), "models": set(),
+            "namespaces": 0, "blocks": 0, "bytes": 0})
+        g["models"] |= n.models
+        g["namespaces"] += 1
+        g["blocks"] += n.blocks
+        g["bytes"] += n.blocks * n.slot_bytes
+    return [{**g, "models": sorted(g["models"])} for g in groups.values()]
+
+
+def _pairs(st: State, shown: list[NamespaceEntry]) -> dict[str, list[dict[str, Any]]]:
+    """Base/residual pairs and forks (ForkKV) among the shown namespaces. Per base namespace: its agents (residual
+    namespaces paired with it), the bytes of both parts in the host pool, and what the same agents' blocks would
+    take stored whole, one full block per agent (`unified_bytes`). Per fork: the context's length, the base blocks
+    it inherited then and the host pool's prefix of it now, for the base and the child's residuals."""
+    ids = {n.id for n in shown}
+    get = st.index.namespaces.get
+    pairs = []
+    for bid, rids in st.index.namespaces.pairs.residuals.items():
+        base = get(bid)
+        agents = [r for rid in sorted(rids) if (r := get(rid)) is not None and rid in ids]
+        if base is None or bid not in ids or not agents:
+            continue
+        pairs.append({"base": bid, "group": base.spec.share_group, "agents": [r.id for r in agents],
+                      "adapters": [r.spec.adapter for r in agents], "base_blocks": base.blocks,
+                      "base_bytes": base.blocks * base.slot_bytes,
+                      "residual_blocks": sum(r.blocks for r in agents),
+                      "residual_bytes": sum(r.blocks * r.slot_bytes for r in agents),
+                      "unified_bytes": sum(r.blocks for r in agents) * base.slot_bytes})
+    forks = []
+    for f in st.index.namespaces.pairs.forks.values():
+        base, child = get(f.base), get(f.child)
+        if base is None or child is None or f.child not in ids:
+            continue
+        forks.append({"child": f.child, "adapter": child.spec.adapter, "parent": f.parent, "base": f.base,
+                      "context_blocks": len(f.context) // HASH_BYTES, "inherited": f.inherited,
+                      "base_held": st.index.host_prefix(base, f.context),
+                      "residual_held": st.index.host_prefix(child, f.context), "at": f.at})
+    return {"pairs": pairs, "forks": forks}
 
 
 def _tags(st: State, ns: NamespaceEntry, block_hash: bytes, tenant: str | None) -> dict[str, Any] | None:

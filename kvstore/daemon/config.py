@@ -70,6 +70,7 @@ class PoolConfig:
     capacity: int = 0  # 0 after loading means "auto" was resolved already; see _resolve_auto
     segment_bytes: int = 64 << 20
     eviction: str = "lru"
+    pair_eviction: str = "decoupled"    # decoupled | coupled: whether a base block's residuals leave with it (ForkKV)
 
 
 @dataclass(slots=True)
@@ -376,6 +377,8 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"pool.segment_bytes: must be at least 1MiB, got {p.segment_bytes}")
     if p.eviction not in POLICIES:
         errors.append(f"pool.eviction: must be one of {', '.join(POLICIES)}, got {p.eviction!r}")
+    if p.pair_eviction not in ("decoupled", "coupled"):
+        errors.append(f"pool.pair_eviction: must be decoupled or coupled, got {p.pair_eviction!r}")
     try:
         if not ipaddress.ip_address(m.host).is_loopback:
             errors.append(f"metrics.host: must be a loopback address (the endpoint has no auth), got {m.host}")

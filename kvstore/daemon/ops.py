@@ -30,7 +30,7 @@ from kvstore.policy.workflow import Touch
 from kvstore.protocol import HASH_BYTES, Code, ProtocolError, split_keys
 from kvstore.protocol.geometry import GeometryError
 from kvstore.protocol.keys import NamespaceSpec
-from kvstore.traffic import parse_lane
+from kvstore.traffic import Lane, parse_lane
 
 MAX_FDS_PER_REPLY = 200     # below the kernel's SCM_MAX_FD (253)
 WAIT_S = 5.0                # a prefetch with `wait` re-checks at least this often
@@ -95,12 +95,33 @@ def op_segments(st: State, h: Conn, m: dict[str, Any]) -> Reply:
 
 
 def op_lookup(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
-    """The longest prefix held by any tier, and how much of it is in the host pool; the part no local tier holds is
-    asked of the remote store (one batched query, without the state lock). Every key asked counts toward
-    the hit-rate ceiling (st.looked_up: distinct keys against keys looked up)."""
+    """The longest prefix held by any tier, and how much of it is in the host pool. With `residual` (a pair, ForkKV:
+    `ns` the base namespace, `residual` an adapter's), the residual namespace's prefix of the same keys too, in the
+    same reply: a residual longer than its base is a partial hit (recompute the base only)."""
     ns = st.index.namespace(m["ns"], h)
-    blob = m["keys"]
+    residual = _residual_of(st, h, m, ns)
     _touch(st, h, m, ns)                            # a lookup is activity; it changes no block's standing
+    n, host = _prefix(st, ns, m["keys"])
+    reply: dict[str, Any] = {"n": n, "host": host}
+    if residual is not None:
+        rn, rhost = _prefix(st, residual, m["keys"])
+        reply["residual"] = {"n": rn, "host": rhost}
+    return reply
+
+
+def _residual_of(st: State, h: Conn, m: dict[str, Any], base: NamespaceEntry) -> NamespaceEntry | None:
+    """The request's residual namespace (field `residual`), paired with its base `ns`; None without one."""
+    if "residual" not in m:
+        return None
+    residual = st.index.namespace(m["residual"], h)
+    st.index.namespaces.pairs.pair(base, residual)
+    return residual
+
+
+def _prefix(st: State, ns: NamespaceEntry, blob: bytes) -> tuple[int, int]:
+    """(the prefix of `blob` any tier holds, the part of it in the host pool); the part no local tier holds is
+    asked of the remote store (one batched query, without the state lock). Every key asked counts toward the
+    hit-rate ceiling (st.looked_up: distinct keys against keys looked up)."""
     asked = len(blob) // HASH_BYTES
     st.looked_up.add_keys(blob, int.from_bytes(ns.prefix, "little"))
     n = host = st.index.host_prefix(ns, blob)
@@ -133,7 +154,7 @@ def op_lookup(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     figures = st.index.quotas.of(ns.tenant)
     figures.hits += n
     figures.misses += asked - n
-    return {"n": n, "host": host}
+    return n, host
 
 
 def _touch(st: State, h: Conn, m: dict[str, Any], ns: NamespaceEntry | None = None,
@@ -235,8 +256,13 @@ def op_abort(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     """Pin the longest present prefix; blocks that only a lower tier holds are promoted into host slots first, and a
     block already being promoted (by a prefetch or another get) is waited for, never read twice. With `stream`,
-    the blocks are reported in partial replies as they land; the last reply carries the rest."""
+    the blocks are reported in partial replies as they land; the last reply carries the rest. With `residual` (a
+    pair), the residual namespace's prefix of the same keys is pinned too and answered beside (`residual`)."""
     ns = st.index.namespace(m["ns"], h)
+    residual = _residual_of(st, h, m, ns)
+    if residual is not None and m.get("stream"):
+        raise ProtocolError(Code.BAD_REQUEST, "acquire: a pair (field 'residual') is not streamed; acquire the "
+                                              "residual on its own, or the pair without 'stream'")
     hashes = split_keys(m["keys"])
     try:
         lane = parse_lane(m.get("lane", "critical"))
@@ -244,6 +270,23 @@ def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError(Code.BAD_REQUEST, f"acquire: {e}") from None
     touch = _touch(st, h, m, ns)
     stream = Stream(st.index, st.pool, h, st.lock, m.get("_emit") if m.get("stream") else None)
+    _pin_prefix(st, h, ns, hashes, lane, touch, stream)
+    if st.predictive is not None:
+        st.predictive.acquired(ns, hashes, stream.gids)
+    part = stream.rest()
+    reply = {"slots": part, "crcs": st.index.crcs_of(part), "generation": st.pool.generation}
+    if residual is not None:
+        rs = Stream(st.index, st.pool, h, st.lock, None)
+        _pin_prefix(st, h, residual, hashes, lane, touch, rs)
+        rpart = rs.rest()
+        reply["residual"] = {"slots": rpart, "crcs": st.index.crcs_of(rpart)}
+        reply["generation"] = st.pool.generation
+    return reply
+
+
+def _pin_prefix(st: State, h: Conn, ns: NamespaceEntry, hashes: list[bytes], lane: Lane, touch: Touch | None,
+                stream: Stream) -> None:
+    """Pin the longest prefix of `hashes` any tier holds into `stream.gids`, promoting from below."""
     gids = stream.gids
     lower = 0                                           # blocks of the prefix promoted by this request
     while len(gids) < len(hashes):
@@ -270,10 +313,6 @@ def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         if len(gids) == before:
             break
     _count_acquire(st, len(hashes), len(gids), lower)
-    if st.predictive is not None:
-        st.predictive.acquired(ns, hashes, gids)
-    part = stream.rest()
-    return {"slots": part, "crcs": st.index.crcs_of(part), "generation": st.pool.generation}
 
 
 def _count_acquire(st: State, asked: int, got: int, lower: int) -> None:
@@ -335,6 +374,31 @@ def op_release(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     return {"n": len(m["slots"])}
 
 
+def op_fork(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    """A new agent forks a context (ForkKV §5.2): `ns` the base namespace, `residual` the child's own residual
+    namespace, `parent` the residual namespace it forks from (optional), `keys` the context. The child inherits the
+    base blocks by reference — they are keyed by tokens, so nothing is copied — and will write only its residuals.
+    Answers the inherited base prefix (`base`, `host`), the child's residual prefix (`residual`) and the parent's
+    (`parent`, or None): what the child must compute is its residuals past `residual` and the base past `base`."""
+    base = st.index.namespace(m["ns"], h)
+    child = st.index.namespace(m["residual"], h)
+    parent = st.index.namespace(m["parent"], h) if "parent" in m else None
+    if parent is not None and parent is child:
+        raise ProtocolError(Code.BAD_REQUEST, "fork: 'parent' and 'residual' name the same namespace; a child "
+                                              "forks with its own residual namespace (its adapter)")
+    pairs = st.index.namespaces.pairs
+    pairs.check(base, child)
+    if parent is not None:
+        pairs.check(base, parent)
+    blob = m["keys"]
+    n, host = _prefix(st, base, blob)
+    rn, _ = _prefix(st, child, blob)
+    pn = _prefix(st, parent, blob)[0] if parent is not None else None
+    pairs.fork(base, child, parent, blob, n)
+    st.counters["forks"] += 1
+    return {"base": n, "host": host, "residual": rn, "parent": pn}
+
+
 def op_delete(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     """Delete from every tier: a pinned host block goes at its last release, a queued prefetch is dropped unread,
     a promotion in flight is never published, a write in flight is not published. The lower tiers' deletes (which
@@ -365,7 +429,7 @@ def op_delete(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 HANDLERS: dict[str, Handler] = {
     "ping": op_ping, "hello": op_hello, "segments": op_segments, "lookup": op_lookup, "reserve": op_reserve,
     "commit": op_commit, "abort": op_abort, "acquire": op_acquire, "release": op_release, "delete": op_delete,
-    "renew": op_renew,
+    "renew": op_renew, "fork": op_fork,
     "prefetch": op_prefetch, "stats": admin.op_stats, "list": admin.op_list, "resize": admin.op_resize,
     "tenants": admin.op_tenants, "tenant_quota": admin.op_tenant_quota,
     "evict": admin.op_evict, "flush": op_flush, "hint": op_hint, "workflows": op_workflows,

@@ -20,7 +20,7 @@ from typing import Any
 from kvstore.daemon.ops import HANDLERS, Reply
 from kvstore.daemon.state import State
 from kvstore.daemon.tenants import Conn, Peer, is_admin
-from kvstore.index import InvalidRequest, NotHeld, OverLimit, Refused, TooLarge, UnknownNamespace
+from kvstore.index import GroupMismatch, InvalidRequest, NotHeld, OverLimit, Refused, TooLarge, UnknownNamespace
 from kvstore.protocol import (
     VERSION,
     Code,
@@ -38,7 +38,7 @@ from kvstore.protocol.frames import send_frame
 log = logging.getLogger("kvstore")
 REFUSALS: dict[type[Refused], str] = {UnknownNamespace: Code.UNKNOWN_NAMESPACE, NotHeld: Code.NOT_FOUND,
                                       InvalidRequest: Code.BAD_REQUEST, TooLarge: Code.WRONG_GEOMETRY,
-                                      OverLimit: Code.OVER_LIMIT}
+                                      OverLimit: Code.OVER_LIMIT, GroupMismatch: Code.WRONG_GEOMETRY}
 
 
 class Session:

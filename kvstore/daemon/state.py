@@ -103,6 +103,7 @@ def build_state(config: Config) -> State:
     quotas = Quotas(pool, {x.name: x.host for x in config.tenants}, t.default_host, t.lending, t.window_s,
                     compact_bytes=t.compact_bytes)
     index = Index(pool, config.pool.eviction, demotion, counters, workflows=workflows, quotas=quotas)
+    index.coupled = config.pool.pair_eviction == "coupled"
     prefetcher = Prefetcher(index, pool, lower, changed, counters) if lower else None
     copy_evicted = partial(copy_deferred, demotion, index, lock, False)
     reserve = Reserve(index, pool, lock, counters, config.ssd.promote_reserve if demotion is not None else 0,

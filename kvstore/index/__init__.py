@@ -3,6 +3,7 @@ exist, and — as decisions handed to movers — which blocks leave the host poo
 
 - `books.Index`: reads, two-phase stores, promotion books, pins; `capacity`: allocation, eviction, resize.
 - `namespaces`: the registry (index keys are namespace id + block hash, 20 bytes) and each connection's holdings.
+- `sharing`: share groups (one geometry per declared group), base/residual pairs and forks (ForkKV).
 - `keytable`: the key → slot table with intrusive LRU lists (native, with a pure-Python fallback).
 - `sweep`: walks over one namespace's slots, a chunk at a time (an operator's `list` and `evict`).
 - `errors`: what the books refuse; the daemon turns each into a protocol status.
@@ -11,7 +12,9 @@ from kvstore.index.books import Index
 from kvstore.index.capacity import Eviction, EvictionSink, EvictPlan, ResizeResult
 from kvstore.index.errors import InvalidRequest, NotHeld, OverLimit, Refused, TooLarge, UnknownNamespace
 from kvstore.index.namespaces import Holdings, NamespaceEntry
+from kvstore.index.sharing import GroupMismatch, NotAPair
 from kvstore.index.sweep import SlotCursor
 
-__all__ = ["EvictPlan", "Eviction", "EvictionSink", "Holdings", "Index", "InvalidRequest", "NamespaceEntry",
-           "NotHeld", "OverLimit", "Refused", "ResizeResult", "SlotCursor", "TooLarge", "UnknownNamespace"]
+__all__ = ["EvictPlan", "Eviction", "EvictionSink", "GroupMismatch", "Holdings", "Index", "InvalidRequest",
+           "NamespaceEntry", "NotAPair", "NotHeld", "OverLimit", "Refused", "ResizeResult", "SlotCursor", "TooLarge",
+           "UnknownNamespace"]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvstore.index.keytable import KeyTable
-from kvstore.index.namespaces import NamespaceEntry, Namespaces, SlotKey
+from kvstore.index.namespaces import PREFIX_BYTES, NamespaceEntry, Namespaces, SlotKey
 from kvstore.index.quotas import Quotas
 from kvstore.index.sweep import SlotCursor
 from kvstore.policy import EvictionPolicy
@@ -98,6 +98,7 @@ class CapacityBooks:
     quotas: Quotas
     on_evict: EvictionSink | None
     _kept_own: bool = False     # the last allocation refused to evict a block of the put's own chain
+    coupled: bool = False                # pool.pair_eviction coupled: residuals leave with their base block
     _compacting: Segment | None = None   # a segment whose blocks `_compact` moves out (released by `_retire`)
 
     def _unpin(self, gid: int) -> None: raise NotImplementedError
@@ -453,9 +454,24 @@ class CapacityBooks:
         else:
             self.pins.pop(gid, None)
             self._free(gid)
+        if evicted and self.coupled and ns.id in self.namespaces.pairs.residuals and self._compacting is None:
+            self._cascade(ns, key[PREFIX_BYTES:])
         if ns.blocks == 0:
             self.namespaces.forget_unused(ns)
         return True
+
+    def _cascade(self, base: NamespaceEntry, block_hash: bytes) -> None:
+        """Coupled eviction (pool.pair_eviction): a base block leaving the host pool takes along the residual
+        blocks of its tokens in every namespace paired with it, except pinned ones (in use: they stay)."""
+        for rid in list(self.namespaces.pairs.residuals.get(base.id, ())):
+            r = self.namespaces.get(rid)
+            if r is None:
+                continue
+            rkey = r.key(block_hash)
+            gid = self.table.get(rkey)
+            if gid is not None and not self.pins[gid]:
+                self._remove(rkey, evicted=True)
+                self.counters["evictions_coupled"] += 1
 
     def let_go(self, gids: list[int]) -> None:
         """The eviction sink is done with the slots it held: they are freed (or their segments released)."""

@@ -19,6 +19,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from kvstore.index.errors import OverLimit, TooLarge, UnknownNamespace
+from kvstore.index.sharing import MAX_MODELS, Pairs, ShareGroups
 from kvstore.protocol.keys import NamespaceSpec
 
 PREFIX_BYTES = 4        # a namespace id at the start of each index key
@@ -37,6 +38,7 @@ class NamespaceEntry:
     blocks: int = 0             # blocks of it in the host pool
     users: int = 0              # connections that said hello to it
     pending: int = 0            # its slots reserved (stores and promotions in progress)
+    models: set[str] = field(default_factory=set)   # models that said hello to it (a share group: several)
 
     @property
     def slot_key(self) -> SlotKey:
@@ -70,7 +72,8 @@ class Holdings:
 
 
 class Namespaces:
-    """The registry: specs by id and by digest, and an eviction class per block size."""
+    """The registry: specs by id and by digest, an eviction class per block size, and what is shared across models
+    and adapters (kvstore.index.sharing: share groups' geometries, base/residual pairs, forks)."""
 
     def __init__(self) -> None:
         self.by_id: dict[int, NamespaceEntry] = {}
@@ -78,6 +81,8 @@ class Namespaces:
         self.classes: dict[SlotKey, int] = {}         # (tenant, slot bytes) → eviction class id
         self.forgotten = 0
         self._next_id = 1
+        self.groups = ShareGroups()
+        self.pairs = Pairs()
 
     def register(self, spec: NamespaceSpec, holder: Holdings, pool_capacity: int) -> NamespaceEntry:
         """The namespace of `spec` in the holder's tenant ("" if none was set), registered on the holder."""
@@ -90,7 +95,11 @@ class Namespaces:
             raise OverLimit(f"this connection said hello to {len(holder.namespaces)} namespaces, the most one "
                             "connection may (server.max_namespaces_per_connection)")
         if ns is None:
+            self.groups.admit(spec, tenant)
             ns = self._new(spec, digest, tenant, pool_capacity)
+            self.groups.joined(ns)
+        if len(ns.models) < MAX_MODELS:
+            ns.models.add(spec.model)
         ns.users += 1
         holder.namespaces.add(ns.id)
         return ns
@@ -123,6 +132,8 @@ class Namespaces:
         if ns.users == 0 and ns.blocks == 0 and ns.pending == 0 and self.by_id.get(ns.id) is ns:
             del self.by_id[ns.id]
             del self._by_digest[ns.digest]
+            self.groups.left(ns)
+            self.pairs.forget(ns)
             self.forgotten += 1
 
     def of(self, nid: int, holder: Holdings) -> NamespaceEntry:
