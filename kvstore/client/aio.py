@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
-from kvstore.client import Client, Namespace, PutResult
+from kvstore.client import Client, ForkView, Namespace, Pair, PairHit, PutResult
 from kvstore.client.hints import Context, ContextLike, SessionHandle, WorkflowHandle
 from kvstore.protocol.keys import NamespaceSpec
 
@@ -42,6 +42,10 @@ class AsyncClient:
 
     async def namespace(self, spec: NamespaceSpec) -> AsyncNamespace:
         return AsyncNamespace(self, await self._run(self.client.namespace, spec))
+
+    async def pair(self, base: NamespaceSpec, residual: NamespaceSpec) -> AsyncPair:
+        """Client.pair: a base namespace and one adapter's residual namespace (ForkKV)."""
+        return AsyncPair(self, await self._run(self.client.pair, base, residual))
 
     async def ping(self) -> dict[str, Any]:
         return await self._run(self.client.ping)
@@ -107,6 +111,27 @@ class AsyncNamespace:
 
     async def delete(self, hashes: Sequence[bytes]) -> int:
         return await self._owner._run(self.sync.delete, hashes)
+
+
+class AsyncPair:
+    """kvstore.client.pairs.Pair as awaitables; its parts are AsyncNamespaces (`base`, `residual`)."""
+
+    def __init__(self, owner: AsyncClient, pair: Pair) -> None:
+        self._owner = owner
+        self.sync = pair
+        self.base = AsyncNamespace(owner, pair.base)
+        self.residual = AsyncNamespace(owner, pair.residual)
+
+    async def lookup(self, hashes: Sequence[bytes], context: ContextLike = None) -> PairHit:
+        return await self._owner._run(self.sync.lookup, hashes, context)
+
+    async def get(self, hashes: Sequence[bytes], base_outs: Sequence[Any], residual_outs: Sequence[Any],
+                  batch: int = 32, context: ContextLike = None) -> tuple[int, int]:
+        return await self._owner._run(partial(self.sync.get, hashes, base_outs, residual_outs, batch,
+                                              context=context))
+
+    async def fork(self, hashes: Sequence[bytes], parent: AsyncNamespace | None = None) -> ForkView:
+        return await self._owner._run(self.sync.fork, hashes, parent.sync if parent is not None else None)
 
 
 class AsyncWorkflow:

@@ -24,3 +24,24 @@ async def test_async_clients_roundtrip_concurrently(daemon):
         assert outs == [block(seed * 100 + i) for i in range(16)]
     async with AsyncClient(daemon.socket) as c:
         assert (await c.stats())["blocks"] == 64
+
+
+async def test_an_async_pair_forks_puts_and_reads_both_parts(daemon):
+    from kvstore.protocol.geometry import Geometry
+    res_geom = Geometry(layers=GEOM.layers, tokens=GEOM.tokens, kv_heads=1, head_dim=8, dtype="float16")
+    base_spec = spec("llama", group="lora")
+    hs = hashes(4, tag=b"aio-pair")
+    async with AsyncClient(daemon.socket) as c:
+        first = await c.pair(base_spec, spec("llama", res_geom, group="lora", adapter="a", role="residual"))
+        await first.base.put(hs, [block(i) for i in range(4)])
+        second = await c.pair(base_spec, spec("llama", res_geom, group="lora", adapter="b", role="residual"))
+        view = await second.fork(hs, parent=first.residual)
+        assert (view.base, view.residual, view.parent) == (4, 0, 0)
+        await second.residual.put(hs[:3], [block(50 + i, res_geom.full_bytes) for i in range(3)])
+        hit = await second.lookup(hs)
+        assert (hit.base, hit.residual) == (4, 3)
+        bouts = [bytearray(GEOM.full_bytes) for _ in hs]
+        routs = [bytearray(res_geom.full_bytes) for _ in hs]
+        assert await second.get(hs, bouts, routs) == (4, 3)
+    assert [bytes(o) for o in bouts] == [block(i) for i in range(4)]
+    assert [bytes(o) for o in routs[:3]] == [block(50 + i, res_geom.full_bytes) for i in range(3)]
