@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from kvstore.index.namespaces import NamespaceEntry
 
 MAX_MODELS = 64             # model names remembered per namespace (shown by `kvstore ls`)
-MAX_FORKS = 4096            # forks booked; the oldest is forgotten first
+MAX_FORKS = 4096            # forks booked; the oldest is forgotten first ...
+MAX_FORK_BYTES = 8 << 20    # ... and so when their contexts' keys would take more than this
 
 
 class GroupMismatch(Refused):
@@ -113,6 +114,7 @@ class Pairs:
     def __init__(self) -> None:
         self.residuals: dict[int, set[int]] = {}    # base id → residual ids
         self.forks: dict[int, Fork] = {}            # child id → its latest fork
+        self._fork_bytes = 0                        # of the forks' contexts
 
     @staticmethod
     def check(base: NamespaceEntry, residual: NamespaceEntry) -> None:
@@ -138,16 +140,22 @@ class Pairs:
         self.pair(base, child)
         if parent is not None:
             self.pair(base, parent)
-        self.forks.pop(child.id, None)
-        while len(self.forks) >= MAX_FORKS:
-            del self.forks[next(iter(self.forks))]
+        self._drop_fork(child.id)
+        while self.forks and (len(self.forks) >= MAX_FORKS or self._fork_bytes + len(context) > MAX_FORK_BYTES):
+            self._drop_fork(next(iter(self.forks)))
         f = self.forks[child.id] = Fork(child.id, base.id, parent.id if parent else None, context, inherited)
+        self._fork_bytes += len(context)
         return f
+
+    def _drop_fork(self, child: int) -> None:
+        f = self.forks.pop(child, None)
+        if f is not None:
+            self._fork_bytes -= len(f.context)
 
     def forget(self, ns: NamespaceEntry) -> None:
         """A namespace's entry is gone: so are its pairs and forks (its ids are never reused)."""
         self.residuals.pop(ns.id, None)
-        self.forks.pop(ns.id, None)
+        self._drop_fork(ns.id)
         for rs in self.residuals.values():
             rs.discard(ns.id)
 
