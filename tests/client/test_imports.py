@@ -62,6 +62,7 @@ def test_client_side_imports_load_nothing_of_the_daemon(statement):
 ENGINE_CONNECTORS = {
     "vllm": ("import kvstore.connectors.vllm_connector", "vllm,vllm.distributed.kv_transfer.kv_connector.v1.base"),
     "sglang": ("import kvstore.connectors.sglang_backend", "sglang,torch,sglang.srt.mem_cache.hicache_storage"),
+    "forkkv": ("import kvstore.connectors.forkkv_reference", "torch,numpy"),
 }
 
 
