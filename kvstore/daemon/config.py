@@ -71,6 +71,7 @@ class PoolConfig:
     segment_bytes: int = 64 << 20
     eviction: str = "lru"
     pair_eviction: str = "decoupled"    # decoupled | coupled: whether a base block's residuals leave with it (ForkKV)
+    small_segment_slots: int = 256      # a size of small blocks gets segments of this many (0: segment_bytes for all)
 
 
 @dataclass(slots=True)
@@ -377,6 +378,8 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"pool.segment_bytes: must be at least 1MiB, got {p.segment_bytes}")
     if p.eviction not in POLICIES:
         errors.append(f"pool.eviction: must be one of {', '.join(POLICIES)}, got {p.eviction!r}")
+    if not 0 <= p.small_segment_slots <= 1 << 20:
+        errors.append(f"pool.small_segment_slots: must be 0..1048576, got {p.small_segment_slots}")
     if p.pair_eviction not in ("decoupled", "coupled"):
         errors.append(f"pool.pair_eviction: must be decoupled or coupled, got {p.pair_eviction!r}")
     try:

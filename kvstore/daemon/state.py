@@ -97,7 +97,7 @@ def build_state(config: Config) -> State:
     traffic = TrafficManager(config.traffic)
     workflows = Workflows(idle_s=config.hints.idle_s)
     lower = open_lower_tiers(config, traffic, workflows)
-    pool = HostPool(config.pool.capacity, config.pool.segment_bytes)
+    pool = HostPool(config.pool.capacity, config.pool.segment_bytes, config.pool.small_segment_slots)
     demotion = Demotion(lower.first, pool, counters) if lower else None
     t = config.tenancy
     quotas = Quotas(pool, {x.name: x.host for x in config.tenants}, t.default_host, t.lending, t.window_s,

@@ -242,9 +242,24 @@ class CapacityBooks:
             seg, i = self._where(key)
             used = seg.used[i]
             if seg.busy == 0 and not seg.draining and used < mine and (best is None or used < best[0]) \
-                    and self.quotas.may_take(seg, slot[0], self.used_at(used), now):
+                    and self.quotas.may_take(seg, slot[0], self.used_at(used), now) \
+                    and (seg.tenant != slot[0] or self._mostly_stale(seg, mine)):
                 best = (used, seg)
         return None if best is None else best[1]
+
+    @staticmethod
+    def _mostly_stale(seg: Segment, mine: int) -> bool:
+        """Whether at least half the segment's blocks were last used before the taker's coldest block (`mine`).
+        A segment moving to another block size of its tenant leaves with every block in it (no compaction: that
+        is for memory changing tenants), so the coldest block alone must not decide: a class that lives in one
+        segment would lose its hot blocks with its stale ones each time the other class grows (measured,
+        bench_forkkv: a residual class wiped every ~80 requests). O(slots of the segment)."""
+        live = stale = 0
+        for key, used in zip(seg.keys, seg.used):
+            if key is not None:
+                live += 1
+                stale += used < mine
+        return 2 * stale >= live
 
     def _where(self, key: bytes) -> tuple[Segment, int]:
         gid = self.table.get(key)

@@ -24,7 +24,8 @@ draining). Memory moves between tenants a whole segment at a time: the segment i
   shared by all, as before quotas existed.
 
 Elastic unit: a segment holds slots of one size only (kvstore.tiers.host), so memory moving between tenants or block
-sizes loses nothing but each segment's tail (segment_bytes mod slot size): SwiftCache's LCM unit (eq. 6–9) is what
+sizes loses nothing but each segment's tail (segment_bytes mod slot size; none for small blocks, whose segments are
+sized in slots, kvstore.tiers.host): SwiftCache's LCM unit (eq. 6–9) is what
 one region shared by two block sizes would need. `fragmentation()` reports both, measured on the live pool.
 """
 from __future__ import annotations
@@ -175,7 +176,7 @@ class Quotas:
         """The bytes lost to the elastic unit, measured: segments' tails (segment_bytes mod slot size) now, against
         SwiftCache's minimum elastic unit (the LCM of the block sizes in the pool) had one region served them all."""
         sizes = sorted({c.slot_bytes for c in self.pool.classes.values()})
-        tails = sum(self.pool.segment_bytes - s.size for s in self.pool.segments.values())
+        tails = sum(self.pool.tail_bytes(s.slot_bytes) for s in self.pool.segments.values())
         lcm = math.lcm(*sizes) if sizes else 0
         return {"unit": "segment", "segment_bytes": self.pool.segment_bytes, "tail_bytes": tails,
                 "tail_share": tails / max(1, self.pool.mapped_bytes + tails), "block_sizes": sizes,

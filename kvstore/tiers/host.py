@@ -6,6 +6,11 @@ segment is always a whole number of its blocks (SwiftCache's elastic unit, with 
 share a segment). A segment also belongs to one tenant: slot classes are keyed by (tenant, slot size), so a
 connection given the fds of its own tenant's segments can map no other tenant's bytes. One cap for all tenants.
 
+- a segment holds `segment_bytes` of one size, rounded down to whole slots; a size of small blocks (more than
+  `small_slots` of them in `segment_bytes`, pool.small_segment_slots, default 256; 0: none) gets segments of
+  `small_slots` slots instead, but never below 1/SMALL_CLASS_SHARE of `segment_bytes`: memory moves between sizes
+  a segment at a time, and a class of small blocks living in one big segment could only give it up with every
+  block in it (measured: bench_forkkv's rank-16 residuals, a whole class wiped at each move).
 - allocate / free are O(1): a free-slot stack per segment and an ordered set of segments with free slots per size.
 - capacity is exact: the bytes of all live segments never exceed it; a segment is only created if it fits.
 - growing moves nothing: it raises the cap, and segments are created when a size needs room.
@@ -35,6 +40,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+SMALL_CLASS_SLOTS = 256     # slots in a segment of small blocks (the default of pool.small_segment_slots) ...
+SMALL_CLASS_SHARE = 16      # ... whose segments are at least segment_bytes / this
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -94,9 +101,10 @@ class SlotClass:
 
 
 class HostPool:
-    def __init__(self, capacity: int, segment_bytes: int) -> None:
+    def __init__(self, capacity: int, segment_bytes: int, small_slots: int = SMALL_CLASS_SLOTS) -> None:
         self.capacity = capacity
         self.segment_bytes = segment_bytes
+        self.small_slots = small_slots
         self.segments: dict[int, Segment] = {}
         self.classes: dict[tuple[str, int], SlotClass] = {}   # (tenant, slot bytes) → its segments
         self.mapped_bytes = 0
@@ -112,10 +120,21 @@ class HostPool:
 
     # ----- sizing -----
     def slots_per_segment(self, slot_bytes: int) -> int:
-        return max(1, self.segment_bytes // slot_bytes)
+        whole = max(1, self.segment_bytes // slot_bytes)
+        if not self.small_slots:
+            return whole
+        least = self.segment_bytes // SMALL_CLASS_SHARE // slot_bytes
+        return min(whole, max(self.small_slots, least))
 
     def segment_size(self, slot_bytes: int) -> int:
         return self.slots_per_segment(slot_bytes) * slot_bytes
+
+    def tail_bytes(self, slot_bytes: int) -> int:
+        """What a segment of this size loses to rounding (`segment_bytes` not a whole number of slots); nothing
+        for a small-block size, whose segments are sized in slots."""
+        if self.slots_per_segment(slot_bytes) < self.segment_bytes // slot_bytes:
+            return 0
+        return max(0, self.segment_bytes - self.segment_size(slot_bytes))
 
     def fits(self, slot_bytes: int) -> bool:
         """Whether a new segment of this size stays within the cap; a lent segment's bytes are not charged."""

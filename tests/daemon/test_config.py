@@ -148,6 +148,7 @@ def test_other_kvstore_variables_are_not_fields():
     ("pool", "segment_bytes", "512KiB", "must be at least 1MiB"),
     ("pool", "eviction", "random", "must be one of lru"),
     ("pool", "pair_eviction", "cascade", "must be decoupled or coupled"),
+    ("pool", "small_segment_slots", -1, "must be 0..1048576"),
     ("metrics", "enabled", "yes please", "expected true or false"),
     ("metrics", "host", "0.0.0.0", "must be a loopback address"),
     ("metrics", "host", "localhost", "not an IP address"),

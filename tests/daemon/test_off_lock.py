@@ -137,9 +137,10 @@ def test_other_clients_are_served_between_the_chunks_of_a_namespace_list(start_d
 
 
 def move_daemon(start_daemon: Callable[..., DaemonProc], daemons: list[DaemonProc], tmp_path: Path,
-                across: str) -> DaemonProc:
+                across: str, more: dict[str, str] | None = None) -> DaemonProc:
     env = {"KVSTORE_PAUSE_AT": "draining_copy", "KVSTORE_PAUSE_DIR": str(tmp_path), "KVSTORE_LOG_LEVEL": "info",
-           "KVSTORE_TENANCY_COMPACT_BYTES": "0"}    # a tenant's segment as it stands (compaction copies under lock)
+           "KVSTORE_TENANCY_COMPACT_BYTES": "0", **(more or {})}    # a tenant's segment as it stands (compaction
+    #                                                                 copies under the lock)
     if across == "tenant":
         conf = tmp_path / "kvstore.yaml"
         conf.write_text(yaml.safe_dump({"tenants": TENANTS}))
@@ -243,11 +244,11 @@ def test_daemon_stats_show_the_retiring_bytes(start_daemon):
 
 
 def test_a_segment_of_many_small_blocks_drains_in_steps_and_every_block_stays_exact(daemons, start_daemon, tmp_path):
-    """A 1 MiB segment of 512-byte blocks holds 2048 of them: the move evicts them a step of MOVE_CHUNK at a time
-    (one per later request), so no request holds the lock for all 2048 evictions; until its step a block is a host
-    hit, after it a block comes back byte-exact from SSD."""
+    """A 1 MiB segment of 512-byte blocks (pool.small_segment_slots 0: whole segments) holds 2048 of them: the move
+    evicts them a step of MOVE_CHUNK at a time (one per later request), so no request holds the lock for all 2048
+    evictions; until its step a block is a host hit, after it a block comes back byte-exact from SSD."""
     tiny = Geometry(layers=1, tokens=4, kv_heads=1, head_dim=32, dtype="float16")     # 512 bytes
-    d = move_daemon(start_daemon, daemons, tmp_path, "block size")
+    d = move_daemon(start_daemon, daemons, tmp_path, "block size", {"KVSTORE_POOL_SMALL_SEGMENT_SLOTS": "0"})
     n = 4 * (MiB // tiny.full_bytes)
     with d.client() as a, d.client() as admin:
         ns_a = a.namespace(spec("tiny", geometry=tiny))

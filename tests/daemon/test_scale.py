@@ -10,6 +10,7 @@ import numpy as np
 
 from kvstore.checksum import crc32c as block_crc  # the writer's checksum (end-to-end CRC-32C)
 from kvstore.protocol.geometry import Geometry
+from kvstore.tiers.host import HostPool
 from tests.conftest import spec
 
 SMALL = Geometry(layers=1, tokens=16, kv_heads=2, head_dim=32, dtype="float16")     # 4 KiB, the smallest block
@@ -56,7 +57,7 @@ def test_a_million_keys_in_default_segments(start_daemon):
         host = s["tiers"][0]
         assert (s["blocks"], s["reserved"], s["pinned"]) == (N, 0, 0)
         assert (host["used_bytes"], host["segment_bytes"]) == (N * BLOCK, 64 << 20)
-        assert host["segments"] == N * BLOCK // (64 << 20)
+        assert host["segments"] == N * BLOCK // HostPool(1, 64 << 20).segment_size(BLOCK)   # small blocks: 4 MiB
         assert s["counters"]["evictions"] == 0
 
         # every key found, 1024 a request; keys never stored are not

@@ -218,7 +218,7 @@ def test_a_large_lent_segment_drains_one_step_per_request_and_its_blocks_stay_re
     sink = HoldingSink()
     per_seg = 3 * MOVE_CHUNK                            # three drain steps a segment
     seg = per_seg * 512
-    idx = Index(HostPool(capacity=2 * seg, segment_bytes=seg), on_evict=sink)
+    idx = Index(HostPool(capacity=2 * seg, segment_bytes=seg, small_slots=0), on_evict=sink)   # whole segments
     small, h = ns_of(idx, "small")
     big, _ = ns_of(idx, "big", BIG, h)
     put(idx, small, h, range(2 * per_seg))              # both segments full
