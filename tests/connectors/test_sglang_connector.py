@@ -546,3 +546,28 @@ def test_real_vllm_and_sglang_engines_share_one_daemon(start_daemon, tmp_path):
     assert "2 namespace(s)" in human
     print(f"\nvLLM A {va}\nSGLang A {sa}\nvLLM B {vb}\nSGLang B {sb}\n"
           f"blocks: " + ", ".join(f"{lay} {r['blocks']}" for lay, r in last.items()))
+
+
+def test_backends_of_two_models_in_one_group_share_pages_and_a_third_model_does_not(daemon):
+    """Share groups (ICaRus): `group` in the backend's extra config names the namespace instead of the model; the
+    daemon refuses a model of the group whose pages have another geometry."""
+    host = mha_host("layer_first")
+    fill(host, 21)
+    ks = keys(4, tag="grp")
+    src = host.alloc(4 * PAGE)
+    want = [page_bytes(host, src, i) for i in range(4)]
+    a = backend(daemon, host, model="planner", group="agents")
+    assert a.batch_set_v1(ks, src) == [True] * 4
+    b = backend(daemon, host, model="coder", group="agents")
+    c = backend(daemon, host, model="critic")
+    assert b.batch_exists(ks) == 4 and c.batch_exists(ks) == 0
+    dst = host.alloc(4 * PAGE)
+    assert b.batch_get_v1(ks, dst) == [True] * 4
+    assert [page_bytes(host, dst, i) for i in range(4)] == want
+    wide = backend(daemon, mha_host("layer_first", head_dim=64), model="reviewer", group="agents")
+    assert wide.batch_exists(ks) == 0                      # refused by the daemon: served as a miss, never mixed
+    with daemon.client() as cl:
+        groups = {g["group"]: g["models"] for g in cl.list()["groups"]}
+    assert groups["agents"] == ["coder", "planner"] and groups["critic"] == ["critic"]
+    for x in (a, b, c, wide):
+        x.close()
