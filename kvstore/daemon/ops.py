@@ -9,7 +9,9 @@ connection's own tenant's segments; `reserve` gives each reservation a lease (se
 context of lookup, acquire, reserve and commit (`wf`, `agent`) are kept by kvstore.daemon.hints, per tenant; the
 context reaches the index as a `Touch`, for the eviction policy; the keys of a lookup, acquire or reserve naming a
 workflow are that workflow's chain for the predictive prefetch (kvstore.movers.predictive), which a `call` hint
-with `next` starts at once and which learns from acquires which of its blocks were used."""
+with `next` starts at once and which learns from acquires which of its blocks were used. A `lookup` or `acquire`
+naming a `residual` namespace answers a ForkKV pair (base and residual) in one reply, and `fork` books an agent's
+fork of a context (kvstore.index.sharing)."""
 from __future__ import annotations
 
 import os
