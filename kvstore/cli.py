@@ -391,9 +391,9 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     rows = [[t["tenant"] or "(default)", format_size(t["quota_bytes"]), format_size(t["used_bytes"]),
              format_size(t["borrowed_bytes"]), format_size(t["lent_bytes"]),
              "-" if t["hit_rate"] is None else f"{t['hit_rate']:.1%}", t["evictions"], t["reclaims"],
-             t["taken_back"]] for t in r["tenants"]]
+             t["taken_back"], t.get("policy", "-")] for t in r["tenants"]]
     print(_table(["tenant", "quota", "used", "borrowed", "lent", "hit rate", "evictions", "reclaimed",
-                  "taken back"], rows))
+                  "taken back", "policy"], rows))
     rs = r["reclaim_seconds"]
     mode = "quotas with lending" if r["lending"] and r["active"] else "static partitions" if r["active"] else \
         "one shared LRU (no quota set)"

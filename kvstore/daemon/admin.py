@@ -192,14 +192,17 @@ def _resize_lower(st: State, name: str, nbytes: int) -> dict[str, Any]:
 
 
 def op_tenants(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
-    """Per tenant: quota, used, borrowed, lent, hit rate, evictions, reclaims (kvstore.index.quotas): every tenant's
-    row for the admin, the connection's own otherwise."""
+    """Per tenant: quota, used, borrowed, lent, hit rate, evictions, reclaims (kvstore.index.quotas) and its eviction
+    policy: every tenant's row for the admin, the connection's own otherwise."""
     q = st.index.quotas
     if h.admin:
         rows = q.rows([t.name for t in st.config.tenants])
     else:
         mine = tenant_of(st.config, h)
         rows = [r for r in q.rows([mine]) if r["tenant"] == mine]
+    chosen = {t.name: t.policy for t in st.config.tenants if t.policy}
+    for r in rows:
+        r["policy"] = chosen.get(r["tenant"], st.config.pool.eviction)
     return {"tenants": rows, "capacity_bytes": st.pool.capacity, "mapped_bytes": st.pool.mapped_bytes,
             "charged_bytes": st.pool.mapped_bytes + st.pool.reaping_bytes - st.pool.retiring_bytes,
             "fragmentation": q.fragmentation(), **q.stats()}

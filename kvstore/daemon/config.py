@@ -46,11 +46,13 @@ class ServerConfig:
 class TenantConfig:
     """A tenant: who may speak as it (`uids`, any if empty) and its `secret` (none if empty); a connection that
     names no tenant gets the first one listing its uid. `host`: the host-pool bytes guaranteed to it (its quota; 0:
-    none, it lives on what others leave, see `tenancy`)."""
+    none, it lives on what others leave, see `tenancy`). `policy`: the eviction policy of its host blocks (empty:
+    pool.eviction)."""
     name: str
     uids: list[int] = field(default_factory=list)
     secret: str = ""
     host: int = 0
+    policy: str = ""
 
 
 @dataclass(slots=True)
@@ -294,15 +296,17 @@ def _build(raw: dict[str, Any], errors: list[str]) -> Config:
 
 
 def _tenants(raw: list[Any], errors: list[str]) -> list[TenantConfig]:
-    """The `tenants:` list: each a mapping {name, uids, secret, host}; names unique, neither "" nor "uid:<n>" (those
-    are the implicit tenants), and each needs uids or a secret (else any local user could claim it)."""
+    """The `tenants:` list: each a mapping {name, uids, secret, host, policy}; names unique, neither "" nor
+    "uid:<n>" (those are the implicit tenants), and each needs uids or a secret (else any local user could claim
+    it)."""
     out: list[TenantConfig] = []
     for i, t in enumerate(raw):
         where = f"tenants[{i}]"
-        if not isinstance(t, dict) or set(t) - {"name", "uids", "secret", "host"}:
+        if not isinstance(t, dict) or set(t) - {"name", "uids", "secret", "host", "policy"}:
             errors.append(f"{where}: must be a mapping of name, uids (optional), secret (optional), host (optional: "
-                          "its quota, e.g. 8GiB)")
+                          "its quota, e.g. 8GiB), policy (optional: its eviction policy, else pool.eviction)")
             continue
+        policy = t.get("policy") or ""
         name, uids, secret = t.get("name"), t.get("uids") or [], t.get("secret") or ""
         try:
             host = parse_size(t.get("host") or 0)
@@ -320,8 +324,10 @@ def _tenants(raw: list[Any], errors: list[str]) -> list[TenantConfig]:
             errors.append(f"{where}.secret: expected a string of at most 256 characters")
         elif not uids and not secret:
             errors.append(f"{where}: give uids, a secret or both (otherwise any local user could claim {name!r})")
+        elif policy and policy not in POLICIES:
+            errors.append(f"{where}.policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
         else:
-            out.append(TenantConfig(name, list(uids), secret, host))
+            out.append(TenantConfig(name, list(uids), secret, host, policy))
     return out
 
 

@@ -102,7 +102,8 @@ def build_state(config: Config) -> State:
     t = config.tenancy
     quotas = Quotas(pool, {x.name: x.host for x in config.tenants}, t.default_host, t.lending, t.window_s,
                     compact_bytes=t.compact_bytes)
-    index = Index(pool, config.pool.eviction, demotion, counters, workflows=workflows, quotas=quotas)
+    index = Index(pool, config.pool.eviction, demotion, counters, workflows=workflows, quotas=quotas,
+                  tenant_policies={t.name: t.policy for t in config.tenants})
     index.coupled = config.pool.pair_eviction == "coupled"
     prefetcher = Prefetcher(index, pool, lower, changed, counters) if lower else None
     copy_evicted = partial(copy_deferred, demotion, index, lock, False)

@@ -35,7 +35,8 @@ from kvstore.index.keytable import KeyTable
 from kvstore.index.namespaces import Holdings, NamespaceEntry, Namespaces
 from kvstore.index.quotas import Quotas
 from kvstore.index.sweep import SlotCursor
-from kvstore.policy import make_policy
+from kvstore.policy import EvictionPolicy, make_policy
+from kvstore.policy.tenants import PerTenantPolicy
 from kvstore.policy.workflow import Touch, Workflows
 from kvstore.protocol import ReserveStatus
 from kvstore.protocol.keys import NamespaceSpec
@@ -51,15 +52,14 @@ CLOCK_SAMPLE_S = 0.05      # how finely the recency clock is mapped to time
 class Index(CapacityBooks):
     def __init__(self, pool: HostPool, policy: str = "lru", on_evict: EvictionSink | None = None,
                  counters: Counter[str] | None = None, workflows: Workflows | None = None,
-                 quotas: Quotas | None = None) -> None:
+                 quotas: Quotas | None = None, tenant_policies: dict[str, str] | None = None) -> None:
         self.pool = pool
         self.quotas = quotas if quotas is not None else Quotas(pool)   # tenants' guarantees and lending
         self.on_evict = on_evict                    # where evicted blocks are handed (the demotion mover)
         self.table = KeyTable()
         self.workflows = workflows if workflows is not None else Workflows()   # the hints' books (the daemon's)
-        self.policy = make_policy(policy, self.table, self.workflows, self._key_at,
-                                  lambda seg: self.pool.segments[seg].nslots)
         self.namespaces = Namespaces()
+        self.policy = self._make_policies(policy, tenant_policies or {})
         self.promoting: set[bytes] = set()          # keys being read from a lower tier into a reserved slot
         self.cancelled: set[bytes] = set()          # ... and deleted meanwhile: never published
         self.pending: dict[bytes, int] = {}         # reserved keys (any connection) → gid
@@ -70,6 +70,18 @@ class Index(CapacityBooks):
         self.counters: Counter[str] = Counter() if counters is None else counters
         self._clock = 1                             # advances per commit and acquire: recency across sizes
         self._clock_times: deque[tuple[int, float]] = deque([(1, time.monotonic())])   # when the clock was where
+
+    def _make_policies(self, default: str, chosen: dict[str, str]) -> EvictionPolicy:
+        """The host pool's policy: `default` for all, or — where tenants chose others (`tenants[].policy`) — one
+        instance per policy named, each tenant's classes routed to its own (kvstore.policy.tenants)."""
+        def make(name: str) -> EvictionPolicy:
+            return make_policy(name, self.table, self.workflows, self._key_at,
+                               lambda seg: self.pool.segments[seg].nslots)
+        chosen = {t: p for t, p in chosen.items() if p and p != default}
+        if not chosen:
+            return make(default)
+        policies = {name: make(name) for name in {default, *chosen.values()}}
+        return PerTenantPolicy(self.table, policies, chosen, default, self.namespaces.class_tenants.__getitem__)
 
     def _advance(self) -> None:
         """The recency clock moves on (a commit or an acquire); when it did so is noted every CLOCK_SAMPLE_S, so

@@ -297,9 +297,15 @@ class CapacityBooks:
         """Retire `seg` for an allocation of `taker`; a segment of another tenant is compacted first, so that its
         owner loses its coldest blocks, not the ones that shared the segment. (Only under a policy whose books
         follow keys, not slots — LRU; the workflow policy's rows are per slot: its segments go as they stand.)"""
-        if seg.tenant != taker and getattr(self.policy, "by_key", False):
+        if seg.tenant != taker and getattr(self._policy_of(seg), "by_key", False):
             self._compact(seg)
         self._retire(seg, for_room=True)
+
+    def _policy_of(self, seg: Segment) -> EvictionPolicy:
+        """The policy of the segment's class (its tenant's, where tenants chose their own: kvstore.policy.tenants)."""
+        route = getattr(self.policy, "for_class", None)
+        cls = self.namespaces.classes.get(seg.slot_key)
+        return route(cls) if route is not None and cls is not None else self.policy
 
     def _compact(self, seg: Segment) -> int:
         """Move the segment's most recently used unpinned blocks, up to `quotas.compact_bytes`, into free slots of

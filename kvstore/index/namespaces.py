@@ -79,6 +79,7 @@ class Namespaces:
         self.by_id: dict[int, NamespaceEntry] = {}
         self._by_digest: dict[bytes, NamespaceEntry] = {}
         self.classes: dict[SlotKey, int] = {}         # (tenant, slot bytes) → eviction class id
+        self.class_tenants: dict[int, str] = {}       # eviction class id → its tenant
         self.forgotten = 0
         self._next_id = 1
         self.groups = ShareGroups()
@@ -112,6 +113,7 @@ class Namespaces:
         nid = self._next_id                           # never reused: an id names one namespace for good
         self._next_id += 1
         cls = self.classes.setdefault((tenant, slot), len(self.classes))
+        self.class_tenants[cls] = tenant
         ns = NamespaceEntry(nid, spec, digest, nid.to_bytes(PREFIX_BYTES, "big"), slot, cls, tenant)
         self.by_id[nid] = ns
         self._by_digest[digest] = ns

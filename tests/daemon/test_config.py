@@ -211,6 +211,7 @@ def test_tenants_are_read_from_the_file_and_their_secrets_never_printed(tmp_path
     ([{"name": "a", "uids": [1], "secret": 5}], "tenants[0].secret: expected a string"),
     ([{"name": "a"}], "tenants[0]: give uids, a secret or both"),
     ([{"name": "a", "secret": "x", "host": "a lot"}], "tenants[0].host: expected a size"),
+    ([{"name": "a", "secret": "x", "policy": "fifo"}], "tenants[0].policy: must be one of lru, workflow"),
 ])
 def test_each_invalid_tenant_has_its_own_message(tmp_path, tenants, fragment):
     with pytest.raises(ConfigError) as e:

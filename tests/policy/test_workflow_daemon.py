@@ -85,3 +85,40 @@ def test_a_put_does_not_evict_blocks_worth_more_than_its_own(start_daemon):
             assert ns.lookup(shared) == kept, policy
             assert stored == 256 - kept, policy
         d.stop()
+
+
+def test_each_tenant_evicts_by_its_own_policy(tmp_path, daemons):
+    """tenants[].policy: the same puts and hints from two tenants, each in its own 2 MiB (static quotas); tenant
+    `wf` (workflow) evicts the ended workflow's blocks although A's are older, tenant `plain` (pool.eviction: lru)
+    evicts A's, the least recently used."""
+    import yaml
+
+    from kvstore.client import Client
+    from tests.conftest import DaemonProc
+
+    conf = tmp_path / "kvstore.yaml"
+    conf.write_text(yaml.safe_dump({
+        "tenants": [{"name": "wf", "secret": "s-wf", "host": "2MiB", "policy": "workflow"},
+                    {"name": "plain", "secret": "s-plain", "host": "2MiB"}],
+        "tenancy": {"lending": False}}))
+    d = DaemonProc(capacity="4MiB", segment="1MiB", env={"KVSTORE_CONFIG": str(conf)}).start()
+    daemons.append(d)
+    kept = {}
+    for tenant in ("wf", "plain"):
+        with Client(d.socket, tenant=tenant, secret=f"s-{tenant}") as c:
+            ns = c.namespace(spec())
+            a, b = c.workflow("A", type="chain"), c.workflow("B", type="chain")
+            a.call("writer")
+            b.call("writer")
+            ha, hb = hashes(128, tag=b"A"), hashes(128, tag=b"B")
+            ns.put(ha, [block(i) for i in range(128)], context=a.context("writer"))
+            ns.put(hb, [block(i) for i in range(128)], context=b.context("writer"))    # its quota is full
+            b.end()
+            ns.put(hashes(64, tag=b"A2"), [block(i) for i in range(64)], context=a.context("writer"))
+            kept[tenant] = (ns.lookup(ha), ns.lookup(hb))
+            tags = c.list(ns.id, limit=1, tags=True)["tags"]
+            rows = {r["tenant"]: r for r in c.tenants()["tenants"]}
+            assert rows[tenant]["policy"] == ("workflow" if tenant == "wf" else "lru")
+            assert (tags[0] is not None) == (tenant == "wf")         # the workflow policy's books describe it
+    assert kept["wf"] == (128, 64)                                   # B's (ended) tail went
+    assert kept["plain"][1] == 128 and kept["plain"][0] < 128        # A's, the older, went
