@@ -35,9 +35,6 @@ class PerTenantPolicy:
             p = self._routes[cls] = self.policies[self.chosen.get(self.tenant_of(cls), self.default)]
         return p
 
-    def name_of(self, tenant: str) -> str:
-        return self.chosen.get(tenant, self.default)
-
     def _for_key(self, key: bytes) -> EvictionPolicy | None:
         """The policy of a stored key's class; None for a key the table does not hold (a delete of a block that
         is not there: no policy has books of it)."""
