@@ -85,6 +85,9 @@ class ResizeResult:
 MOVE_CHUNK = 256        # blocks of a lent segment evicted per drain step (a few milliseconds under the lock)
 
 
+STALE_SAMPLE = 64           # slots a same-tenant segment move looks at to judge a segment stale (_mostly_stale)
+
+
 class CapacityBooks:
     """The capacity half of the index (see `kvstore.index.books.Index`, which adds reads and two-phase stores)."""
     pool: HostPool
@@ -253,9 +256,12 @@ class CapacityBooks:
         A segment moving to another block size of its tenant leaves with every block in it (no compaction: that
         is for memory changing tenants), so the coldest block alone must not decide: a class that lives in one
         segment would lose its hot blocks with its stale ones each time the other class grows (measured,
-        bench_forkkv: a residual class wiped every ~80 requests). O(slots of the segment)."""
+        bench_forkkv: a residual class wiped every ~80 requests). It runs on allocations that find the pool full,
+        so it looks at STALE_SAMPLE slots evenly spread, not all of them: ~4 µs here, where a scan of a 4096-slot
+        segment took ~270 (17 µs for 256)."""
         live = stale = 0
-        for key, used in zip(seg.keys, seg.used):
+        step = max(1, seg.nslots // STALE_SAMPLE)
+        for key, used in zip(seg.keys[::step], seg.used[::step]):
             if key is not None:
                 live += 1
                 stale += used < mine
