@@ -11,22 +11,30 @@ SLOTS = 256                     # 2 MiB of 8 KiB blocks
 WORKFLOW = {"KVSTORE_POOL_EVICTION": "workflow"}
 
 
+def a_then_b_ended(c, ns, check: bool = False) -> tuple[list[bytes], list[bytes], list[bytes]]:
+    """Workflows A then B each store 128 blocks (2 MiB: a full share), B ends, A stores 64 more (64 evictions):
+    A's, B's and A's further hashes."""
+    a, b = c.workflow("A", type="chain"), c.workflow("B", type="chain")
+    a.call("writer")
+    b.call("writer")
+    ha, hb, more = hashes(128, tag=b"A"), hashes(128, tag=b"B"), hashes(64, tag=b"A2")
+    ns.put(ha, [block(i) for i in range(128)], context=a.context("writer"))
+    ns.put(hb, [block(i) for i in range(128)], context=b.context("writer"))          # the pool is full
+    if check:
+        assert c.stats()["workflows"]["blocks"] == {"retired": 0, "active": 256}
+    b.end()
+    if check:
+        assert c.stats()["workflows"]["blocks"] == {"retired": 128, "active": 128}
+    ns.put(more, [block(i) for i in range(64)], context=a.context("writer"))
+    return ha, hb, more
+
+
 def test_a_retired_workflows_blocks_go_before_an_active_ones(start_daemon):
     """A's blocks are the older, but B has ended: a put of A's evicts B's, tail first (under LRU: A's own)."""
     d = start_daemon(capacity="2MiB", segment="1MiB", env=WORKFLOW)
     with d.client() as c:
         ns = c.namespace(spec())
-        a, b = c.workflow("A", type="chain"), c.workflow("B", type="chain")
-        a.call("writer")
-        b.call("writer")
-        ha, hb = hashes(128, tag=b"A"), hashes(128, tag=b"B")
-        ns.put(ha, [block(i) for i in range(128)], context=a.context("writer"))
-        ns.put(hb, [block(i) for i in range(128)], context=b.context("writer"))      # the pool is full
-        assert c.stats()["workflows"]["blocks"] == {"retired": 0, "active": 256}
-        b.end()
-        assert c.stats()["workflows"]["blocks"] == {"retired": 128, "active": 128}
-        more = hashes(64, tag=b"A2")
-        ns.put(more, [block(i) for i in range(64)], context=a.context("writer"))      # 64 evictions
+        ha, hb, more = a_then_b_ended(c, ns, check=True)
         assert c.stats()["counters"]["evictions"] == 64
         assert ns.lookup(ha) == 128 and ns.lookup(more) == 64
         assert ns.lookup(hb) == 64                                                  # B's tail went
@@ -107,14 +115,7 @@ def test_each_tenant_evicts_by_its_own_policy(tmp_path, daemons):
     for tenant in ("wf", "plain"):
         with Client(d.socket, tenant=tenant, secret=f"s-{tenant}") as c:
             ns = c.namespace(spec())
-            a, b = c.workflow("A", type="chain"), c.workflow("B", type="chain")
-            a.call("writer")
-            b.call("writer")
-            ha, hb = hashes(128, tag=b"A"), hashes(128, tag=b"B")
-            ns.put(ha, [block(i) for i in range(128)], context=a.context("writer"))
-            ns.put(hb, [block(i) for i in range(128)], context=b.context("writer"))    # its quota is full
-            b.end()
-            ns.put(hashes(64, tag=b"A2"), [block(i) for i in range(64)], context=a.context("writer"))
+            ha, hb, _ = a_then_b_ended(c, ns)                           # its quota is full, then 64 evictions
             kept[tenant] = (ns.lookup(ha), ns.lookup(hb))
             tags = c.list(ns.id, limit=1, tags=True)["tags"]
             rows = {r["tenant"]: r for r in c.tenants()["tenants"]}
