@@ -66,9 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("what", nargs="+", metavar="[TIER] SIZE", help="tier (host or ssd, default host) and capacity")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_resize)
-    c = sub.add_parser("tenants", help="quota, use, borrowing and lending per tenant; `tenants set NAME --host 8GiB`")
+    c = sub.add_parser("tenants", help="quota, use, borrowing and lending per tenant; "
+                       "`tenants set NAME --host 8GiB --ssd 100GiB`")
     c.add_argument("action", nargs="*", metavar="set NAME", help="set NAME: change a tenant's quota online (admin)")
     c.add_argument("--host", help="with set: the tenant's guaranteed host-pool bytes, e.g. 8GiB (0: none)")
+    c.add_argument("--ssd", help="with set: the tenant's guaranteed SSD bytes, e.g. 100GiB (0: none)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_tenants)
     c = sub.add_parser("evict", help="evict unpinned blocks")
@@ -375,13 +377,17 @@ def _ms(seconds: float | None) -> str:
 
 def cmd_tenants(args: argparse.Namespace) -> int:
     if args.action:
-        if len(args.action) != 2 or args.action[0] != "set" or args.host is None:
-            raise ValueError("usage: kvstore tenants set NAME --host SIZE (the default tenant's NAME is '')")
+        if len(args.action) != 2 or args.action[0] != "set" or (args.host is None and args.ssd is None):
+            raise ValueError("usage: kvstore tenants set NAME [--host SIZE] [--ssd SIZE] (the default tenant's NAME "
+                             "is '')")
         with _client(args) as c:
-            r = c.set_quota(args.action[1], parse_size(args.host))
-        _out(args, r, f"tenant {r['tenant'] or '(default)'}: host quota {format_size(r['host_before'])} -> "
-                      f"{format_size(r['host'])} (it holds {format_size(r['used_bytes'])}; memory moves as loads "
-                      "need it, nothing moves now)")
+            r = c.set_quota(args.action[1], None if args.host is None else parse_size(args.host),
+                            None if args.ssd is None else parse_size(args.ssd))
+        said = [f"{tier} quota {format_size(r[tier + '_before'])} -> {format_size(r[tier])}"
+                for tier in ("host", "ssd") if tier in r]
+        _out(args, r, f"tenant {r['tenant'] or '(default)'}: {', '.join(said)} (it holds "
+                      f"{format_size(r['used_bytes'])} of host memory; memory moves as loads need it, nothing moves "
+                      "now)")
         return 0
     with _client(args) as c:
         r = c.tenants()
@@ -394,6 +400,12 @@ def cmd_tenants(args: argparse.Namespace) -> int:
              t["taken_back"], t.get("policy", "-")] for t in r["tenants"]]
     print(_table(["tenant", "quota", "used", "borrowed", "lent", "hit rate", "evictions", "reclaimed",
                   "taken back", "policy"], rows))
+    ssd = [[t["tenant"] or "(default)", format_size(t["ssd_quota_bytes"]), format_size(t["ssd_used_bytes"]),
+            format_size(t["ssd_borrowed_bytes"]), t["ssd_evictions"], t["ssd_taken"]]
+           for t in r["tenants"] if "ssd_used_bytes" in t]
+    if ssd:
+        print("\nSSD tier" + ("" if r.get("ssd_quotas") else " (no SSD quotas: one LRU per block size)"))
+        print(_table(["tenant", "quota", "used", "borrowed", "evictions", "taken by others"], ssd))
     rs = r["reclaim_seconds"]
     mode = "quotas with lending" if r["lending"] and r["active"] else "static partitions" if r["active"] else \
         "one shared LRU (no quota set)"

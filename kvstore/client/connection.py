@@ -492,9 +492,10 @@ class Client:
         own otherwise), and the pool's capacity and charged bytes."""
         return self.call("tenants")
 
-    def set_quota(self, tenant: str, host: int) -> dict[str, Any]:
-        """Change a tenant's guaranteed host bytes online (admin)."""
-        return self.call("tenant_quota", tenant=tenant, host=host)
+    def set_quota(self, tenant: str, host: int | None = None, ssd: int | None = None) -> dict[str, Any]:
+        """Change a tenant's guaranteed host bytes, SSD bytes or both online (admin)."""
+        fields = {k: v for k, v in (("host", host), ("ssd", ssd)) if v is not None}
+        return self.call("tenant_quota", tenant=tenant, **fields)
 
     def evict(self, nbytes: int = 0, everything: bool = False, ns: int | None = None) -> dict[str, Any]:
         fields: dict[str, Any] = {"all": everything} if everything else {"bytes": nbytes}

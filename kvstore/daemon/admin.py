@@ -195,21 +195,45 @@ def op_tenants(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     """Per tenant: quota, used, borrowed, lent, hit rate, evictions, reclaims (kvstore.index.quotas) and its eviction
     policy: every tenant's row for the admin, the connection's own otherwise."""
     q = st.index.quotas
-    if h.admin:
-        rows = q.rows([t.name for t in st.config.tenants])
-    else:
+    rows = _tenant_rows(st)
+    if not h.admin:
         mine = tenant_of(st.config, h)
         rows = [r for r in q.rows([mine]) if r["tenant"] == mine]
+        for r in rows:
+            r.update(_ssd_rows(st, [mine]).get(mine, {}))
     chosen = {t.name: t.policy for t in st.config.tenants if t.policy}
     for r in rows:
         r["policy"] = chosen.get(r["tenant"], st.config.pool.eviction)
+    tier = _ssd_tier(st)
     return {"tenants": rows, "capacity_bytes": st.pool.capacity, "mapped_bytes": st.pool.mapped_bytes,
             "charged_bytes": st.pool.mapped_bytes + st.pool.reaping_bytes - st.pool.retiring_bytes,
-            "fragmentation": q.fragmentation(), **q.stats()}
+            "fragmentation": q.fragmentation(), **q.stats(),
+            "ssd_quotas": bool(tier is not None and tier.quotas_on)}
+
+
+def _tenant_rows(st: State) -> list[dict[str, Any]]:
+    """Every tenant's host row with its SSD figures (where the daemon has an SSD tier)."""
+    names = [t.name for t in st.config.tenants]
+    ssd = _ssd_rows(st, names)
+    rows = st.index.quotas.rows(names + list(ssd))
+    for r in rows:
+        r.update(ssd.get(r["tenant"], {}))
+    return rows
+
+
+def _ssd_tier(st: State) -> Any:
+    """The lower tier that keeps tenants' books (the SSD's), or None."""
+    return next((t for t in st.lower if hasattr(t, "tenant_rows")), None)
+
+
+def _ssd_rows(st: State, tenants: list[str]) -> dict[str, dict[str, int]]:
+    tier = _ssd_tier(st)
+    return tier.tenant_rows(tenants) if tier is not None else {}
 
 
 def op_tenant_quota(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
-    """Change a tenant's host quota online: O(1), nothing moves now (kvstore.index.quotas.Quotas.set)."""
+    """Change a tenant's host quota, SSD quota or both online: O(1), nothing moves now
+    (kvstore.index.quotas.Quotas.set, kvstore.tiers.ssd.owners.SsdQuotas.set)."""
     if not h.admin:
         raise forbidden("tenants set")
     name = m["tenant"]
@@ -218,12 +242,24 @@ def op_tenant_quota(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     if name not in known and name != "" and not name.startswith("uid:"):
         raise ProtocolError(Code.BAD_REQUEST, f"tenants set: no tenant {name[:64]!r}; tenants: "
                                               f"{', '.join(sorted(repr(t) for t in known)) or 'none'}")
-    before = st.index.quotas.quota(name)
+    if m.get("host") is None and m.get("ssd") is None:
+        raise ProtocolError(Code.BAD_REQUEST, "tenants set: give host, ssd or both (bytes)")
+    tier = _ssd_tier(st)
+    if m.get("ssd") is not None and tier is None:
+        raise ProtocolError(Code.BAD_REQUEST, "tenants set: this daemon has no SSD tier (set ssd.dir)")
+    reply: dict[str, Any] = {"tenant": name}
     try:
-        st.index.quotas.set(name, m["host"])
+        if m.get("ssd") is not None:              # first: a refusal here leaves the host quota as it was
+            reply["ssd_before"] = tier.set_quota(name, m["ssd"])
+            reply["ssd"] = m["ssd"]
+        if m.get("host") is not None:
+            reply["host_before"] = st.index.quotas.quota(name)
+            st.index.quotas.set(name, m["host"])
+            reply["host"] = m["host"]
     except ValueError as e:
         raise ProtocolError(Code.BAD_REQUEST, f"tenants set: {e}") from None
-    return {"tenant": name, "host_before": before, "host": m["host"], "used_bytes": st.index.quotas.held(name)}
+    reply["used_bytes"] = st.index.quotas.held(name)
+    return reply
 
 
 def op_evict(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
@@ -288,7 +324,7 @@ def snapshot(st: State) -> dict[str, Any]:
             "workers": workers.stats(), "write_through": st.write_through.stats() if st.write_through else None,
             "publish": st.publisher.stats() if st.publisher else None,
             "hit_rates": hit_rates(st.counters), "workflows": workflow_stats(st),
-            "tenants": {"rows": idx.quotas.rows([t.name for t in st.config.tenants]), **idx.quotas.stats()},
+            "tenants": {"rows": _tenant_rows(st), **idx.quotas.stats()},
             **idx.stats()}
 
 

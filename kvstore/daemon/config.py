@@ -46,13 +46,14 @@ class ServerConfig:
 class TenantConfig:
     """A tenant: who may speak as it (`uids`, any if empty) and its `secret` (none if empty); a connection that
     names no tenant gets the first one listing its uid. `host`: the host-pool bytes guaranteed to it (its quota; 0:
-    none, it lives on what others leave, see `tenancy`). `policy`: the eviction policy of its host blocks (empty:
-    pool.eviction)."""
+    none, it lives on what others leave, see `tenancy`). `ssd`: the SSD tier's bytes guaranteed to it
+    (kvstore.tiers.ssd.owners). `policy`: the eviction policy of its host blocks (empty: pool.eviction)."""
     name: str
     uids: list[int] = field(default_factory=list)
     secret: str = ""
     host: int = 0
     policy: str = ""
+    ssd: int = 0
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class TenancyConfig:
     lending: bool = True                # a tenant may grow past its quota into memory no one else needs now
     window_s: float = 60.0              # a lender's segment untouched this long is idle: it may be lent
     default_host: int = 0               # the quota of a tenant not listed (the daemon's user "", "uid:<n>")
+    default_ssd: int = 0                # its SSD quota (SSD quotas are on when any tenant has one at start)
     compact_bytes: int = 16 << 20       # of a segment going to another tenant, its blocks moved to the owner's other
                                         # segments (evicting the owner's coldest instead): copied under the lock
     unknown: str = "share"              # share | refuse: a hello from a user of no listed tenant (but the daemon's)
@@ -198,7 +200,8 @@ SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "remot
 SIZE_FIELDS = {("server", "max_frame_bytes"), ("server", "min_block_bytes"), ("pool", "capacity"),
                ("pool", "segment_bytes"), ("ssd", "capacity"), ("ssd", "staging_bytes"),
                ("remote", "segment_bytes"), ("remote", "buffer_bytes"), ("remote", "staging_bytes"),
-               ("tenancy", "default_host"), ("tenancy", "compact_bytes"), ("donated", "max_bytes")}
+               ("tenancy", "default_host"), ("tenancy", "default_ssd"), ("tenancy", "compact_bytes"),
+               ("donated", "max_bytes")}
 LISTS = ("tenants",)    # top-level lists, not sections: set by file only (a secret does not belong in the env)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -296,15 +299,16 @@ def _build(raw: dict[str, Any], errors: list[str]) -> Config:
 
 
 def _tenants(raw: list[Any], errors: list[str]) -> list[TenantConfig]:
-    """The `tenants:` list: each a mapping {name, uids, secret, host, policy}; names unique, neither "" nor
+    """The `tenants:` list: each a mapping {name, uids, secret, host, ssd, policy}; names unique, neither "" nor
     "uid:<n>" (those are the implicit tenants), and each needs uids or a secret (else any local user could claim
     it)."""
     out: list[TenantConfig] = []
     for i, t in enumerate(raw):
         where = f"tenants[{i}]"
-        if not isinstance(t, dict) or set(t) - {"name", "uids", "secret", "host", "policy"}:
+        if not isinstance(t, dict) or set(t) - {"name", "uids", "secret", "host", "ssd", "policy"}:
             errors.append(f"{where}: must be a mapping of name, uids (optional), secret (optional), host (optional: "
-                          "its quota, e.g. 8GiB), policy (optional: its eviction policy, else pool.eviction)")
+                          "its quota, e.g. 8GiB), ssd (optional: its SSD quota), policy (optional: its eviction "
+                          "policy, else pool.eviction)")
             continue
         policy = t.get("policy") or ""
         name, uids, secret = t.get("name"), t.get("uids") or [], t.get("secret") or ""
@@ -312,6 +316,11 @@ def _tenants(raw: list[Any], errors: list[str]) -> list[TenantConfig]:
             host = parse_size(t.get("host") or 0)
         except (ValueError, TypeError):
             errors.append(f"{where}.host: expected a size (e.g. 8GiB), got {t.get('host')!r}")
+            continue
+        try:
+            ssd = parse_size(t.get("ssd") or 0)
+        except (ValueError, TypeError):
+            errors.append(f"{where}.ssd: expected a size (e.g. 100GiB), got {t.get('ssd')!r}")
             continue
         if not isinstance(name, str) or not 1 <= len(name) <= 64 or name.startswith("uid:") or "\x00" in name:
             errors.append(f"{where}.name: must be a string of 1..64 characters, not starting with 'uid:' (and "
@@ -327,7 +336,7 @@ def _tenants(raw: list[Any], errors: list[str]) -> list[TenantConfig]:
         elif policy and policy not in POLICIES:
             errors.append(f"{where}.policy: must be one of {', '.join(POLICIES)}, got {policy!r}")
         else:
-            out.append(TenantConfig(name, list(uids), secret, host, policy))
+            out.append(TenantConfig(name, list(uids), secret, host, policy, ssd))
     return out
 
 
@@ -440,6 +449,13 @@ def _check_tenancy(cfg: Config) -> list[str]:
         errors.append(f"tenants: the host quotas ({quotas} bytes, tenancy.default_host included) exceed "
                       f"pool.capacity ({cfg.pool.capacity} bytes): a quota is a guarantee; lower them or grow the "
                       "pool")
+    ssd = sum(x.ssd for x in cfg.tenants) + t.default_ssd
+    if ssd and not cfg.ssd.dir:
+        errors.append("tenants: SSD quotas are set (tenants[].ssd or tenancy.default_ssd) but there is no SSD tier "
+                      "(ssd.dir is empty): set ssd.dir or remove them")
+    elif ssd > cfg.ssd.capacity:
+        errors.append(f"tenants: the SSD quotas ({ssd} bytes, tenancy.default_ssd included) exceed ssd.capacity "
+                      f"({cfg.ssd.capacity} bytes): lower them or grow the tier")
     return errors
 
 

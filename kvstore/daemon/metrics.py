@@ -147,8 +147,10 @@ def _remote_metrics(t: dict[str, Any] | None) -> Any:
     yield secs
 
 
-TENANT_GAUGES = ("quota_bytes", "used_bytes", "borrowed_bytes", "lent_bytes")
-TENANT_COUNTERS = ("hits", "misses", "evictions", "reclaims", "lent_segments", "taken_back")
+TENANT_GAUGES = ("quota_bytes", "used_bytes", "borrowed_bytes", "lent_bytes", "ssd_quota_bytes", "ssd_used_bytes",
+                 "ssd_borrowed_bytes")
+TENANT_COUNTERS = ("hits", "misses", "evictions", "reclaims", "lent_segments", "taken_back", "ssd_evictions",
+                   "ssd_taken")
 
 
 def _tenant_metrics(t: dict[str, Any]) -> Any:
@@ -158,7 +160,8 @@ def _tenant_metrics(t: dict[str, Any]) -> Any:
 
     if not t:
         return
-    gauges = {n: GaugeMetricFamily(f"kvstore_tenant_{n}", f"{n.replace('_', ' ')} per tenant (host pool)",
+    gauges = {n: GaugeMetricFamily(f"kvstore_tenant_{n}", f"{n.replace('_', ' ')} per tenant"
+                                   f"{' (SSD tier)' if n.startswith('ssd_') else ' (host pool)'}",
                                    labels=["tenant"]) for n in TENANT_GAUGES}
     counters = {n: CounterMetricFamily(f"kvstore_tenant_{n}", f"{n.replace('_', ' ')} per tenant since start",
                                        labels=["tenant"]) for n in TENANT_COUNTERS}
@@ -166,9 +169,11 @@ def _tenant_metrics(t: dict[str, Any]) -> Any:
                              labels=["tenant"])
     for r in t["rows"]:
         for n, g in gauges.items():
-            g.add_metric([r["tenant"]], r[n])
+            if n in r:                          # the SSD's figures: where the daemon has an SSD tier
+                g.add_metric([r["tenant"]], r[n])
         for n, c in counters.items():
-            c.add_metric([r["tenant"]], r[n])
+            if n in r:
+                c.add_metric([r["tenant"]], r[n])
         if r["hit_rate"] is not None:
             rate.add_metric([r["tenant"]], r["hit_rate"])
     yield from gauges.values()

@@ -105,6 +105,10 @@ def build_state(config: Config) -> State:
     index = Index(pool, config.pool.eviction, demotion, counters, workflows=workflows, quotas=quotas,
                   tenant_policies={t.name: t.policy for t in config.tenants})
     index.coupled = config.pool.pair_eviction == "coupled"
+    for tier in lower:                                   # a tier with tenants' books (the SSD's quotas)
+        know = getattr(tier, "know_tenants", None)
+        if know is not None:
+            know(index.namespaces.tenant_of_digest)
     prefetcher = Prefetcher(index, pool, lower, changed, counters) if lower else None
     copy_evicted = partial(copy_deferred, demotion, index, lock, False)
     reserve = Reserve(index, pool, lock, counters, config.ssd.promote_reserve if demotion is not None else 0,

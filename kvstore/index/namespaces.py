@@ -151,6 +151,12 @@ class Namespaces:
     def get(self, nid: int) -> NamespaceEntry | None:
         return self.by_id.get(nid)
 
+    def tenant_of_digest(self, digest: bytes) -> str | None:
+        """The tenant of a registered namespace digest (None if none is registered). Called by a lower tier's
+        writer without the state lock: one dict read."""
+        ns = self._by_digest.get(digest)
+        return None if ns is None else ns.tenant
+
     def __len__(self) -> int:
         return len(self.by_id)
 

@@ -44,7 +44,7 @@ SCHEMAS: dict[str, Schema] = {
     "hint": _HINT,
     "workflows": {"limit": ("int", False)},
     "tenants": {},
-    "tenant_quota": {"tenant": ("str", True), "host": ("int", True)},
+    "tenant_quota": {"tenant": ("str", True), "host": ("int", False), "ssd": ("int", False)},
 }
 _COMMON = {"v", "op", "id"}
 

@@ -159,6 +159,7 @@ def test_other_kvstore_variables_are_not_fields():
     ("tenancy", "window_s", 0, "must be 0.01..86400 seconds"),
     ("tenancy", "lending", "often", "expected true or false"),
     ("tenancy", "default_host", "lots", "expected a size"),
+    ("tenancy", "default_ssd", "lots", "expected a size"),
     ("donated", "kind", "tpu", "must be memfd or cuda"),
     ("donated", "socket", "donate.sock", "must be an absolute path"),
     ("donated", "max_donors", 0, "must be 1..1024"),
@@ -211,6 +212,7 @@ def test_tenants_are_read_from_the_file_and_their_secrets_never_printed(tmp_path
     ([{"name": "a", "uids": [1], "secret": 5}], "tenants[0].secret: expected a string"),
     ([{"name": "a"}], "tenants[0]: give uids, a secret or both"),
     ([{"name": "a", "secret": "x", "host": "a lot"}], "tenants[0].host: expected a size"),
+    ([{"name": "a", "secret": "x", "ssd": [1]}], "tenants[0].ssd: expected a size"),
     ([{"name": "a", "secret": "x", "policy": "fifo"}], "tenants[0].policy: must be one of lru, workflow"),
 ])
 def test_each_invalid_tenant_has_its_own_message(tmp_path, tenants, fragment):
@@ -230,6 +232,22 @@ def test_quotas_must_fit_the_pool(tmp_path):
                                      "tenants": [{"name": "a", "secret": "x", "host": "6GiB"}]}), env={})
     (only,) = errors_of(e)
     assert "the host quotas (9663676416 bytes, tenancy.default_host included) exceed pool.capacity" in only
+
+
+def test_ssd_quotas_must_fit_the_ssd_tier_and_need_one(tmp_path):
+    tenants = [{"name": "a", "secret": "x", "ssd": "60GiB"}]
+    ok = load_config(write(tmp_path, {"ssd": {"dir": str(tmp_path / "ssd"), "capacity": "64GiB"},
+                                      "tenancy": {"default_ssd": "4GiB"}, "tenants": tenants}), env={})
+    assert ([t.ssd for t in ok.tenants], ok.tenancy.default_ssd) == ([60 << 30], 4 << 30)
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, {"ssd": {"dir": str(tmp_path / "ssd"), "capacity": "64GiB"},
+                                     "tenancy": {"default_ssd": "5GiB"}, "tenants": tenants}), env={})
+    (only,) = errors_of(e)
+    assert "the SSD quotas (69793218560 bytes, tenancy.default_ssd included) exceed ssd.capacity" in only
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, {"tenants": tenants}), env={})
+    (only,) = errors_of(e)
+    assert "SSD quotas are set (tenants[].ssd or tenancy.default_ssd) but there is no SSD tier" in only
 
 
 def test_unknown_field_from_the_environment(tmp_path):

@@ -47,7 +47,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "hint": {"kind": ("id", True), "workflow": ("id", False), "session": ("id", False), "type": ("id", False),
              "agent": ("id", False), "step": ("int", False), "next": ("ids", False), "priority": ("prio", False)},
     "workflows": {"limit": ("int", False)},
-    "tenant_quota": {"tenant": ("str", True), "host": ("int", True)},
+    "tenant_quota": {"tenant": ("str", True), "host": ("int", False), "ssd": ("int", False)},
 }
 VALID = {"int": 1, "bool": True, "str": "x", "map": {}, "ints": [1], "keys": bytes(16), "id": "x", "ids": ["x"],
          "prio": 1}

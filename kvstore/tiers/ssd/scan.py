@@ -39,6 +39,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvstore.tiers.ssd.files import LOCK_NAME, ClassFile, aligned, cut_torn_tail, is_map_name, record_file_payload
+from kvstore.tiers.ssd.owners import FILE as OWNERS_FILE
 from kvstore.tiers.ssd.recmap import BUILDING, COMPLETE, ENTRY_BYTES, HEADER_FIELDS
 from kvstore.tiers.ssd.record import HEADER_BYTES, BadRecord, Header, parse_header
 from kvstore.traffic import Busy, Lane
@@ -127,7 +128,7 @@ class RestartScan:
     def _open_files(self) -> None:
         s = self.store
         for name in sorted(os.listdir(s.dir)):
-            if name == LOCK_NAME or is_map_name(name):
+            if name in (LOCK_NAME, OWNERS_FILE) or is_map_name(name):
                 continue
             payload = record_file_payload(s.dir, name)
             path = os.path.join(s.dir, name)

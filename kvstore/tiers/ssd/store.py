@@ -20,9 +20,11 @@
   returns only when the scan is done (scan.py).
 
 This module keeps the books, under `lock`: `index` (namespace digest + block hash → (payload bytes, record, seq));
-`policy` (a kvstore.policy TierPolicy: the order in which the cap evicts, per block size); `files` (payload bytes →
-ClassFile, whose free records are booked there too); bytes used and blocks per namespace, kept as the index changes;
-`counters`. The `*_locked` methods are the books' primitives for the other parts; they expect `lock` held.
+`policy` (a kvstore.policy TierPolicy: the order in which the cap evicts, per block size, or per tenant and block
+size where tenants have SSD quotas); `files` (payload bytes → ClassFile, whose free records are booked there too);
+bytes used and blocks per namespace, kept as the index changes; `owners` and `quotas` (owners.py: whose each
+digest is, on disk, and each tenant's bytes and quota); `counters`. The `*_locked` methods are the books'
+primitives for the other parts; they expect `lock` held.
 
 Deletes are durable before they return: the record leaves the books at once and `delete` returns only once its
 header is zeroed on disk and synced (zeroing.py; concurrent deletes share the writes and syncs), after any write of
@@ -48,6 +50,7 @@ from kvstore.policy import make_tier_policy
 from kvstore.policy.workflow import Workflows
 from kvstore.tiers.ssd import diskio
 from kvstore.tiers.ssd.files import ClassFile, StoreLocked, choose_io, lock_directory, open_class_file
+from kvstore.tiers.ssd.owners import Owners, SsdQuotas
 from kvstore.tiers.ssd.reads import Reader
 from kvstore.tiers.ssd.recmap import ENTRY_BYTES, FILE_HEADER
 from kvstore.tiers.ssd.scan import RestartScan, Scan
@@ -65,7 +68,8 @@ class SsdStore:
     `scanner` (scan.py), over the record files (files.py)."""
 
     def __init__(self, directory: str, capacity: int, sync: str = "batch", path: Path | None = None,
-                 io: str = "threads", eviction: str = "lru", workflows: Workflows | None = None) -> None:
+                 io: str = "threads", eviction: str = "lru", workflows: Workflows | None = None,
+                 quotas: SsdQuotas | None = None) -> None:
         if sync not in SYNC_POLICIES:
             raise ValueError(f"ssd sync policy must be one of {', '.join(SYNC_POLICIES)}, got {sync!r}")
         # Record payloads move by os.preadv/pwritev from the path's worker threads, or through an io_uring per
@@ -82,6 +86,12 @@ class SsdStore:
         self.counters: Counter[str] = Counter()
         self.used = 0                        # bytes of the records in the index
         self.per_ns: Counter[bytes] = Counter()    # blocks per namespace digest, kept as the index changes
+        self.owners = Owners(directory, synced=sync != "never")     # digest → tenant, kept on disk
+        self.quotas = quotas if quotas is not None else SsdQuotas()
+        self.split = quotas is not None and quotas.total() > 0      # eviction classes per (tenant, block size)
+        self.tenant_of: Callable[[bytes], str | None] = _nobody    # the daemon's: a registered digest's tenant
+        self._classes: dict[tuple[str, int], int] = {}            # (tenant, payload bytes) → policy class
+        self._class_records: Counter[tuple[str, int]] = Counter()  # records per (tenant, payload bytes)
         self.writer = Writer(self, sync, pwritev)
         self.reader = Reader(self, preadv)
         self.scanner = RestartScan(self)
@@ -105,6 +115,7 @@ class SsdStore:
     def open(self, progress: Callable[[int, int], None] | None = None, wait: bool = True) -> "SsdStore":
         """Own the directory (StoreLocked if another daemon does) and start the restart scan."""
         self._lock_fd = lock_directory(self.dir)
+        self.owners.open()
         self.scanner.start(progress, wait)
         return self
 
@@ -122,6 +133,8 @@ class SsdStore:
                 cf.map.close()
             os.close(cf.fd)
         self.files.clear()
+        complete = self.scan.state == "ready"          # else the books may lack records the scan did not reach
+        self.owners.close(live=[d for d, n in self.per_ns.items() if n] if complete else self.owners.known)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -285,9 +298,12 @@ class SsdStore:
         if rec >= len(cf.keys):
             cf.keys.extend([None] * (rec + 1 - len(cf.keys)))
         cf.keys[rec] = key
-        self.policy.added(key, cf.payload)
+        tenant = self.owners.tenant(key[:16])
+        self.policy.added(key, self._class(tenant, cf.payload))
         self.used += cf.record
         self.per_ns[key[:16]] += 1
+        self.quotas.used[tenant] += cf.record
+        self._class_records[(tenant, cf.payload)] += 1
 
     def drop_locked(self, key: bytes) -> tuple[int, int, int]:
         """Take `key` out of the books; its record is the caller's to free or zero."""
@@ -298,7 +314,28 @@ class SsdStore:
         cf.keys[where[1]] = None
         self.used -= cf.record
         self.per_ns[key[:16]] -= 1
+        tenant = self.owners.tenant(key[:16])
+        self.quotas.used[tenant] -= cf.record
+        self._class_records[(tenant, cf.payload)] -= 1
         return where
+
+    def _class(self, tenant: str, payload: int) -> int:
+        """The policy's eviction class of a tenant's records of one size: the size itself without SSD quotas (one
+        order per block size, shared by every tenant), else one per (tenant, size)."""
+        if not self.split:
+            return payload
+        cls = self._classes.get((tenant, payload))
+        if cls is None:
+            cls = self._classes[(tenant, payload)] = len(self._classes)
+        return cls
+
+    def owner_locked(self, digest: bytes) -> str:
+        """The tenant of a digest about to be written, learnt from the daemon (and kept on disk) if new. A digest
+        with records already booked as the default tenant's (written before its owner was known: a directory from
+        before owners.kvo, or one whose file was lost) stays so: its records' books are not moved."""
+        if digest not in self.owners.known and not self.per_ns[digest]:
+            self.owners.learn(digest, self.tenant_of(digest))
+        return self.owners.tenant(digest)
 
     def refresh(self, key: bytes) -> None:
         """A block the tier holds was stored again (demoted again, or written through again): it is refreshed in
@@ -321,17 +358,28 @@ class SsdStore:
         """A copy with sequence number `seq` was found on disk: new writes outrank it."""
         self._seq = max(self._seq, seq)
 
-    def evict_locked(self, cf: ClassFile) -> int | None:
-        """Make room at the cap: the policy's victim among the records of this block size is handed to the
-        writer, which zeroes its header. None if there is none."""
-        key = self.policy.victim(cf.payload)
+    def evict_locked(self, cf: ClassFile, writer: str = "") -> int | None:
+        """Make room at the cap for a record of tenant `writer`: the policy's victim among the records of this
+        block size (of the tenant whose quota allows it: owners.py) is handed to the writer, which zeroes its
+        header. None if there is none."""
+        victim_tenant = writer
+        if self.split:
+            t = self.quotas.victim_tenant(writer, cf.record, lambda: self._holders(cf.payload))
+            if t is None:
+                return None
+            victim_tenant = t
+        key = self.policy.victim(self._class(victim_tenant, cf.payload))
         if key is None:
             return None
+        self.quotas.evicted(self.owners.tenant(key[:16]), writer, cf.record)
         _, rec, _ = self.drop_locked(key)
         self.evicted.add(key)
         crash_point("mid_eviction")
         self.counters["evictions"] += 1
         return rec
+
+    def _holders(self, payload: int) -> list[str]:
+        return [t for (t, p), n in self._class_records.items() if n > 0 and p == payload]
 
     def quarantine_locked(self, cf: ClassFile, rec: int, reason: str) -> None:
         """A bad record (already out of the index) is never read again: its header is zeroed (in the background)
@@ -346,3 +394,7 @@ class SsdStore:
         freed (zeroing.py)."""
         self.zeroing.add_locked(cf, rec)
         self.zeroing.soon_locked()
+
+
+def _nobody(digest: bytes) -> str | None:
+    return None

@@ -43,6 +43,7 @@ from kvstore.daemon.config import Config, SsdConfig
 from kvstore.daemon.crash import fault_point
 from kvstore.policy.workflow import Workflows
 from kvstore.tiers import StagingBuffer, TierUnavailable, TierWrite
+from kvstore.tiers.ssd.owners import SsdQuotas
 from kvstore.tiers.ssd.store import SsdStore, StoreLocked
 from kvstore.traffic import Lane, Path
 from kvstore.traffic.manager import TrafficManager
@@ -68,9 +69,10 @@ class Pending:
 class SsdTier:
     name = "ssd"
 
-    def __init__(self, cfg: SsdConfig, path: Path | None = None, workflows: Workflows | None = None) -> None:
+    def __init__(self, cfg: SsdConfig, path: Path | None = None, workflows: Workflows | None = None,
+                 quotas: SsdQuotas | None = None) -> None:
         self.cfg = cfg
-        self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path, cfg.io, cfg.eviction, workflows)
+        self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path, cfg.io, cfg.eviction, workflows, quotas)
         self.path = self.store.path
         self.staging: dict[bytes, bytes | bytearray | mmap.mmap | Pending] = {}
         self.staged_crcs: dict[bytes, int | None] = {}  # the writer's CRC-32C of each staged block (None: none)
@@ -405,12 +407,42 @@ class SsdTier:
         """Set the cap: records beyond it are evicted and the files cut (waits for a write batch in flight)."""
         if capacity < MIN_CAPACITY:
             raise ValueError(f"the SSD tier needs at least 1 MiB, got {capacity} bytes")
+        quotas = self.store.quotas.total() if self.store.split else 0
+        if capacity < quotas:
+            raise ValueError(f"the tenants' SSD quotas total {quotas} bytes, above {capacity}: lower them first "
+                             "(kvstore tenants set NAME --ssd N)")
         evicted = self.store.resize(capacity)
         self.cfg.capacity = capacity
         return {"capacity": capacity, "evicted": evicted, "mapped_bytes": self.store.file_bytes()}
 
     def namespaces(self) -> dict[bytes, int]:
         return self.store.by_namespace()
+
+    # ----- tenants (owners.py) -----
+    def know_tenants(self, tenant_of: Callable[[bytes], str | None]) -> None:
+        """The daemon's map from a registered namespace digest to its tenant, asked when a digest is first
+        written (the answer is kept in the tier's directory)."""
+        self.store.tenant_of = tenant_of
+
+    def tenant_rows(self, tenants: Sequence[str]) -> dict[str, dict[str, int]]:
+        """Per tenant: SSD quota, bytes used, borrowed, evictions, evictions for another tenant's writes."""
+        with self.store.lock:
+            return self.store.quotas.rows(tenants)
+
+    @property
+    def quotas_on(self) -> bool:
+        return self.store.split
+
+    def set_quota(self, tenant: str, nbytes: int) -> int:
+        """Change a tenant's SSD quota online (O(1)); the quota before. ValueError if quotas are off (they are
+        chosen at start) or the quotas would not fit the tier."""
+        if not self.store.split:
+            raise ValueError("SSD quotas are off (no tenant had an ssd quota when this daemon started): set "
+                             "tenants[].ssd or tenancy.default_ssd in the configuration and restart")
+        with self.store.lock:
+            before = self.store.quotas.quota(tenant)
+            self.store.quotas.set(tenant, nbytes, self.store.capacity)
+            return before
 
     # ----- inspection -----
     def stats(self) -> dict[str, Any]:
@@ -450,8 +482,9 @@ def open_tier(config: Config, traffic: TrafficManager, workflows: Workflows | No
     if not cfg.dir:
         return None
     path = traffic.path("ssd", config.traffic.ssd_in_flight)
+    quotas = SsdQuotas({t.name: t.ssd for t in config.tenants if t.ssd}, config.tenancy.default_ssd)
     try:
-        return SsdTier(cfg, path, workflows).open()
+        return SsdTier(cfg, path, workflows, quotas).open()
     except StoreLocked as e:
         raise TierUnavailable(str(e)) from None
     except OSError as e:

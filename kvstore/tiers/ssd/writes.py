@@ -101,9 +101,10 @@ class Writer:
         with s.lock:
             for ns, h, payload, *writer_crc in items:
                 cf = s.class_file(len(payload))
+                tenant = s.owner_locked(ns)
                 rec = self._free_record_locked(cf)
                 if rec is None:
-                    rec = s.evict_locked(cf)
+                    rec = s.evict_locked(cf, tenant)
                 if rec is None:
                     s.counters["full"] += 1
                     continue
@@ -246,8 +247,12 @@ class Writer:
                     crash_point("mid_header")
 
     def _map_then_sync(self, headers: list[Written], cfs: set[ClassFile]) -> None:
-        """(A path worker.) The records' map entries, then the sync of payloads and entries: one transfer."""
+        """(A path worker.) The records' map entries and the owners of new namespaces (owners.py), then the sync
+        of payloads, entries and owners: one transfer."""
         self._write_map(headers)
+        with self.store.lock:
+            owners = self.store.owners.take_pending()
+        self.store.owners.append(owners, synced=self.sync in ("always", "batch"))
         self._sync(cfs, "always", "batch")
 
     def _write_map(self, headers: list[Written]) -> None:

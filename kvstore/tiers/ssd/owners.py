@@ -1,0 +1,200 @@
+"""Whose each block on the SSD is, and each tenant's share of the tier (issue 17: SSD quotas, SwiftCache §3.5).
+
+**Owners.** A namespace digest belongs to one tenant for good: the tenant is part of the digest
+(kvstore.protocol.keys), so a record's tenant is a function of its key. The daemon knows it while the namespace is
+registered; a restarted daemon must know it before any engine says hello again, or it could not keep a quiet tenant's
+SSD blocks from a busy one. So the tier keeps the map in its directory, `owners.kvo`:
+
+    file  = MAGIC (8 bytes) + entries
+    entry = digest (16) + name length (1) + name (UTF-8, at most 255 bytes) + CRC-32C of those (4)
+
+An entry is appended (and synced with the write batch's payloads, before any header that needs it: writes.py) the
+first time a block of a named tenant's namespace is written; the default tenant "" has no entries (a digest not
+in the file is its). Reading stops at the first entry that is torn or fails its CRC (the tail a crash cut), and
+the file is rewritten without it. At close, entries whose digest holds no record are dropped (the file is rewritten
+whole, then renamed over the old one), so it holds one entry per namespace on the disk.
+
+**Quotas** (`SsdQuotas`, on when any tenant has an `ssd` quota at start; else the tier is one LRU per block size as
+before). A tenant's quota is SSD bytes guaranteed to it; what it *uses* is the bytes of its records. Free space
+serves whoever writes (a tenant over its quota borrows it). When a block size's file is at the cap and a write
+needs a record, the victim comes from, in order:
+1. the tenant most over its quota (the writer counts the record it writes) among those with a record of that size
+   that stay at or above their quota without it: borrowers give back first, the largest first (max-min fairness);
+2. else the writer's own least valuable record of that size (it cycles within what it holds);
+3. else the write finds no room (`full`).
+So a tenant is never pushed below its quota by another's writes. Each tenant's records of a block size are an
+eviction class of the tier's policy (LRU or workflow), so the victim within a tenant is its policy's.
+
+What quotas cannot do: records of one size live in that size's file, which grows within the cap but never shrinks
+except by `resize`; a tenant whose quota is taken by another tenant's blocks *of another size* cannot reclaim it
+through them (counted as `quota_blocked`). Deployments that mix block sizes in one tier should give each the
+capacity it needs (or one tier per size).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvstore.checksum import crc32c
+
+log = logging.getLogger("kvstore")
+MAGIC = b"KVSOWN01"
+FILE = "owners.kvo"
+MAX_NAME = 255
+_HEAD = struct.Struct("<16sB")
+
+
+def _entry(digest: bytes, tenant: str) -> bytes:
+    name = tenant.encode()
+    body = _HEAD.pack(digest, len(name)) + name
+    return body + struct.pack("<I", crc32c(body))
+
+
+def parse(raw: bytes) -> tuple[dict[bytes, str], int]:
+    """The entries of a file's bytes, and how many bytes of it are whole (the rest is a torn or damaged tail)."""
+    if raw[:len(MAGIC)] != MAGIC:
+        return {}, 0
+    owners: dict[bytes, str] = {}
+    at = len(MAGIC)
+    while at + _HEAD.size <= len(raw):
+        digest, n = _HEAD.unpack_from(raw, at)
+        end = at + _HEAD.size + n
+        if end + 4 > len(raw) or struct.unpack_from("<I", raw, end)[0] != crc32c(raw[at:end]):
+            break
+        try:
+            owners[digest] = raw[at + _HEAD.size:end].decode()
+        except UnicodeDecodeError:
+            break
+        at = end + 4
+    return owners, at
+
+
+class Owners:
+    """The digest → tenant map of one SSD directory (module docstring). Not thread-safe: the store's lock."""
+
+    def __init__(self, directory: str, synced: bool = True) -> None:
+        self.path = os.path.join(directory, FILE)
+        self.synced = synced
+        self.known: dict[bytes, str] = {}
+        self.pending: list[bytes] = []          # entries appended, not yet written
+        self._fd = -1
+
+    def open(self) -> "Owners":
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raw = b""
+        self.known, whole = parse(raw)
+        if whole != len(raw) and raw:
+            log.warning("ssd: %s: %d bytes after the last whole entry dropped (a write cut short); blocks of the "
+                        "namespaces they named count as the default tenant's", self.path, len(raw) - whole)
+        if whole != len(raw) or not raw:
+            self._rewrite(self.known)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        return self
+
+    def tenant(self, digest: bytes) -> str:
+        return self.known.get(digest, "")
+
+    def learn(self, digest: bytes, tenant: str | None) -> None:
+        """(Under the store's lock.) The digest's tenant, written with the next batch if it is new and named."""
+        if not tenant or digest in self.known:
+            return
+        if len(tenant.encode()) > MAX_NAME:
+            raise ValueError(f"tenant name longer than {MAX_NAME} bytes")
+        self.known[digest] = tenant
+        self.pending.append(_entry(digest, tenant))
+
+    def take_pending(self) -> list[bytes]:
+        """(Under the store's lock.) The entries learnt since the last call, for `append`."""
+        entries, self.pending = self.pending, []
+        return entries
+
+    def append(self, entries: list[bytes], synced: bool) -> None:
+        """(A path worker, in the write batch, before its headers: without the store's lock.) Write entries from
+        `take_pending`, synced where the batch's records are."""
+        if entries and self._fd >= 0:
+            os.write(self._fd, b"".join(entries))
+            if synced:
+                os.fdatasync(self._fd)
+
+    def close(self, live: Iterable[bytes] = ()) -> None:
+        """Drop the entries of digests that hold no record (`live`: those that do), then close."""
+        if self._fd < 0:
+            return
+        self.append(self.take_pending(), self.synced)
+        os.close(self._fd)
+        self._fd = -1
+        keep = {d: t for d, t in self.known.items() if d in set(live)}
+        if len(keep) < len(self.known):
+            self._rewrite(keep)
+
+    def _rewrite(self, owners: dict[bytes, str]) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + b"".join(_entry(d, t) for d, t in owners.items()))
+            f.flush()
+            if self.synced:
+                os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+@dataclass(slots=True)
+class SsdQuotas:
+    """Each tenant's guaranteed SSD bytes and what its records use (module docstring)."""
+    quotas: dict[str, int] = field(default_factory=dict)     # tenant -> guaranteed bytes
+    default: int = 0                                         # the quota of a tenant not listed
+    used: Counter[str] = field(default_factory=Counter)      # bytes of each tenant's records
+    evictions: Counter[str] = field(default_factory=Counter)  # its records evicted (by anyone's write)
+    taken: Counter[str] = field(default_factory=Counter)      # ... of them for another tenant's write
+    counters: Counter[str] = field(default_factory=Counter)
+
+    def quota(self, tenant: str) -> int:
+        return self.quotas.get(tenant, self.default)
+
+    def total(self) -> int:
+        return sum(self.quotas.values()) + self.default
+
+    def set(self, tenant: str, nbytes: int, capacity: int) -> None:
+        """Change a quota online (O(1): nothing moves until a write needs the room); ValueError if the quotas
+        would no longer fit the tier."""
+        if nbytes < 0:
+            raise ValueError(f"an SSD quota cannot be negative ({nbytes})")
+        total = self.total() - self.quota(tenant) + nbytes if tenant in self.quotas else self.total() + nbytes
+        if total > capacity:
+            raise ValueError(f"the tenants' SSD quotas would total {total} bytes, above the tier's capacity "
+                             f"({capacity} bytes): lower another tenant's first, or resize the tier")
+        self.quotas[tenant] = nbytes
+
+    def victim_tenant(self, writer: str, record: int, holders: Callable[[], Iterable[str]]) -> str | None:
+        """Whose record of this size a write of `writer` (a `record`-byte record) takes at the cap; None if no one's
+        may go. `holders()`: the tenants with a record of this size."""
+        best, most = None, 0
+        for t in holders():
+            over = self.used[t] - self.quota(t) + (record if t == writer else 0)
+            if (t == writer and over > 0) or (t != writer and over >= record):
+                if best is None or over > most or (over == most and t == writer):
+                    best, most = t, over
+        if best is not None:
+            return best
+        if writer in set(holders()):
+            return writer
+        self.counters["quota_blocked"] += 1
+        return None
+
+    def evicted(self, victim: str, writer: str, record: int) -> None:
+        self.evictions[victim] += 1
+        if victim != writer:
+            self.taken[victim] += 1
+
+    def rows(self, tenants: Iterable[str]) -> dict[str, dict[str, int]]:
+        """Per tenant (those named and those with records): quota, used, borrowed, evictions, taken."""
+        names = set(tenants) | {t for t, n in self.used.items() if n} | set(self.quotas)
+        return {t: {"ssd_quota_bytes": self.quota(t), "ssd_used_bytes": self.used[t],
+                    "ssd_borrowed_bytes": max(0, self.used[t] - self.quota(t)), "ssd_evictions": self.evictions[t],
+                    "ssd_taken": self.taken[t]} for t in sorted(names)}

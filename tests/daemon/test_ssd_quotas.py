@@ -1,0 +1,117 @@
+"""Tenants' SSD quotas against a live daemon (issue 17 part 1; kvstore.tiers.ssd.owners): blocks demoted by a busy
+tenant never push a quiet tenant's SSD blocks below its quota, whose each block is survives a restart before any
+engine says hello again, and the quotas show in `kvstore tenants` and Prometheus and change online from the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvstore.tiers.ssd.record import HEADER_BYTES
+from tests.conftest import DaemonProc, ssd_settled
+from tests.daemon.test_metrics import free_port, scrape
+from tests.daemon.test_quotas import BLOCK, PER_SEG, SECRETS, Tenant, rows
+
+RECORD = HEADER_BYTES + BLOCK              # one SSD record: 132 KiB
+KIB = 1024
+
+
+def ssd_quota_daemon(tmp_path: Path, daemons: list[DaemonProc], ssd_quota: int | None,
+                     env: dict[str, str] | None = None) -> DaemonProc:
+    """Tenants a and b with `ssd_quota` records each (None: no SSD quota), a 2 MiB host pool (16 blocks) and an SSD
+    tier of 16 records, in tmp_path/ssd (restarts share it)."""
+    conf = tmp_path / "kvstore.yaml"
+    tenants = [{"name": n, "secret": SECRETS[n]} for n in ("a", "b")]
+    if ssd_quota is not None:
+        for t in tenants:
+            t["ssd"] = f"{ssd_quota * RECORD // KIB}KiB"
+    conf.write_text(yaml.safe_dump({"tenants": tenants, "ssd": {"dir": str(tmp_path / "ssd"),
+                                                                 "capacity": f"{16 * RECORD // KIB}KiB"}}))
+    d = DaemonProc(capacity="2MiB", segment="1MiB", env={"KVSTORE_CONFIG": str(conf), **(env or {})}).start()
+    daemons.append(d)
+    return d
+
+
+def flood(d: DaemonProc) -> None:
+    """b stores 32 blocks (16 go down to the SSD: it borrows the whole tier), then a stores 32 (b's other 16 and a's
+    first 16 go down)."""
+    b = Tenant(d, "b")
+    assert b.put(0, 4 * PER_SEG) == 4 * PER_SEG
+    with d.client() as c:
+        ssd_settled(c)
+    a = Tenant(d, "a")
+    assert a.put(0, 4 * PER_SEG) == 4 * PER_SEG
+    with d.client() as c:
+        ssd_settled(c)
+    a.close()
+    b.close()
+
+
+def test_a_busy_tenant_never_pushes_a_quiet_one_below_its_ssd_quota(tmp_path, daemons):
+    port = free_port()
+    d = ssd_quota_daemon(tmp_path, daemons, 8, env={"KVSTORE_METRICS_ENABLED": "true",
+                                                    "KVSTORE_METRICS_PORT": str(port)})
+    flood(d)
+    r = rows(d)
+    assert (r["a"]["ssd_used_bytes"], r["b"]["ssd_used_bytes"]) == (8 * RECORD, 8 * RECORD)
+    assert (r["b"]["ssd_taken"], r["a"]["ssd_taken"]) == (8, 0)       # b gave back what it borrowed, no more
+    assert r["b"]["ssd_quota_bytes"] == 8 * RECORD
+    m = scrape(port)
+    for t in ("a", "b"):
+        labels = (("tenant", t),)
+        for name in ("ssd_quota_bytes", "ssd_used_bytes", "ssd_borrowed_bytes"):
+            assert m[(f"kvstore_tenant_{name}", labels)] == r[t][name], (t, name)
+        for name in ("ssd_evictions", "ssd_taken"):
+            assert m[(f"kvstore_tenant_{name}_total", labels)] == r[t][name], (t, name)
+
+    d.stop()                                        # a restart: the owners come from the tier's directory
+    d.start()
+    r = rows(d)                                     # before any tenant's hello
+    assert (r["a"]["ssd_used_bytes"], r["b"]["ssd_used_bytes"]) == (8 * RECORD, 8 * RECORD)
+    b = Tenant(d, "b")
+    try:
+        assert b.intact(24, 8)                      # b's newest 8 blocks come back from the SSD, byte for byte
+    finally:
+        b.close()
+
+
+def test_without_ssd_quotas_the_busy_tenant_takes_the_whole_tier(tmp_path, daemons):
+    d = ssd_quota_daemon(tmp_path, daemons, None)
+    flood(d)
+    r = rows(d)
+    assert (r["a"]["ssd_used_bytes"], r["b"]["ssd_used_bytes"]) == (16 * RECORD, 0)
+    with d.client() as c:
+        assert c.tenants()["ssd_quotas"] is False
+        try:
+            c.set_quota("a", ssd=RECORD)
+            raise AssertionError("an SSD quota was set on a daemon that started without SSD quotas")
+        except Exception as e:
+            assert "SSD quotas are off" in str(e)
+
+
+def test_ssd_quotas_change_online_from_the_cli(tmp_path, daemons):
+    d = ssd_quota_daemon(tmp_path, daemons, 8)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvstore", "--socket", d.socket, "tenants", *args],
+                              capture_output=True, text=True, env={**os.environ, **d.env}, timeout=60)
+
+    out = cli("set", "a", "--ssd", f"{9 * RECORD // KIB}KiB")          # b's 8 records still guaranteed: 17 > 16
+    assert out.returncode == 1 and "above the tier's capacity" in out.stderr, out
+    out = cli("set", "b", "--ssd", f"{4 * RECORD // KIB}KiB")
+    assert out.returncode == 0 and "ssd quota 1.0 MiB -> 528.0 KiB" in out.stdout, out
+    out = cli("set", "a", "--ssd", f"{12 * RECORD // KIB}KiB", "--host", "1MiB")
+    assert out.returncode == 0, out
+    got: dict[str, Any] = json.loads(cli("--json").stdout)
+    quotas = {r["tenant"]: (r["quota_bytes"], r["ssd_quota_bytes"]) for r in got["tenants"]}
+    assert quotas["a"] == (1 << 20, 12 * RECORD) and quotas["b"] == (0, 4 * RECORD)
+    table = cli().stdout
+    assert "SSD tier" in table and "taken by others" in table, table
+    flood(d)
+    r = rows(d)                                     # b keeps its new quota's worth, a takes the rest
+    assert (r["a"]["ssd_used_bytes"], r["b"]["ssd_used_bytes"]) == (12 * RECORD, 4 * RECORD)
