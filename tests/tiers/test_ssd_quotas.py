@@ -138,3 +138,16 @@ def test_quotas_change_online_within_the_capacity(tmp_path):
     put(s, "a", range(6))
     assert held(s, "b", range(8)) == [6, 7] and len(held(s, "a", range(6))) == 6
     s.close()
+
+
+def test_a_rewrite_cut_short_leaves_the_old_file_and_no_stray(tmp_path):
+    d = str(tmp_path)
+    s = open_store(d, {"a": 4, "b": 4})
+    put(s, "a", range(2))
+    s.close()
+    with open(os.path.join(d, FILE + ".tmp"), "wb") as f:
+        f.write(MAGIC)                                  # a rewrite that never reached its rename
+    s = open_store(d, {"a": 4, "b": 4}, knows=False)
+    assert s.quotas.rows([])["a"]["ssd_used_bytes"] == 2 * RECORD
+    assert not os.path.exists(os.path.join(d, FILE + ".tmp")) and s.counters["skipped_files"] == 0
+    s.close()

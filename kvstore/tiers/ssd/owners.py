@@ -85,6 +85,10 @@ class Owners:
 
     def open(self) -> "Owners":
         try:
+            os.unlink(self.path + ".tmp")           # a rewrite a crash cut short: the old file is still whole
+        except FileNotFoundError:
+            pass
+        try:
             with open(self.path, "rb") as f:
                 raw = f.read()
         except FileNotFoundError:

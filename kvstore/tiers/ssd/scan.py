@@ -128,7 +128,7 @@ class RestartScan:
     def _open_files(self) -> None:
         s = self.store
         for name in sorted(os.listdir(s.dir)):
-            if name in (LOCK_NAME, OWNERS_FILE) or is_map_name(name):
+            if name in (LOCK_NAME, OWNERS_FILE, OWNERS_FILE + ".tmp") or is_map_name(name):
                 continue
             payload = record_file_payload(s.dir, name)
             path = os.path.join(s.dir, name)
