@@ -301,9 +301,9 @@ class CapacityBooks:
     # ----- memory moving between tenants -----
     def _hand_over(self, seg: Segment, taker: str) -> None:
         """Retire `seg` for an allocation of `taker`; a segment of another tenant is compacted first, so that its
-        owner loses its coldest blocks, not the ones that shared the segment. (Only under a policy whose books
-        follow keys, not slots — LRU; the workflow policy's rows are per slot: its segments go as they stand.)"""
-        if seg.tenant != taker and getattr(self._policy_of(seg), "by_key", False):
+        owner loses its coldest blocks, not the ones that shared the segment. (Under a policy that follows a block
+        to its new slot, `moved`: both do — LRU's books are by key, the workflow policy carries its row along.)"""
+        if seg.tenant != taker and getattr(self._policy_of(seg), "moved", None) is not None:
             self._compact(seg)
         self._retire(seg, for_room=True)
 
@@ -363,13 +363,15 @@ class CapacityBooks:
 
     def _move(self, key: bytes, src: int, dst: int) -> None:
         """Relocate an unpinned block between two slots of one class: bytes, CRC, recency; its key keeps its place in
-        the policy's order (no client holds the old slot: only pinned slots are read by clients)."""
+        the policy's order, which the policy is told once the key table maps the key to `dst` (`moved`; no client
+        holds the old slot: only pinned slots are read by clients)."""
         s_seg, s = self._seg_slot(src)
         d_seg, d = self._seg_slot(dst)
         with self.pool.view(src) as a, self.pool.view(dst) as b:
             b[:] = a
         d_seg.keys[d], d_seg.used[d], d_seg.crc[d] = key, s_seg.used[s], s_seg.crc[s]
         self.table.set_value(key, dst)
+        self.policy.moved(key, src, dst)
         self.pool.free(src)
 
     # ----- leaving the pool -----

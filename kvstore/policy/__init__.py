@@ -11,6 +11,10 @@ a block is pinned (no longer a candidate) and unpinned (a candidate again).
 - `pinned(key)`    — not a candidate until `unpinned(key)`.
 - `unpinned(key)`  — a candidate again, as if just used.
 - `victim(cls)`    — the block of slot class `cls` to evict next, or None if there is no candidate.
+- `moved(key, src, dst)` — a block moved from slot gid `src` to the free slot gid `dst` of the same class
+  (compaction, kvstore.index.capacity; after the key table maps it to `dst`); its place in the policy's order is
+  kept. Books per slot (the workflow policy's rows) follow the block; books by key (LRU's) have nothing to do. The
+  index compacts a segment only under a policy that has this hook (another one's segments go as they stand).
 `touch` is the request's hint context (kvstore.policy.workflow.Touch: workflow and agent) or None. Blocks enter the
 key table already linked as the most recent of their class and leave it by removal, so LRU, built on the table's
 intrusive lists, does nothing on `added` and `removed`.
@@ -44,6 +48,7 @@ class EvictionPolicy(Protocol):
     def pinned(self, key: bytes) -> None: ...
     def unpinned(self, key: bytes) -> None: ...
     def victim(self, cls: int) -> bytes | None: ...
+    def moved(self, key: bytes, src: int, dst: int) -> None: ...
 
 
 class TierPolicy(Protocol):

@@ -18,6 +18,9 @@ workflows touched them (0..budget); its record holds the list's head (least rece
 segment are dropped with its last block. Workflow numbers are 32-bit and wrap after 2**32 workflows: a stale tag
 may then alias a new workflow, which only makes one old block look touched by it (hints are advice).
 
+A block moved to another slot (compaction: kvstore.index.capacity) takes its row along (`moved`, O(budget)): the
+new slot's row replaces the old one in its group's list, where it stood.
+
 Cost: added / accessed / removed / pinned / unpinned are O(budget) plus a key-table lookup; a workflow's end moves
 the blocks of its groups (each block once per tag it got). `victim`: the active groups of a class are kept in a
 heap by (score, age); a group's score changes only when one of its workflows gets a hint (its value is cached by
@@ -123,8 +126,9 @@ class CompactWorkflowPolicy:
         if gid is None:
             return
         ch, i = self._new_row(gid)
-        if ch.group[i] != ABSENT:
+        if ch.group[i] != ABSENT:                # a row left behind (a missed `removed`): it goes first ...
             self._drop(ch, i, gid)
+            ch, i = self._new_row(gid)           # ... and may have taken the segment's chunk with it
         b = self.budget
         ch.tags[i * b:i * b + b] = self._no_tags
         ch.masks[i * b:i * b + b] = self._no_masks
@@ -172,6 +176,27 @@ class CompactWorkflowPolicy:
         ch, i = self._row(gid)
         if ch is not None and ch.group[i] == PINNED:
             self._link(ch, i, gid, self.table.cls_of(key))
+
+    def moved(self, key: bytes, src: int, dst: int) -> None:
+        """A block moved from slot `src` to the free slot `dst` (compaction, kvstore.index.capacity): its row goes
+        with it — group (or pinned), tags, masks, touch count — and takes src's place in its group's list, so that
+        its order is kept. O(budget)."""
+        sch, s = self._row(src)
+        if sch is None or sch.group[s] == ABSENT:
+            return
+        dch, d = self._row(dst)
+        if dch is not None and dch.group[d] != ABSENT:
+            self._drop(dch, d, dst)              # (a free slot has no row; one left behind goes first)
+        dch, d = self._new_row(dst)
+        b = self.budget
+        dch.tags[d * b:d * b + b] = sch.tags[s * b:s * b + b]
+        dch.masks[d * b:d * b + b] = sch.masks[s * b:s * b + b]
+        dch.touched[d] = sch.touched[s]
+        dch.group[d] = sch.group[s]
+        dch.live += 1
+        if sch.group[s] >= 0:
+            self._splice(sch, s, dch, d, dst)
+        self._vacate(sch, s, src)                # last: it may drop src's chunk
 
     def victim(self, cls: int) -> bytes | None:
         retired = self.retired_victim(cls)
@@ -238,7 +263,12 @@ class CompactWorkflowPolicy:
     def _drop(self, ch: _Chunk, i: int, gid: int) -> None:
         if ch.group[i] >= 0:
             self._unlink(ch, i, gid)
+        self._vacate(ch, i, gid)
+
+    def _vacate(self, ch: _Chunk, i: int, gid: int) -> None:
+        """The slot's row is no one's (unlinked already)."""
         ch.group[i] = ABSENT
+        ch.prev[i] = ch.next[i] = NIL
         ch.live -= 1
         if ch.live == 0:
             del self.chunks[gid >> 32]           # the segment's rows go with its last block
@@ -350,6 +380,20 @@ class CompactWorkflowPolicy:
         g.size -= 1
         if g.size == 0:
             self._forget(g)
+
+    def _splice(self, sch: _Chunk, s: int, dch: _Chunk, d: int, dst: int) -> None:
+        """Row `d` (slot `dst`) takes linked row `s`'s place in its group's list: same neighbours, same position."""
+        g = self.groups[sch.group[s]]
+        p, n = sch.prev[s], sch.next[s]
+        dch.prev[d], dch.next[d] = p, n
+        if p != NIL:
+            self.chunks[p >> 32].next[p & SLOT_MASK] = dst
+        else:
+            g.head = dst
+        if n != NIL:
+            self.chunks[n >> 32].prev[n & SLOT_MASK] = dst
+        else:
+            g.tail = dst
 
     def _score(self, g: _Group) -> float:
         flows = self.flows

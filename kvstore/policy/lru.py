@@ -12,7 +12,6 @@ if TYPE_CHECKING:
 class LruPolicy:
     """The host pool's LRU, on the key table's per-class intrusive lists."""
     name = "lru"
-    by_key = True           # its books follow the key, not the slot: a block may move between slots (compaction)
 
     def __init__(self, table: KeyTable) -> None:
         self.table = table
@@ -31,6 +30,9 @@ class LruPolicy:
 
     def unpinned(self, key: bytes) -> None:
         self.table.relink(key)
+
+    def moved(self, key: bytes, src: int, dst: int) -> None:
+        pass                                    # the key keeps its place in the table's list: only its gid changed
 
     def victim(self, cls: int) -> bytes | None:
         oldest = self.table.oldest(cls)

@@ -59,6 +59,10 @@ class PerTenantPolicy:
         if (p := self._for_key(key)) is not None:
             p.unpinned(key)
 
+    def moved(self, key: bytes, src: int, dst: int) -> None:
+        if (p := self._for_key(key)) is not None:
+            p.moved(key, src, dst)
+
     def victim(self, cls: int) -> bytes | None:
         return self.for_class(cls).victim(cls)
 

@@ -29,10 +29,11 @@ SECRETS = {"a": "secret-a", "b": "secret-b"}
 
 
 def quota_daemon(tmp_path: Path, daemons: list[DaemonProc], quotas: dict[str, str], capacity: str = "8MiB",
-                 env: dict[str, str] | None = None, **tenancy: Any) -> DaemonProc:
+                 env: dict[str, str] | None = None, policy: str = "", **tenancy: Any) -> DaemonProc:
+    """A daemon with the tenants of `quotas` (name → host quota), each under `policy` (empty: pool.eviction)."""
     conf = tmp_path / "kvstore.yaml"
     conf.write_text(yaml.safe_dump({
-        "tenants": [{"name": n, "secret": SECRETS[n], "host": q} for n, q in quotas.items()],
+        "tenants": [{"name": n, "secret": SECRETS[n], "host": q, "policy": policy} for n, q in quotas.items()],
         "tenancy": {"window_s": 600, **tenancy}}))
     d = DaemonProc(capacity=capacity, segment="1MiB", env={"KVSTORE_CONFIG": str(conf), **(env or {})}).start()
     daemons.append(d)
@@ -109,11 +110,13 @@ def test_a_borrower_gives_memory_back_and_never_pushes_the_lender_below_its_quot
         b.close()
 
 
-def test_memory_taken_back_costs_the_borrower_its_coldest_blocks_not_its_segment_mates(tmp_path, daemons):
+@pytest.mark.parametrize("policy", ["lru", "workflow"])
+def test_memory_taken_back_costs_the_borrower_its_coldest_blocks_not_its_segment_mates(tmp_path, daemons, policy):
     """Blocks of one request's chain end up in every segment (sessions interleave): a segment given back as it
     stands cut every hot chain (bench_tenants). The segment's blocks move into the owner's other segments first, and
-    its coldest blocks go instead."""
-    d = quota_daemon(tmp_path, daemons, {"a": "4MiB", "b": "4MiB"})
+    its coldest blocks go instead — under either policy (the workflow policy's rows are per slot: `moved` carries a
+    block's row, and its place in its group, to the new slot)."""
+    d = quota_daemon(tmp_path, daemons, {"a": "4MiB", "b": "4MiB"}, policy=policy)
     a, b = Tenant(d, "a"), Tenant(d, "b")
     try:
         assert a.put(0, 8 * PER_SEG) == 8 * PER_SEG          # block i in a's segment i // PER_SEG
@@ -130,6 +133,10 @@ def test_memory_taken_back_costs_the_borrower_its_coldest_blocks_not_its_segment
         assert held == 4 * PER_SEG                              # a's 4 MiB are full: 8 hot + the 24 most recent
         with d.client() as c:
             assert c.stats()["counters"]["blocks_compacted"] > 0
+        # a's books followed the moved blocks: its next evictions take its 24 others, then its least recent hot one
+        assert a.put(1000, 3 * PER_SEG + 1) == 3 * PER_SEG + 1
+        assert [a.held(i, 1) for i in hot] == [0] + [1] * 7
+        assert b.intact(0, 4 * PER_SEG)
     finally:
         a.close()
         b.close()

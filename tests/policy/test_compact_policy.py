@@ -1,7 +1,9 @@
 """The host pool's compact workflow policy (kvstore/policy/compact.py) evicts in the same order as the reference
 model (kvstore/policy/workflow.py's dict books) on random operation sequences: stores, reads and re-stores with
 and without hint context, pins, removals, evictions, workflows beginning, calling agents, ending and expiring,
-over two eviction classes and slots spread over several segments (rows are dropped with a segment's last block)."""
+over two eviction classes and slots spread over several segments (rows are dropped with a segment's last block);
+and, with moves (compaction: a block moved to a free slot, `moved`), still in the reference's order, which is
+keyed by key and never sees a move."""
 from __future__ import annotations
 
 import random
@@ -9,7 +11,7 @@ import random
 import pytest
 
 from kvstore.index.keytable import KeyTable
-from kvstore.policy.compact import CompactWorkflowPolicy
+from kvstore.policy.compact import ABSENT, CompactWorkflowPolicy
 from kvstore.policy.workflow import Touch, WorkflowPolicy, Workflows
 
 AGENTS = ["planner", "coder", "tester", "reviewer", "a4", "a5", "a6", "a7", "a8", "a9"]   # > 8: masks clamp
@@ -54,17 +56,38 @@ class Both:
         self.free.append(gid)
         self.pinned.discard(key)
 
+    def move(self, key: bytes, rng: random.Random) -> None:
+        """As the index's compaction: the block goes to a free slot (of another segment where there is one), the
+        key table maps it there, the policy is told, the old slot is freed."""
+        src = self.table.get(key)
+        assert src is not None
+        away = [g for g in self.free if g >> 32 != src >> 32]
+        if away:
+            dst = rng.choice(away)
+            self.free.remove(dst)
+        else:
+            dst = self.slot()
+        self.keys[dst] = self.keys.pop(src)
+        self.table.set_value(key, dst)
+        self.new.moved(key, src, dst)
+        self.free.append(src)
+
     def check(self) -> None:
         for cls in (0, 1):
             assert self.new.victim(cls) == self.ref.victim(cls)
         assert self.new.counts() == self.ref.counts()
+        rows = {seg << 32 | i for seg, ch in self.new.chunks.items() for i, g in enumerate(ch.group) if g != ABSENT}
+        assert rows == set(self.keys), "a row for every stored block's slot, and none for a free one"
+        assert all(ch.live == sum(g != ABSENT for g in ch.group) > 0 for ch in self.new.chunks.values())
 
 
 @pytest.mark.parametrize("seed,budget,inherit,timed", [(1, 4, True, False), (2, 4, False, False),
                                                        (3, 2, True, False), (4, 1, True, False), (5, 3, False, False),
                                                        (6, 4, True, False), (7, 8, True, False), (8, 4, True, True),
                                                        (9, 2, True, True), (10, 4, False, True)])
-def test_the_compact_form_evicts_like_the_reference(seed: int, budget: int, inherit: bool, timed: bool) -> None:
+@pytest.mark.parametrize("moves", [False, True])
+def test_the_compact_form_evicts_like_the_reference(seed: int, budget: int, inherit: bool, timed: bool,
+                                                    moves: bool) -> None:
     rng = random.Random(seed)
     b = Both(budget, inherit, per_segment=rng.choice([3, 16, 64]), timed=timed)
     wids: list[str] = []
@@ -117,6 +140,8 @@ def test_the_compact_form_evicts_like_the_reference(seed: int, budget: int, inhe
             if v is not None:
                 assert v not in b.pinned
                 b.remove(v)
+        if moves and b.keys and rng.random() < 0.15:         # pinned ones too: the policy keeps them pinned
+            b.move(rng.choice(list(b.keys.values())), rng)
         b.check()
     for cls in (0, 1):                                  # the whole order, to the last unpinned block
         while (v := b.ref.victim(cls)) is not None:
@@ -145,3 +170,76 @@ def test_rows_are_small_and_go_with_a_segments_last_block() -> None:
         pol.removed(key)
         table.remove(key)
     assert pol.chunks == {} and pol.groups == {}
+
+
+def one_segment(flows: Workflows, n: int, touch: Touch | None) -> tuple[CompactWorkflowPolicy, KeyTable,
+                                                                         dict[int, bytes], list[bytes]]:
+    """A policy over `n` blocks in slots 0..n-1 of segment 1, added in order (the first is the least recent)."""
+    table = KeyTable()
+    keys: dict[int, bytes] = {}
+    pol = CompactWorkflowPolicy(table, flows, keys.get, inherit=False, pick_s=0.0)   # scores read a head's row
+    for i in range(n):
+        gid = 1 << 32 | i
+        keys[gid] = i.to_bytes(20, "big")
+        table.insert(keys[gid], gid, 0)
+        pol.added(keys[gid], 0, touch)
+    return pol, table, keys, list(keys.values())
+
+
+def move(pol: CompactWorkflowPolicy, table: KeyTable, keys: dict[int, bytes], key: bytes, dst: int) -> None:
+    src = table.get(key)
+    assert src is not None
+    keys[dst] = keys.pop(src)
+    table.set_value(key, dst)
+    pol.moved(key, src, dst)
+
+
+def evict_all(pol: CompactWorkflowPolicy, table: KeyTable, keys: dict[int, bytes]) -> list[bytes]:
+    out = []
+    while (v := pol.victim(0)) is not None:
+        out.append(v)
+        pol.removed(v)
+        gid = table.remove(v)
+        assert gid is not None
+        del keys[gid]
+    return out
+
+
+@pytest.mark.parametrize("hinted", [False, True])
+def test_a_moved_block_keeps_its_place_in_its_group(hinted: bool) -> None:
+    """Head, middle and tail of one group's list move to another segment: the victims come in the order they
+    would have without the moves (an append would put the moved ones last), and a block added next follows the
+    moved tail (the group's tail is the new slot)."""
+    flows = Workflows()
+    flows.call("w", "agent")
+    touch = Touch("w", "agent") if hinted else None
+    pol, table, keys, order = one_segment(flows, 6, touch)
+    for j, i in enumerate((2, 0, 5)):
+        move(pol, table, keys, order[i], 2 << 32 | j)
+    last = keys[1 << 32 | 6] = b"\xff" * 20
+    table.insert(last, 1 << 32 | 6, 0)
+    pol.added(last, 0, touch)
+    assert pol.counts()["active" if hinted else "retired"] == 7
+    assert evict_all(pol, table, keys) == [*order, last]
+    assert pol.chunks == {} and pol.groups == {}
+
+
+def test_a_moved_pinned_block_stays_pinned() -> None:
+    flows = Workflows()
+    pol, table, keys, order = one_segment(flows, 4, None)
+    pol.pinned(order[1])
+    move(pol, table, keys, order[1], 2 << 32 | 0)
+    assert pol.describe(order[1]) == {"standing": "pinned", "workflows": [], "agents": {}, "touched": 0}
+    assert pol.counts()["retired"] == 3
+    pol.unpinned(order[1])                               # a candidate again, as if just used
+    assert evict_all(pol, table, keys) == [order[0], order[2], order[3], order[1]]
+
+
+def test_moving_a_segments_last_row_frees_its_chunk() -> None:
+    flows = Workflows()
+    pol, table, keys, order = one_segment(flows, 2, None)
+    move(pol, table, keys, order[0], 3 << 32 | 4)
+    assert set(pol.chunks) == {1, 3} and pol.chunks[1].live == 1 and pol.chunks[3].live == 1
+    move(pol, table, keys, order[1], 3 << 32 | 0)
+    assert set(pol.chunks) == {3} and pol.chunks[3].live == 2
+    assert evict_all(pol, table, keys) == order
