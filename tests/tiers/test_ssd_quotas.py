@@ -151,3 +151,15 @@ def test_a_rewrite_cut_short_leaves_the_old_file_and_no_stray(tmp_path):
     assert s.quotas.rows([])["a"]["ssd_used_bytes"] == 2 * RECORD
     assert not os.path.exists(os.path.join(d, FILE + ".tmp")) and s.counters["skipped_files"] == 0
     s.close()
+
+
+def test_a_write_with_no_room_under_the_quotas_is_refused_and_says_why(tmp_path, caplog):
+    s = open_store(str(tmp_path), {"a": 4, "b": 4})
+    put(s, "a", range(4))
+    put(s, "b", range(4))                              # full, both at their quotas
+    with caplog.at_level("WARNING", logger="kvstore"):
+        assert put(s, "c", range(1)) == 0              # c has no quota and no record of this size: none of a's or b's
+    assert s.counters["full"] == 1 and s.quotas.counters["quota_blocked"] == 1
+    assert "every tenant holding blocks of this size is at or below its SSD quota" in caplog.text
+    assert held(s, "a", range(4)) == [0, 1, 2, 3] and held(s, "b", range(4)) == [0, 1, 2, 3]
+    s.close()

@@ -378,6 +378,15 @@ class SsdStore:
         self.counters["evictions"] += 1
         return rec
 
+    def no_room_reason_locked(self, cf: ClassFile, tenant: str) -> str:
+        """Why a write found no record: what an operator reads in the log, and what to do."""
+        if not self.split:
+            return "the tier is at its capacity and holds no block of this size to evict; grow ssd.capacity"
+        q = self.quotas
+        return (f"the tier is full and every tenant holding blocks of this size is at or below its SSD quota (tenant "
+                f"{tenant!r} uses {q.used[tenant]} of {q.quota(tenant)} bytes); raise its quota (kvstore tenants set "
+                "NAME --ssd SIZE) or grow ssd.capacity")
+
     def _holders(self, payload: int) -> list[str]:
         return [t for (t, p), n in self._class_records.items() if n > 0 and p == payload]
 

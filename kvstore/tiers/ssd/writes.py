@@ -107,6 +107,9 @@ class Writer:
                     rec = s.evict_locked(cf, tenant)
                 if rec is None:
                     s.counters["full"] += 1
+                    if s.counters["full"] == 1 or s.counters["full"] % 1000 == 0:
+                        log.warning("ssd: no record for a %d-byte block of tenant %r (%d such so far): %s",
+                                    cf.payload, tenant, s.counters["full"], s.no_room_reason_locked(cf, tenant))
                     continue
                 seq = self.writing[ns + h] = s.next_seq_locked()
                 placed.append((cf, rec, ns + h, seq, payload, writer_crc[0] if writer_crc else None))
