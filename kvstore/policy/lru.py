@@ -40,19 +40,23 @@ class LruPolicy:
 
 
 class LruOrder:
-    """A lower tier's LRU: one recency list per class, least recently used first."""
+    """A lower tier's LRU: one recency list per class, least recently used first. Each entry carries the tick of
+    its last use, so that the oldest of several classes can be told (`oldest_tick`: the SSD tier's quotas take the
+    least recently used borrowed record among tenants' classes)."""
     name = "lru"
 
     def __init__(self) -> None:
-        self._lists: dict[int, OrderedDict[bytes, None]] = {}
+        self._lists: dict[int, OrderedDict[bytes, int]] = {}
         self._cls: dict[bytes, int] = {}
+        self._tick = 0
 
     def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
         old = self._cls.get(key)
         if old is not None:
             del self._lists[old][key]
         self._cls[key] = cls
-        self._lists.setdefault(cls, OrderedDict())[key] = None
+        self._tick += 1
+        self._lists.setdefault(cls, OrderedDict())[key] = self._tick
 
     def removed(self, key: bytes) -> None:
         cls = self._cls.pop(key, None)
@@ -62,8 +66,16 @@ class LruOrder:
     def accessed(self, key: bytes, touch: Touch | None = None) -> None:
         cls = self._cls.get(key)
         if cls is not None:
-            self._lists[cls].move_to_end(key)
+            self._tick += 1
+            lru = self._lists[cls]
+            lru[key] = self._tick
+            lru.move_to_end(key)
 
     def victim(self, cls: int) -> bytes | None:
         lru = self._lists.get(cls)
         return next(iter(lru)) if lru else None
+
+    def oldest_tick(self, cls: int) -> int | None:
+        """When the class's victim was last used (a tick of this policy's clock), None if the class is empty."""
+        lru = self._lists.get(cls)
+        return lru[next(iter(lru))] if lru else None

@@ -7,13 +7,16 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kvstore.client import Client
+from kvstore.protocol.geometry import Geometry
 from kvstore.tiers.ssd.record import HEADER_BYTES
-from tests.conftest import DaemonProc, ssd_settled
+from tests.conftest import DaemonProc, block, spec, ssd_settled
 from tests.daemon.test_metrics import free_port, scrape
 from tests.daemon.test_quotas import BLOCK, PER_SEG, SECRETS, Tenant, rows
 
@@ -39,17 +42,15 @@ def ssd_quota_daemon(tmp_path: Path, daemons: list[DaemonProc], ssd_quota: int |
 
 def flood(d: DaemonProc) -> None:
     """b stores 32 blocks (16 go down to the SSD: it borrows the whole tier), then a stores 32 (b's other 16 and a's
-    first 16 go down)."""
-    b = Tenant(d, "b")
-    assert b.put(0, 4 * PER_SEG) == 4 * PER_SEG
+    first 16 go down). A segment's worth at a time, each put's demotions written before the next: a write batch
+    never holds more blocks than the tier has records (its later blocks would find every record taken by its
+    earlier ones, unpublished yet, and be dropped — whatever the quotas)."""
     with d.client() as c:
-        ssd_settled(c)
-    a = Tenant(d, "a")
-    assert a.put(0, 4 * PER_SEG) == 4 * PER_SEG
-    with d.client() as c:
-        ssd_settled(c)
-    a.close()
-    b.close()
+        for t in (Tenant(d, "b"), Tenant(d, "a")):
+            for i in range(4):
+                assert t.put(i * PER_SEG, PER_SEG) == PER_SEG
+                ssd_settled(c)
+            t.close()
 
 
 def test_a_busy_tenant_never_pushes_a_quiet_one_below_its_ssd_quota(tmp_path, daemons):
@@ -115,3 +116,57 @@ def test_ssd_quotas_change_online_from_the_cli(tmp_path, daemons):
     flood(d)
     r = rows(d)                                     # b keeps its new quota's worth, a takes the rest
     assert (r["a"]["ssd_used_bytes"], r["b"]["ssd_used_bytes"]) == (12 * RECORD, 4 * RECORD)
+
+
+SMALL_GEOM = Geometry(layers=2, tokens=16, kv_heads=4, head_dim=128, dtype="float16")    # another model: 64 KiB
+SMALL_RECORD = HEADER_BYTES + SMALL_GEOM.full_bytes
+
+
+class SmallTenant(Tenant):
+    """A tenant whose model has half the KV per block: its SSD records live in another file."""
+
+    def __init__(self, d: DaemonProc, name: str) -> None:
+        self.name = name
+        self.c = Client(d.socket, tenant=name, secret=SECRETS[name])
+        self.ns = self.c.namespace(spec(model="small", geometry=SMALL_GEOM))
+
+    def put(self, start: int, n: int) -> int:
+        return sum(self.ns.put(self.keys(s, min(16, start + n - s)),
+                               [self.data(i) for i in range(s, min(s + 16, start + n))]).stored
+                   for s in range(start, start + n, 16))
+
+    def data(self, i: int) -> bytes:
+        return block(zlib.crc32(f"{self.name}/{i}".encode()), SMALL_GEOM.full_bytes)
+
+
+def test_a_quota_holds_against_another_models_blocks(tmp_path, daemons):
+    """b's model has smaller blocks and fills the SSD first; a's demotions then take b's borrowed records out of
+    b's file (punched) and grow a's own: each ends at its quota — a to within one of its records, since the two
+    sizes do not tile and b is never pushed below its own — and a's blocks come back byte for byte."""
+    d = ssd_quota_daemon(tmp_path, daemons, 8)
+    b = SmallTenant(d, "b")
+    assert b.put(0, 64) == 64                       # 2 MiB host pool: 32 of b's go down, the SSD holds 16 × 132 KiB
+    with d.client() as c:
+        ssd_settled(c)
+    assert rows(d)["b"]["ssd_used_bytes"] > 8 * RECORD                    # b borrowed a's share
+    a = Tenant(d, "a")
+    try:
+        assert a.put(0, 4 * PER_SEG) == 4 * PER_SEG
+        with d.client() as c:
+            s = ssd_settled(c)
+        r = rows(d)
+        a_used, b_used = r["a"]["ssd_used_bytes"], r["b"]["ssd_used_bytes"]
+        assert 7 * RECORD <= a_used <= 8 * RECORD        # a's quota to within one of its records: sizes do not
+        assert 8 * RECORD <= b_used < 8 * RECORD + SMALL_RECORD   # tile, and b is not pushed below its own
+        ssd = next(t for t in s["tiers"] if t["tier"] == "ssd")
+        assert ssd["counters"]["punched"] > 0 and ssd["resident_bytes"] <= 16 * RECORD
+        assert 16 * RECORD - ssd["resident_bytes"] < RECORD     # no room left that a could have had
+        down = [i for i in range(16) if a.held(i, 1)]   # a's blocks that went down, as many as its records ...
+        assert len(down) == a_used // RECORD
+        a.ns.delete(a.keys(16, 16))                      # room in the host pool: the reads below evict nothing
+        outs = [bytearray(BLOCK) for _ in down]          # ... come back from the SSD byte for byte
+        assert a.ns.get([a.keys(i, 1)[0] for i in down], outs) == len(down)
+        assert all(bytes(o) == a.data(i) for i, o in zip(down, outs))
+    finally:
+        a.close()
+        b.close()

@@ -68,16 +68,18 @@ def test_without_ssd_quotas_the_tier_is_one_lru(tmp_path):
     s.close()
 
 
-def test_borrowers_give_back_the_largest_first(tmp_path):
+def test_borrowers_give_back_their_least_recently_used_first(tmp_path):
     s = open_store(str(tmp_path), {"a": 4, "b": 1, "c": 1}, records=8)
-    put(s, "b", range(4))                              # b 3 over its quota
-    put(s, "c", range(2))                              # c 1 over
+    put(s, "c", range(2))                              # c 1 record over its quota
+    put(s, "b", range(4))                              # b 3 over
     put(s, "a", range(2))                              # the tier is full (8 records)
-    put(s, "a", range(2, 4))                           # a's next two: from b, the most over, not from c
-    assert held(s, "b", range(4)) == [2, 3] and held(s, "c", range(2)) == [0, 1]
-    put(s, "a", range(4, 5))                           # a at its quota: a (with this record), b and c 1 over each:
-    assert held(s, "a", range(5)) == [1, 2, 3, 4]      # a tie goes to the writer's own
-    assert held(s, "b", range(4)) == [2, 3] and held(s, "c", range(2)) == [0, 1]
+    assert held(s, "b", range(4)) == [0, 1, 2, 3]      # b's blocks are read: c's are the least recently used
+    put(s, "a", range(2, 4))                           # a within its quota takes c's oldest (c is then at its
+    assert held(s, "c", range(2)) == [1]               # quota: no more of c's), then b's oldest
+    assert held(s, "b", range(4)) == [1, 2, 3] and held(s, "a", range(4)) == [0, 1, 2, 3]
+    put(s, "a", range(4, 5))                           # a over its quota too: among borrowers the least recently
+    assert held(s, "a", range(5)) == [0, 1, 2, 3, 4]   # used goes, b's (a's were read after b's): memory follows
+    assert held(s, "b", range(4)) == [2, 3]            # use among borrowers, as in the host pool
     s.close()
 
 
@@ -162,4 +164,57 @@ def test_a_write_with_no_room_under_the_quotas_is_refused_and_says_why(tmp_path,
     assert s.counters["full"] == 1 and s.quotas.counters["quota_blocked"] == 1
     assert "every tenant holding blocks of this size is at or below its SSD quota" in caplog.text
     assert held(s, "a", range(4)) == [0, 1, 2, 3] and held(s, "b", range(4)) == [0, 1, 2, 3]
+    s.close()
+
+
+SMALL = 4096                                       # another model's blocks: a record of 8 KiB against 12 KiB
+SMALL_RECORD = HEADER_BYTES + SMALL
+
+
+def put_small(s: SsdStore, tenant: str, ids: range) -> int:
+    return sum(s.put_many([(NS[tenant], key(i), data(tenant, i)[:SMALL])]) for i in ids)
+
+
+def held_small(s: SsdStore, tenant: str, ids: range) -> list[int]:
+    out = bytearray(SMALL)
+    return [i for i in ids if s.get(NS[tenant], key(i), out) and bytes(out) == data(tenant, i)[:SMALL]]
+
+
+def on_disk(d: str) -> int:
+    """Bytes the record files really hold on the disk (holes excluded), less a 4 KiB block per file: a file with
+    holes may take an extent block of the file system's (ext4), which is not a record's."""
+    files = [f for f in os.listdir(d) if f.endswith(".kvs")]
+    return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for f in files) - 4096 * len(files)
+
+
+def test_a_quota_holds_across_block_sizes_borrowed_records_are_punched_out(tmp_path):
+    d = str(tmp_path)
+    s = open_store(d, {"a": 6, "b": 6}, records=12)   # 12 records of a's size: 18 of b's smaller ones
+    assert put_small(s, "b", range(18)) == 18          # b (another model) fills the tier with its block size
+    assert put(s, "a", range(6)) == 6                  # a within its quota: b's records punched out for a's file
+    assert held_small(s, "b", range(18)) == list(range(9, 18))    # b keeps its quota's worth, its newest
+    assert s.quotas.used["b"] == 9 * SMALL_RECORD == s.quotas.quota("b")
+    assert s.counters["punched"] == 9 and s.allocated_bytes() <= s.capacity and on_disk(d) <= s.capacity
+    assert put(s, "a", range(6, 8)) == 2               # a at its quota: it cycles its own, b is not touched
+    assert held(s, "a", range(8)) == [2, 3, 4, 5, 6, 7] and held_small(s, "b", range(18)) == list(range(9, 18))
+    assert s.file_bytes() > s.capacity                 # b's file keeps its size, with holes ...
+    assert s.resize(s.capacity) == 0                   # ... which a resize counts as the space they gave back
+    s.close()
+    s = open_store(d, {"a": 6, "b": 6}, records=12, knows=False)   # restarted: the holes are free records now
+    assert held(s, "a", range(8)) == [2, 3, 4, 5, 6, 7] and held_small(s, "b", range(18)) == list(range(9, 18))
+    s.tenant_of = OWNER.get
+    assert put_small(s, "b", range(100, 109)) == 9     # b writes again: into its holes, cycling its own
+    assert on_disk(d) <= s.capacity and s.allocated_bytes() <= s.capacity
+    assert len(held(s, "a", range(8))) == 6
+    s.close()
+
+
+def test_free_records_of_one_size_serve_another_without_quotas(tmp_path):
+    d = str(tmp_path)
+    s = open_store(d, None, records=12)
+    assert put_small(s, "b", range(18)) == 18          # the whole tier in small records
+    s.delete_many([NS["b"] + key(i) for i in range(18)])
+    assert put(s, "a", range(12)) == 12                # before: no record of a's size to evict, so none stored
+    assert held(s, "a", range(12)) == list(range(12)) and s.counters["evictions"] == 0
+    assert s.counters["punched"] == 18 and on_disk(d) <= s.capacity
     s.close()

@@ -14,13 +14,19 @@
 - `allocate` reserves records at the end of a file for real (posix_fallocate), so a full disk shows there as a
   refusal, never as a failed write later; a refusal leaves the file exactly as it was. `add_records` then books
   the new records as free: `free` lists the records of a file that hold nothing (the writer takes from its end).
-- Every change to a record file goes through diskio.py (which a test can record); `choose_io` picks how record
-  bytes move: os.preadv/pwritev from the path's workers, or an io_uring per worker (uring.py) when asked for and
-  its probe finds it sound (never while diskio records). Buffers for O_DIRECT come from `aligned` (page-aligned
-  anonymous mappings) unless `aligned_for_io` says the caller's buffer can be used as it is.
+- `punch` gives a record's disk space back (a hole: the record reads as zeros, its block gone) and `refill`
+  allocates a hole again before it is reused: how a block size's file makes room for another size's under the
+  tenants' SSD quotas (owners.py). `holes` lists a file's punched records (in memory: after a restart a hole is a
+  free record like any other, counted in the file's size, so the tier's disk use stays within the cap).
+- Every change to a record file goes through diskio.py (which a test can record; a punch is not recorded);
+  `choose_io` picks how record bytes move: os.preadv/pwritev from the path's workers, or an io_uring per worker
+  (uring.py) when asked for and its probe finds it sound (never while diskio records). Buffers for O_DIRECT come
+  from `aligned` (page-aligned anonymous mappings) unless `aligned_for_io` says the caller's buffer can be used as
+  it is.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -108,6 +114,7 @@ class ClassFile:
     direct: bool
     nrecords: int = 0
     free: list[int] = field(default_factory=list)
+    holes: list[int] = field(default_factory=list)    # punched records: neither free nor allocated (`punch`)
     map: RecordMap | None = None                      # its record map (recmap.py)
     unverified: dict[int, bytes] = field(default_factory=dict)   # record → key: booked from the map, header unread
     keys: list[bytes | None] = field(default_factory=list)        # record → the key booked there (the store's)
@@ -126,6 +133,10 @@ class ClassFile:
 
     def size(self) -> int:
         return self.nrecords * self.record
+
+    def allocated(self) -> int:
+        """The bytes of its records on the disk: its size less its holes."""
+        return (self.nrecords - len(self.holes)) * self.record
 
 
 def open_class_file(directory: str, payload: int, path: str | None = None) -> ClassFile:
@@ -208,3 +219,27 @@ def add_records(cf: ClassFile, records: int) -> None:
     """(The books.) Book `records` allocated at the end of the file as free, lowest last."""
     cf.free.extend(range(cf.nrecords + records - 1, cf.nrecords - 1, -1))
     cf.nrecords += records
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def punch(cf: ClassFile, rec: int) -> OSError | None:
+    """Give record `rec`'s disk space back (it reads as zeros from now on: its header too); the refusal (a file
+    system without hole punching), with nothing changed, or None. A disk call: never under the store's lock."""
+    if _libc.fallocate(cf.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, rec * cf.record, cf.record) != 0:
+        err = ctypes.get_errno()
+        return OSError(err, f"fallocate(PUNCH_HOLE) on {cf.path}: {os.strerror(err)}")
+    return None
+
+
+def refill(cf: ClassFile, rec: int) -> OSError | None:
+    """Allocate a punched record again (posix_fallocate inside the file: its size does not change); the refusal
+    (ENOSPC, ...), with the record still a hole, or None. A disk call: never under the store's lock."""
+    try:
+        diskio.posix_fallocate(cf.fd, rec * cf.record, cf.record)
+    except OSError as e:
+        return e
+    return None

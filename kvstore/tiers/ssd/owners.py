@@ -18,17 +18,22 @@ whole, then renamed over the old one), so it holds one entry per namespace on th
 before). A tenant's quota is SSD bytes guaranteed to it; what it *uses* is the bytes of its records. Free space
 serves whoever writes (a tenant over its quota borrows it). When a block size's file is at the cap and a write
 needs a record, the victim comes from, in order:
-1. the tenant most over its quota (the writer counts the record it writes) among those with a record of that size
-   that stay at or above their quota without it: borrowers give back first, the largest first (max-min fairness);
+1. a borrower: among the tenants with a record of that size that stay at or above their quota without it (the
+   writer, too, where the record it writes takes it over its own), the one whose victim was used least recently
+   (the LRU policy's clock: borrowed space follows use, as in the host pool), or, under a policy without a clock
+   (workflow), the one most over its quota;
 2. else the writer's own least valuable record of that size (it cycles within what it holds);
 3. else the write finds no room (`full`).
 So a tenant is never pushed below its quota by another's writes. Each tenant's records of a block size are an
 eviction class of the tier's policy (LRU or workflow), so the victim within a tenant is its policy's.
 
-What quotas cannot do: records of one size live in that size's file, which grows within the cap but never shrinks
-except by `resize`; a tenant whose quota is taken by another tenant's blocks *of another size* cannot reclaim it
-through them (counted as `quota_blocked`). Deployments that mix block sizes in one tier should give each the
-capacity it needs (or one tier per size).
+Tenants are usually models, so block sizes differ, and records of one size live in that size's file, which never
+shrinks but by `resize`. A writer within its quota that finds no borrower's record of its own size (step 1 gives
+none) therefore takes room from borrowers of *other* sizes: their records are evicted by the same rule (none
+below its quota) and punched out of their files (files.punch: the disk space goes back, the
+record becomes a hole), until its file may grow by one record within the cap; only then does it fall back to its
+own records (step 2). The cap bounds the bytes allocated on the disk (files' sizes less their holes). A write that
+finds no room at all is `full`, and `quota_blocked` when the quotas were the reason.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ import struct
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.checksum import crc32c
 
@@ -154,6 +160,7 @@ class SsdQuotas:
     quotas: dict[str, int] = field(default_factory=dict)     # tenant -> guaranteed bytes
     default: int = 0                                         # the quota of a tenant not listed
     used: Counter[str] = field(default_factory=Counter)      # bytes of each tenant's records
+    placing: Counter[str] = field(default_factory=Counter)   # ... and of those the write batch in flight placed
     evictions: Counter[str] = field(default_factory=Counter)  # its records evicted (by anyone's write)
     taken: Counter[str] = field(default_factory=Counter)      # ... of them for another tenant's write
     counters: Counter[str] = field(default_factory=Counter)
@@ -175,21 +182,40 @@ class SsdQuotas:
                              f"({capacity} bytes): lower another tenant's first, or resize the tier")
         self.quotas[tenant] = nbytes
 
-    def victim_tenant(self, writer: str, record: int, holders: Callable[[], Iterable[str]]) -> str | None:
+    def held(self, tenant: str) -> int:
+        """Its records' bytes, those the write batch in flight placed included (a batch may evict a tenant's
+        records for its own next blocks: until they are published, `used` alone would show it below its quota)."""
+        return self.used[tenant] + self.placing[tenant]
+
+    def victim_tenant(self, writer: str, record: int, holders: Callable[[], Iterable[str]],
+                      age: Callable[[str], int | None] | None = None) -> str | None:
         """Whose record of this size a write of `writer` (a `record`-byte record) takes at the cap; None if no one's
-        may go. `holders()`: the tenants with a record of this size."""
-        best, most = None, 0
+        may go. `holders()`: the tenants with a record of this size; `age(t)`: when t's victim of this size was
+        last used (the tier's LRU clock), None where the policy keeps no clock."""
+        eligible = []
         for t in holders():
-            over = self.used[t] - self.quota(t) + (record if t == writer else 0)
+            over = self.held(t) - self.quota(t) + (record if t == writer else 0)
             if (t == writer and over > 0) or (t != writer and over >= record):
-                if best is None or over > most or (over == most and t == writer):
-                    best, most = t, over
-        if best is not None:
-            return best
-        if writer in set(holders()):
-            return writer
-        self.counters["quota_blocked"] += 1
-        return None
+                eligible.append((t, over))
+        if eligible:
+            return _pick(eligible, writer, age)
+        return writer if writer in set(holders()) else None
+
+    def within(self, tenant: str, record: int) -> bool:
+        """Whether `tenant` stays within its quota with one more `record`-byte record."""
+        return self.held(tenant) + record <= self.quota(tenant)
+
+    def borrower(self, writer: str, records: Counter[tuple[str, int]], exclude: int, record: Callable[[int], int],
+                 age: Callable[[tuple[str, int]], int | None] | None = None) -> tuple[str, int] | None:
+        """The (tenant, block size) whose record gives room to `writer` across sizes, by the rule of
+        `victim_tenant` among the tenants other than the writer that stay at or above their quota without one
+        record of that size (`records`: records per (tenant, size); `exclude`: the writer's own size;
+        `record(size)`: a record's bytes; `age((t, size))`: when that class's victim was last used)."""
+        eligible = []
+        for (t, p), n in records.items():
+            if n > 0 and p != exclude and t != writer and self.held(t) - self.quota(t) >= record(p):
+                eligible.append(((t, p), self.held(t) - self.quota(t)))
+        return _pick(eligible, None, age) if eligible else None
 
     def evicted(self, victim: str, writer: str, record: int) -> None:
         self.evictions[victim] += 1
@@ -202,3 +228,13 @@ class SsdQuotas:
         return {t: {"ssd_quota_bytes": self.quota(t), "ssd_used_bytes": self.used[t],
                     "ssd_borrowed_bytes": max(0, self.used[t] - self.quota(t)), "ssd_evictions": self.evictions[t],
                     "ssd_taken": self.taken[t]} for t in sorted(names)}
+
+
+def _pick(eligible: list[tuple[Any, int]], writer: Any, age: Callable[[Any], int | None] | None) -> Any:
+    """Among (candidate, bytes over its quota): the one whose victim was used least recently where the policy keeps
+    a clock (memory follows use among borrowers, as in the host pool), else the most over (ties: the writer's own)."""
+    if age is not None:
+        aged = [(a, c) for c, _ in eligible if (a := age(c)) is not None]
+        if len(aged) == len(eligible):
+            return min(aged, key=lambda x: x[0])[1]
+    return max(eligible, key=lambda x: (x[1], x[0] == writer))[0]

@@ -43,13 +43,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 from kvstore.daemon.crash import crash_point
 from kvstore.policy import make_tier_policy
 from kvstore.policy.workflow import Workflows
 from kvstore.tiers.ssd import diskio
-from kvstore.tiers.ssd.files import ClassFile, StoreLocked, choose_io, lock_directory, open_class_file
+from kvstore.tiers.ssd.files import ClassFile, StoreLocked, choose_io, lock_directory, open_class_file, punch
 from kvstore.tiers.ssd.owners import Owners, SsdQuotas
 from kvstore.tiers.ssd.reads import Reader
 from kvstore.tiers.ssd.recmap import ENTRY_BYTES, FILE_HEADER
@@ -117,7 +118,29 @@ class SsdStore:
         self._lock_fd = lock_directory(self.dir)
         self.owners.open()
         self.scanner.start(progress, wait)
+        self._punch_forgotten_holes()
         return self
+
+    def _punch_forgotten_holes(self) -> None:
+        """Files over the cap at start held holes (records punched out for another block size's file: the holes
+        are not on record, and a restart books them as free records). Reusing one would take disk space beyond
+        the cap, so every free record booked now is punched (a no-op for a hole, its space back for any other:
+        it holds nothing) and booked as a hole: the books count what the disk holds again. (A file without a
+        trusted map books its free records as its scan finds them, after this: its holes count as allocated.)"""
+        with self.lock:
+            if self.file_bytes() <= self.capacity:
+                return
+            taken = [(cf, cf.free) for cf in self.files.values()]
+            for cf in self.files.values():
+                cf.free = []
+        punched = [(cf, [r for r in recs if self._punch(cf, r) is None]) for cf, recs in taken]
+        with self.lock:
+            for (cf, recs), (_, holes) in zip(taken, punched):
+                cf.holes.extend(holes)
+                gone = set(holes)
+                cf.free.extend(r for r in recs if r not in gone)
+        log.info("ssd: %s: the record files hold holes (another block size took their space); %d free records "
+                 "punched so that the tier stays within ssd.capacity", self.dir, sum(len(h) for _, h in punched))
 
     def close(self) -> None:
         self.scanner.stop()              # a scan in progress stops submitting and finishes what it queued
@@ -219,10 +242,10 @@ class SsdStore:
         return found
 
     def resize(self, capacity: int) -> int:
-        """Set the cap. Shrinking below the files' size cuts records from the ends of the largest files (those
-        holding blocks are evicted) and truncates them: the files never stay over the cap. Returns the evictions.
-        Waits for a write batch in flight and a zeroing flush (neither may touch a record being cut); the files
-        are cut and synced outside the store's lock. Refused while the restart scan runs."""
+        """Set the cap. Shrinking below the files' allocated bytes cuts records from the ends of the largest files
+        (those holding blocks are evicted) and truncates them: the files never stay over the cap. Returns the
+        evictions. Waits for a write batch in flight and a zeroing flush (neither may touch a record being cut); the
+        files are cut and synced outside the store's lock. Refused while the restart scan runs."""
         with self.writer.batch, self.zeroing.mutex:
             with self.lock:
                 if self.scan.state == "scanning":
@@ -231,7 +254,7 @@ class SsdStore:
                 self.capacity = capacity
                 evicted = 0
                 cut: set[ClassFile] = set()
-                while self.file_bytes() > capacity:
+                while self.allocated_bytes() > capacity:
                     evicted += self._cut_largest_locked(capacity, cut)
                 self.counters["evictions"] += evicted
                 sizes = [(cf, cf.size()) for cf in cut]
@@ -247,13 +270,14 @@ class SsdStore:
         """Cut the largest file's books by what the files are over `capacity` (at most all of it), adding it to
         `cut` (the caller truncates it); the evictions."""
         cf = max(self.files.values(), key=lambda f: f.size())
-        n = min(cf.nrecords, -(-(self.file_bytes() - capacity) // cf.record))
+        n = min(cf.nrecords, -(-(self.allocated_bytes() - capacity) // cf.record))
         first = cf.nrecords - n
         victims = [key for key in cf.keys[first:] if key is not None]     # the cut records only, not the index
         for key in victims:
             self.drop_locked(key)
         del cf.keys[first:]
         cf.free = [r for r in cf.free if r < first]
+        cf.holes = [r for r in cf.holes if r < first]
         cf.nrecords = first
         cut.add(cf)
         return len(victims)
@@ -358,14 +382,22 @@ class SsdStore:
         """A copy with sequence number `seq` was found on disk: new writes outrank it."""
         self._seq = max(self._seq, seq)
 
-    def evict_locked(self, cf: ClassFile, writer: str = "") -> int | None:
+    def evict_locked(self, cf: ClassFile, writer: str = "",
+                     grow: Callable[[ClassFile], int | None] | None = None) -> int | None:
         """Make room at the cap for a record of tenant `writer`: the policy's victim among the records of this
         block size (of the tenant whose quota allows it: owners.py) is handed to the writer, which zeroes its
-        header. None if there is none."""
+        header. Under SSD quotas, a writer within its quota that finds no borrower's record of this size has
+        borrowers' records of other sizes punched out first (`_punch_borrowed_locked`), then takes the room with
+        `grow` (the writer's free-record path). None if there is no record to take."""
         victim_tenant = writer
         if self.split:
-            t = self.quotas.victim_tenant(writer, cf.record, lambda: self._holders(cf.payload))
+            t = self.quotas.victim_tenant(writer, cf.record, lambda: self._holders(cf.payload),
+                                          self._age(lambda tenant: (tenant, cf.payload)))
+            if grow is not None and t in (None, writer) and self.quotas.within(writer, cf.record) \
+                    and self._punch_borrowed_locked(cf, writer):
+                return grow(cf)
             if t is None:
+                self.quotas.counters["quota_blocked"] += 1
                 return None
             victim_tenant = t
         key = self.policy.victim(self._class(victim_tenant, cf.payload))
@@ -378,6 +410,63 @@ class SsdStore:
         self.counters["evictions"] += 1
         return rec
 
+    def _punch_borrowed_locked(self, cf: ClassFile, writer: str) -> bool:
+        """Room for one record of `cf` within the cap, made by evicting borrowers' records of other block sizes
+        (owners.py's rule: the least recently used first, none below its quota) and punching them out of their
+        files (files.punch): a block size's file never shrinks, so a tenant's quota would otherwise hold only
+        within the sizes it already has. False when no borrower is left to give (what was punched stays punched:
+        room for the next write)."""
+        while self.capacity - self.allocated_bytes() < cf.record:
+            pick = self.quotas.borrower(writer, self._class_records, exclude=cf.payload,
+                                        record=lambda p: self.files[p].record, age=self._age(lambda c: c))
+            if pick is None:
+                return False
+            tenant, payload = pick
+            key = self.policy.victim(self._class(tenant, payload))
+            if key is None:
+                return False
+            other = self.files[payload]
+            self.quotas.evicted(tenant, writer, other.record)
+            _, rec, _ = self.drop_locked(key)
+            self.counters["evictions"] += 1
+            refused = run_unlocked(self.lock, partial(self._punch, other, rec))
+            if refused is not None:
+                log.warning("ssd: %s; the evicted record is reused in its own file instead", refused)
+                self.zero_later_locked(other, rec)
+                return False
+            other.holes.append(rec)
+            self.counters["punched"] += 1
+        return True
+
+    def punch_free_locked(self, cf: ClassFile) -> bool:
+        """Room for one record of `cf` within the cap, made from the unused (free) records of other block sizes'
+        files, punched out (a file never shrinks but by resize: without this, records freed by deletes in one
+        size could never serve another). False if they do not make enough."""
+        while self.capacity - self.allocated_bytes() < cf.record:
+            other = next((f for f in self.files.values() if f is not cf and f.free), None)
+            if other is None:
+                return False
+            rec = other.free.pop(0)                  # the end of the list the writer takes last
+            refused = run_unlocked(self.lock, partial(self._punch, other, rec))
+            if refused is not None:
+                other.free.append(rec)
+                return False
+            other.holes.append(rec)
+            self.counters["punched"] += 1
+        return True
+
+    @staticmethod
+    def _punch(cf: ClassFile, rec: int) -> OSError | None:
+        """(Without the lock.) The record's space back to the disk, and its map entry cleared."""
+        refused = punch(cf, rec)
+        if refused is None and cf.map is not None:
+            cf.map.clear([rec])
+        return refused
+
+    def allocated_bytes(self) -> int:
+        """The record files' bytes on the disk (their sizes less their holes): what the capacity bounds."""
+        return sum(cf.allocated() for cf in self.files.values())
+
     def no_room_reason_locked(self, cf: ClassFile, tenant: str) -> str:
         """Why a write found no record: what an operator reads in the log, and what to do."""
         if not self.split:
@@ -386,6 +475,13 @@ class SsdStore:
         return (f"the tier is full and every tenant holding blocks of this size is at or below its SSD quota (tenant "
                 f"{tenant!r} uses {q.used[tenant]} of {q.quota(tenant)} bytes); raise its quota (kvstore tenants set "
                 "NAME --ssd SIZE) or grow ssd.capacity")
+
+    def _age(self, cls_of: Callable[[Any], tuple[str, int]]) -> Callable[[Any], int | None] | None:
+        """When a candidate's victim was last used, where the policy keeps a clock (LRU); None otherwise."""
+        oldest = getattr(self.policy, "oldest_tick", None)
+        if oldest is None:
+            return None
+        return lambda c: oldest(self._class(*cls_of(c)))
 
     def _holders(self, payload: int) -> list[str]:
         return [t for (t, p), n in self._class_records.items() if n > 0 and p == payload]

@@ -449,10 +449,12 @@ class SsdTier:
         s = self.store
         with s.lock:
             counters, blocks, used, files = dict(s.counters), len(s.index), s.used_bytes(), s.file_bytes()
+            allocated = s.allocated_bytes()
         with self.lock:
             staged_blocks, staged_bytes, urgent = len(self.staging), self.staged_bytes, len(self._urgent)
         return {"tier": "ssd", "capacity_bytes": self.cfg.capacity, "mapped_bytes": files, "used_bytes": used,
-                "resident_bytes": files, "blocks": blocks, "segments": len(s.files), "staged_blocks": staged_blocks,
+                "resident_bytes": allocated, "hole_bytes": files - allocated, "blocks": blocks,
+                "segments": len(s.files), "staged_blocks": staged_blocks,
                 "staged_bytes": staged_bytes, "staged_urgent": urgent, "dropped": self.dropped,
                 "rewrites_saved": self.rewrites_saved,
                 "staged_crc_mismatch": self.crc_mismatch, "writer_restarts": self._writer.restarts,

@@ -1,11 +1,14 @@
 """The SSD store's writes: placing records at the cap, writing them, making them durable, publishing them.
 
 `Writer.put_many` runs one batch at a time (`batch`; resize waits for it) and guarantees:
-- Placement never takes the files past the store's capacity: a record comes from the file's free records, else the
-  file grows by up to GROW_RECORDS (really allocated, files.allocate, with the store's lock let go), else the
-  least recently used record of that block size is evicted; with none of these the block is not stored (counted
-  as full). A file system that refuses to grow is counted as disk_full and the tier stays at its size, evicting
-  within it.
+- Placement never takes the files past the store's capacity (the bytes allocated on the disk): a record comes from
+  the file's free records, else one of its holes allocated again, else the file grows by up to GROW_RECORDS
+  (really allocated, files.allocate, with the store's lock let go; where the cap leaves no room, other block
+  sizes' free records are punched out first: free space serves whoever writes, store.punch_free_locked), else the
+  store evicts a record of that block size (its policy's victim, of the tenant the SSD quotas choose; under quotas
+  a tenant within its own may first have a borrower's record of another size punched out for room:
+  store.evict_locked); with none of these the block is not stored (counted as full). A file system that refuses
+  to grow is counted as disk_full and the tier stays at its size, evicting within it.
 - Each payload is written as a transfer in the caller's lane, after zeroing the record's old header in the same
   write (a crash leaves an empty record, never an old header over new bytes). A payload that can be moved as it is
   (aligned_for_io) is written in pieces of PIECE_BYTES with a checkpoint between pieces, so that a lower-lane write
@@ -34,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.checksum import crc32c
 from kvstore.daemon.crash import crash_point
 from kvstore.tiers.ssd import diskio
-from kvstore.tiers.ssd.files import ZERO_BUF, ClassFile, add_records, aligned, aligned_for_io, allocate
+from kvstore.tiers.ssd.files import ZERO_BUF, ClassFile, add_records, aligned, aligned_for_io, allocate, refill
 from kvstore.tiers.ssd.recmap import entry_of
 from kvstore.tiers.ssd.record import HEADER_BYTES, Header, padded
 from kvstore.tiers.ssd.zeroing import run_unlocked
@@ -74,24 +77,32 @@ class Writer:
         """Store (namespace digest, block hash, payload[, writer's CRC-32C]) records; returns how many were
         published."""
         with self.batch:
-            placed = self._place(items)
-            headers: list[Written] = []
             try:
-                for cf, rec, key, seq, job, writer in self._submit_payloads(placed, lane):
-                    try:
-                        headers.append((cf, rec, Header(key[:16], key[16:], cf.payload, job.result(), seq, writer)))
-                    except CrcMismatch:
-                        self._unplace(cf, rec, key, "crc_mismatch")
-                    except OSError as e:
-                        self._unplace(cf, rec, key, f"write_error: {e}")
-                if not headers:
-                    return 0
-                self._make_durable(headers, lane)
-            except (OSError, Busy, RuntimeError) as e:      # a failed sync or header write: nothing is published
-                for cf, rec, header in headers:
-                    self._unplace(cf, rec, header.ns + header.hash, f"batch failed: {e}")
+                return self._write_batch(items, lane, cancelled)
+            finally:
+                with self.store.lock:
+                    self.store.quotas.placing.clear()     # published (now in `used`) or not stored
+
+    def _write_batch(self, items: Sequence[Item], lane: Lane, cancelled: Collection[bytes]) -> int:
+        """The batch: place, write the payloads, make them durable, publish (see the module docstring)."""
+        placed = self._place(items)
+        headers: list[Written] = []
+        try:
+            for cf, rec, key, seq, job, writer in self._submit_payloads(placed, lane):
+                try:
+                    headers.append((cf, rec, Header(key[:16], key[16:], cf.payload, job.result(), seq, writer)))
+                except CrcMismatch:
+                    self._unplace(cf, rec, key, "crc_mismatch")
+                except OSError as e:
+                    self._unplace(cf, rec, key, f"write_error: {e}")
+            if not headers:
                 return 0
-            return self._publish(headers, cancelled)
+            self._make_durable(headers, lane)
+        except (OSError, Busy, RuntimeError) as e:      # a failed sync or header write: nothing is published
+            for cf, rec, header in headers:
+                self._unplace(cf, rec, header.ns + header.hash, f"batch failed: {e}")
+            return 0
+        return self._publish(headers, cancelled)
 
     # ----- placement -----
     def _place(self, items: Sequence[Item]) -> list[Placed]:
@@ -104,25 +115,43 @@ class Writer:
                 tenant = s.owner_locked(ns)
                 rec = self._free_record_locked(cf)
                 if rec is None:
-                    rec = s.evict_locked(cf, tenant)
+                    rec = s.evict_locked(cf, tenant, self._free_record_locked)
                 if rec is None:
                     s.counters["full"] += 1
                     if s.counters["full"] == 1 or s.counters["full"] % 1000 == 0:
                         log.warning("ssd: no record for a %d-byte block of tenant %r (%d such so far): %s",
                                     cf.payload, tenant, s.counters["full"], s.no_room_reason_locked(cf, tenant))
                     continue
+                s.quotas.placing[tenant] += cf.record
                 seq = self.writing[ns + h] = s.next_seq_locked()
                 placed.append((cf, rec, ns + h, seq, payload, writer_crc[0] if writer_crc else None))
         return placed
 
     def _free_record_locked(self, cf: ClassFile) -> int | None:
-        """(Under store.lock.) A free record of the file, growing it within the capacity if it has none."""
+        """(Under store.lock.) A free record of the file, else a hole of it allocated again, else the file grown:
+        within the capacity (the bytes allocated on the disk), None without room."""
         s = self.store
         if not cf.free:
-            records = min(GROW_RECORDS, (s.capacity - s.file_bytes()) // cf.record)
+            room = s.capacity - s.allocated_bytes()
+            if room < cf.record and s.punch_free_locked(cf):     # other sizes' unused records: room for this one
+                room = s.capacity - s.allocated_bytes()
+            if cf.holes and room >= cf.record:
+                return self._refill_locked(cf)
+            records = min(GROW_RECORDS, room // cf.record)
             if records <= 0 or not self._grow_locked(cf, records):
                 return None
         return cf.free.pop()
+
+    def _refill_locked(self, cf: ClassFile) -> int | None:
+        """(Under store.lock, let go for the allocation.) A punched record of the file, allocated again."""
+        s = self.store
+        rec = cf.holes.pop()                 # counted as allocated from here: the cap holds while we wait
+        refused = run_unlocked(s.lock, lambda: refill(cf, rec))
+        if refused is None:
+            return rec
+        cf.holes.append(rec)
+        s.counters["disk_full"] += 1
+        return None
 
     def _grow_locked(self, cf: ClassFile, records: int) -> bool:
         """(Under store.lock, let go for the allocation: only this batch grows files.) Grow the file; False
