@@ -211,6 +211,7 @@ class RestartScan:
         self._reap(pending, wait=True)
         if scan and not self.closing:
             self._complete_maps(list(scan))
+            self.store.punch_forgotten_holes()     # their free records are all booked now
         with self.store.lock:
             progress.state = "stopped" if self.closing else "ready"
             progress.seconds = time.monotonic() - progress.started

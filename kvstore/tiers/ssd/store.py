@@ -118,15 +118,16 @@ class SsdStore:
         self._lock_fd = lock_directory(self.dir)
         self.owners.open()
         self.scanner.start(progress, wait)
-        self._punch_forgotten_holes()
+        self.punch_forgotten_holes()
         return self
 
-    def _punch_forgotten_holes(self) -> None:
+    def punch_forgotten_holes(self) -> None:
         """Files over the cap at start held holes (records punched out for another block size's file: the holes
         are not on record, and a restart books them as free records). Reusing one would take disk space beyond
         the cap, so every free record booked now is punched (a no-op for a hole, its space back for any other:
-        it holds nothing) and booked as a hole: the books count what the disk holds again. (A file without a
-        trusted map books its free records as its scan finds them, after this: its holes count as allocated.)"""
+        it holds nothing) and booked as a hole: the books count what the disk holds again. Run at open, and again
+        when a full scan ends (a file without a trusted map books its free records as the scan finds them: until
+        it ends, a write may fill one that is a hole, and the disk go over the cap by those holes)."""
         with self.lock:
             if self.file_bytes() <= self.capacity:
                 return
