@@ -5,6 +5,8 @@
     ...
     reply = donor.reclaim(region, deadline_s=0.5)              # blocks moved to the SSD (or dropped) ...
     mem = donor.memory(region)                                 # ... and the memory is the donor's again
+    ...
+    donor.release(region)                                      # done with it: unmapped, its pages freed
 
 `donate_memfd` makes the memory: a memfd sealed against shrinking and growing (the daemon maps it, and a truncated
 mapping would crash it), its pages allocated here (so they are charged to the donor, not to the daemon that first
@@ -12,6 +14,10 @@ writes them), mapped in the donor too. Until `reclaim` returns, the daemon may r
 the donor must not touch it (what it writes there turns the daemon's blocks into misses, never into wrong bytes
 served, but it is the daemon's to use). Closing the connection (or exiting) gives every region back at once: the
 daemon drops their blocks and never reads them again.
+
+A region given back stays mapped in the donor (its mapping is all that keeps the memory: the memfd is closed once
+lent) until `release` — or at once, with `reclaim(..., keep=False)` — or `close`: a long-lived donor that lends
+region after region releases each when it is done with it, or its mappings pile up.
 
 `donate_cuda` lends GPU memory by CUDA IPC handle (CuPy, imported only there) — untested: written on machines
 without a GPU.
@@ -78,18 +84,31 @@ class Donor:
                                       "device": device, "offset": offset}, [])
         return int(reply["region"])
 
-    def reclaim(self, region: int, deadline_s: float) -> dict[str, Any]:
+    def reclaim(self, region: int, deadline_s: float, keep: bool = True) -> dict[str, Any]:
         """Take a region back: the daemon moves its blocks down (or drops them) within `deadline_s`, lets go of
         the memory, and answers {migrated, dropped, seconds, deadline_passed, unmapped}; the memory is the
-        donor's again when this returns."""
+        donor's again when this returns (`memory`), until `release`. `keep=False`: the donor wants the memory
+        freed, not reused: its mapping is released at once."""
         reply = self._call("reclaim", {"region": region, "deadline_ms": int(deadline_s * 1000)}, [],
                            timeout=deadline_s + RECLAIM_MARGIN_S)
         if region in self._lent:
             self._back[region] = self._lent.pop(region)
+            if not keep:
+                self.release(region)
         return {k: v for k, v in reply.items() if k not in ("v", "id", "ok")}
 
+    def release(self, region: int) -> None:
+        """Unmap a memfd region given back, once the donor is done with its memory: the last mapping gone (the
+        daemon's went with the reclaim), its pages go back to the system. KeyError if the donor holds no such
+        region, ValueError if it is still lent (reclaim it first); BufferError if a view of its memory (a
+        memoryview, a numpy array over `memory(region)`) is still alive — the region stays, release it later."""
+        if region in self._lent:
+            raise ValueError(f"region {region} is still lent to the daemon: reclaim it first")
+        self._back[region].close()
+        del self._back[region]
+
     def memory(self, region: int) -> mmap.mmap:
-        """A memfd region's mapping in the donor (lent or given back)."""
+        """A memfd region's mapping in the donor (lent, or given back and not released)."""
         return self._lent.get(region) or self._back[region]
 
     def regions(self) -> list[int]:

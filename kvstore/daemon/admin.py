@@ -31,8 +31,8 @@ COUNTERS = ("lookups", "hits", "hits_host", "hits_lower", "hits_remote", "misses
             "promotions", "prefetched", "prefetch_skipped", "prefetch_busy", "prefetch_cancelled", "written_through",
             "write_through_skipped", "held_cap", "reservations_expired", "idle_closed", "segment_moves",
             "segment_moves_inline", "admin_chunks", "kept_own_chain", "not_admitted", "reserve_evictions",
-            "published", "publish_skipped", "publish_gone", "reads_ssd", "reads_remote", "blocks_compacted",
-            "forks", "evictions_coupled")
+            "published", "publish_skipped", "publish_gone", "reads_ssd", "reads_remote", "reads_donated",
+            "blocks_compacted", "forks", "evictions_coupled")
 CHUNK_BLOCKS = 256          # blocks evicted or listed per hold of the state lock
 EVICT_ROOM_WAIT_S = 30.0    # an operator's eviction waits this long at most for staging room per chunk
 CHUNK_SLOTS = 8192          # slots of a namespace's class looked at per hold

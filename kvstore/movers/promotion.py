@@ -89,16 +89,32 @@ class Promotion:
         """(Under the state lock, released during the read.) Promote the leading blocks that one lower tier holds
         into pinned host slots; returns their gids in key order — except those already handed to `early`, which
         gets the blocks verified so far while later ones are still being read. `touch`: the request's hint
-        context, which the promoted blocks are tagged with (kvstore.policy.workflow). A tier that serves none of
-        them (the store evicted it meanwhile, a value failed its check) leaves the read to the next holder."""
-        sources = self._sources(ns, hashes, lane, skip)
-        if not sources:
-            return []
-        tier = sources[0]
-        self.counters[f"reads_{tier.name}"] += 1
+        context, which the promoted blocks are tagged with (kvstore.policy.workflow).
+
+        A tier that serves none of them leaves the read to the tiers that hold the leading block now, looked up
+        again without it: the store evicted it meanwhile, a value failed its check, or — the case that must never
+        be a miss — a reclaim of donated memory moved it to the SSD between the choice and the read (the donated
+        tier moves blocks under its own lock, not the state lock). Each tier is tried once per promotion at most,
+        so a promotion makes as many reads as there are lower tiers at worst."""
+        while True:
+            sources = self._sources(ns, hashes, lane, skip)
+            if not sources:
+                return []
+            got = self._promote_from(sources[0], ns, hashes, holder, lane, early, touch)
+            if got is not None:
+                return got
+            skip |= {sources[0].name}
+
+    def _promote_from(self, tier: LowerTier, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings, lane: Lane,
+                      early: Early | None, touch: Touch | None) -> list[int] | None:
+        """(Under the state lock, released during the read.) `promote` from one tier; None if it served none of
+        the blocks (it no longer holds the leading one, or the read failed): the caller looks again."""
         run = 0
         while run < len(hashes) and tier.has(ns.block_id(hashes[run])):
             run += 1
+        if run == 0:                             # gone since `_sources` chose it (moved down, or evicted)
+            return None
+        self.counters[f"reads_{tier.name}"] += 1
         plan = self.index.plan_promotion(ns, hashes[:run], holder)
         if not plan:
             return []
@@ -137,6 +153,4 @@ class Promotion:
         self.changed.notify_all()
         if self.refill is not None:
             self.refill(ns)                      # in the background: the next promotion finds a free slot
-        if not rest and done[0] == 0 and len(sources) > 1:
-            return self.promote(ns, hashes, holder, lane, early, touch, skip | {tier.name})
-        return rest
+        return None if not rest and done[0] == 0 else rest

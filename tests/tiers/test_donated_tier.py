@@ -397,6 +397,81 @@ def test_a_reclaim_answers_only_once_a_read_in_progress_is_done(sock_dir: str, s
         rig.close()
 
 
+def test_a_memfd_reclaim_answers_before_its_unmap_and_nothing_touches_the_region_between(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unmapping a big region takes longer than a short deadline (18-40 ms for 256 MiB): the donor has its answer
+    first, the unmap follows (held here until the answer came, or 5 s). Between the two the region is out of the
+    books: reads of its blocks find them on the SSD tier, new evictions go elsewhere, and not one copy touches the
+    region's memory."""
+    unmapping, release, closed = threading.Event(), threading.Event(), threading.Event()
+    touched: list[str] = []
+    close, read, write = MemfdMemory.close, MemfdMemory.read, MemfdMemory.write
+
+    def held_close(self: MemfdMemory) -> bool:
+        unmapping.set()
+        release.wait(5)
+        try:
+            return close(self)
+        finally:
+            closed.set()
+
+    def watched(name: str, fn: Any) -> Any:
+        def copy(self: MemfdMemory, offset: int, buf: memoryview) -> int:
+            if unmapping.is_set():
+                touched.append(name)
+            return int(fn(self, offset, buf))
+        return copy
+
+    monkeypatch.setattr(MemfdMemory, "close", held_close)
+    monkeypatch.setattr(MemfdMemory, "read", watched("read", read))
+    monkeypatch.setattr(MemfdMemory, "write", watched("write", write))
+    d = rig.donor()
+    region = d.donate(16 * BLOCK)
+    for i in range(8):
+        rig.put(i)
+    reply = d.call("reclaim", region=region, deadline_ms=20000)
+    try:
+        assert not closed.is_set(), "the reclaim answered only after its unmap"
+        assert unmapping.wait(20) and reply["unmapped"] is True and reply["migrated"] == 8
+        assert rig.tier.stats()["regions"] == []
+        assert [rig.get(i) for i in range(8)] == [None] * 8                 # nothing read from the region ...
+        assert [rig.get(i, rig.ssd) for i in range(8)] == [payload(i) for i in range(8)]     # ... it is all here
+        rig.put(20)                                                          # an eviction: not into the region
+        assert not rig.tier.has(bid(20)) and rig.ssd.has(bid(20))
+    finally:
+        release.set()
+    wait_for(closed.is_set)
+    assert touched == []
+
+
+def mappings(name: str) -> int:
+    """This process's mappings of the memfd called `name` (the donor's and, in these tests, the daemon's)."""
+    with open("/proc/self/maps") as f:
+        return sum(f"/memfd:{name} " in line for line in f)
+
+
+def test_a_donor_releases_the_regions_it_got_back(rig: Rig) -> None:
+    """A region given back stays mapped in the donor (its memory, to reuse) until `release`, or not at all with
+    `keep=False`: a long-lived donor's mappings do not pile up. A region still lent cannot be released."""
+    with Donor(rig.sock) as donor:
+        kept, freed = donor.donate_memfd(4 * BLOCK, "kvs-kept"), donor.donate_memfd(4 * BLOCK, "kvs-freed")
+        rig.put(1)
+        with pytest.raises(ValueError):
+            donor.release(kept)
+        assert donor.reclaim(kept, 1.0)["migrated"] + donor.reclaim(freed, 1.0, keep=False)["migrated"] == 1
+        wait_for(lambda: mappings("kvs-kept") == 1 and mappings("kvs-freed") == 0)     # the daemon's unmapped
+        donor.memory(kept)[:4] = b"mine"                        # the donor's again, to use
+        with pytest.raises(KeyError):
+            donor.memory(freed)
+        donor.release(kept)
+        assert mappings("kvs-kept") == 0
+        with pytest.raises(KeyError):
+            donor.memory(kept)
+        with pytest.raises(KeyError):
+            donor.release(kept)
+        assert donor.regions() == []
+
+
 def test_a_killed_donor_is_reclaimed_at_once_and_its_blocks_miss(rig: Rig) -> None:
     """kill -9 of the donor: its connection ends, its region is given back with deadline 0 — nothing is read
     from it again, nothing is moved down (its memory may be gone) — and a donor beside it is untouched."""

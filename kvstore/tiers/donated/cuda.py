@@ -32,6 +32,7 @@ def _host_address(buf: Any) -> int:
 
 class CudaMemory:
     kind = "cuda"
+    outlives_mapping = False    # closed before the reclaim's answer: after it the donor may free the allocation
 
     def __init__(self, handle: bytes, size: int, device: int, offset: int = 0) -> None:
         import cupy  # lazily: a GPU node's extra, never the CPU build's

@@ -10,7 +10,9 @@ never delays another's. Requests, one at a time per connection:
   {kind: "cuda", handle, device, offset} with none -> {region}. The memfd must be exactly `bytes` long and sealed
   against shrinking (kvstore.tiers.donated.memory says why). A daemon takes one kind (`kind` below).
 - `reclaim` {id, region, deadline_ms} -> {region, migrated, dropped, seconds, deadline_passed, unmapped}: the reply
-  comes once nothing of the daemon's touches the region any more; only then may the donor reuse it.
+  comes once nothing of the daemon's touches the region any more; only then may the donor reuse it. A memfd
+  region's unmap follows the reply (the donor's pages outlive the daemon's mapping; nothing reads or writes through
+  it any more): a short deadline is not stretched by a munmap of the whole region.
 
 A donor may reclaim only regions it donated on the same connection. A connection that ends (the donor exited or
 was killed) has its regions reclaimed with deadline 0 and never read again: its memory may be gone. A bad request
@@ -26,6 +28,7 @@ import socket
 import stat
 import threading
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -182,6 +185,7 @@ class DonateListener:
             raise _Hangup from None
         rid = msg.get("id", 0) if type(msg.get("id", 0)) is int else 0
         op = msg.get("op")
+        unmap: Callable[[], bool] | None = None
         try:
             if op == "donate":
                 if cut:
@@ -193,7 +197,7 @@ class DonateListener:
                 if fds:
                     raise Refused(f"{str(op)[:32]!r} carries no fd, this one carried {len(fds)}")
                 if op == "reclaim":
-                    reply = self._reclaim(donor, msg)
+                    reply, unmap = self._reclaim(donor, msg)
                 else:
                     self._send(donor, error(rid, Code.UNKNOWN_OP, f"unknown op {str(op)[:32]!r}; the donors' "
                                                                   f"socket takes donate and reclaim"))
@@ -211,7 +215,11 @@ class DonateListener:
             log.exception("donated: %s from donor %d failed", op, donor.id)
             self._send(donor, error(rid, Code.INTERNAL, f"{op}: internal error {type(e).__name__}"))
             return
-        self._send(donor, ok(rid, **reply))
+        try:
+            self._send(donor, ok(rid, **reply))
+        finally:
+            if unmap is not None:
+                unmap()                 # a memfd region's unmap: the donor has its answer already
 
     def _donate(self, donor: _Donor, msg: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         try:
@@ -232,19 +240,19 @@ class DonateListener:
         donor.regions.add(region)
         return {"region": region, "bytes": nbytes}
 
-    def _reclaim(self, donor: _Donor, msg: dict[str, Any]) -> dict[str, Any]:
+    def _reclaim(self, donor: _Donor, msg: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], bool]]:
+        """The reply, and the region's unmap, for after it (DonatedTier.reclaim_before_unmap)."""
         region, deadline_ms = msg.get("region"), msg.get("deadline_ms", 0)
         if type(deadline_ms) not in (int, float) or deadline_ms < 0:
             raise Refused("deadline_ms is a number of milliseconds >= 0")
         if type(region) is not int or region not in donor.regions:
             raise _Unknown(f"region {str(region)[:24]} is not one this connection donated (and has not given back)")
         try:
-            reply = self.tier.reclaim(region, min(deadline_ms / 1000, self.max_deadline_s))
+            return self.tier.reclaim_before_unmap(region, min(deadline_ms / 1000, self.max_deadline_s))
         except KeyError:
             raise _Unknown(f"region {region} is not in use (given back already)") from None
         finally:
             donor.regions.discard(region)
-        return reply
 
     def _send(self, donor: _Donor, msg: dict[str, Any]) -> None:
         try:

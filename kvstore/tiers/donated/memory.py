@@ -28,6 +28,7 @@ class Refused(Exception):
 class RegionMemory(Protocol):
     kind: str
     size: int
+    outlives_mapping: bool      # the memory stays the donor's after the unmap: a reclaim answers before unmapping
 
     def write(self, offset: int, data: memoryview) -> int:
         """Copy host bytes into the region at `offset`; the CRC-32C of the bytes copied."""
@@ -44,6 +45,7 @@ class RegionMemory(Protocol):
 
 class MemfdMemory:
     kind = "memfd"
+    outlives_mapping = True     # the donor's mapping keeps the pages: the daemon's munmap may follow its answer
 
     def __init__(self, fd: int, size: int) -> None:
         """Map a donated memfd (the fd is closed here, whatever happens: the mapping keeps the memory)."""

@@ -15,8 +15,10 @@ Reclaim (`reclaim`, on the listener's thread for that donor): the region is clos
 block, hottest first, in the store lane, moves it down (booked below and out of these books in one step under this
 tier's lock, then copied), until none is left or the deadline passes; then whatever has not started down is
 dropped, the moves still queued are cancelled, the tier waits for the copies already touching the region (one
-block copy each, at most: reads included), and unmaps it. Each block is read from here, normally, until its own move
-starts; a donor that is gone (`dead`) is never read again. The reply counts what was moved and dropped.
+block copy each, at most: reads included), takes it out of its books, and unmaps it — a memfd region after the
+reply (`reclaim_before_unmap`: the donor's pages outlive the daemon's mapping, and a munmap of a big region takes
+longer than a short deadline). Each block is read from here, normally, until its own move starts; a donor that is
+gone (`dead`) is never read again. The reply counts what was moved and dropped.
 
 Locking. `lock` (a Condition) guards all the books (regions, blocks, slots, counters) and is held for book updates
 only, never across a copy. The daemon calls `stage`, `has`, `delete_many` under its state lock (state lock, then
@@ -66,6 +68,23 @@ def _ticket() -> memoryview:
     """What `stage` hands out: a token `fill` knows its booking by, not a view of donated memory (no such view
     ever leaves the tier, so none can outlive an unmap). Read-only: nothing is meant to be written into it."""
     return memoryview(bytearray(1)).toreadonly()
+
+
+class _Unmap:
+    """A reclaimed region's unmap, made once (the first call; later ones say how it went): nothing touches the
+    region any more when it is made (gone, no copy in flight, out of the books)."""
+
+    def __init__(self, region: Region, deferred: bool) -> None:
+        self.region = region
+        self.deferred = deferred                # made after the donor's answer
+        self._done: bool | None = None
+
+    def __call__(self) -> bool:
+        if self._done is None:
+            self._done = self.region.mem.close()
+            if not self._done:
+                log.warning("donated: region %d: its mapping is left (a view of it is still held)", self.region.id)
+        return self._done
 
 
 class DonatedTier:
@@ -119,13 +138,21 @@ class DonatedTier:
         `dead`: its donor is gone (its memory may be too): nothing is read from it, everything is dropped. Returns
         the reply: migrated, dropped, seconds, deadline_passed, unmapped. KeyError if it is not here (or is being
         reclaimed already)."""
+        reply, unmap = self.reclaim_before_unmap(rid, deadline_s, dead)
+        return {**reply, "unmapped": unmap()}
+
+    def reclaim_before_unmap(self, rid: int, deadline_s: float,
+                             dead: bool = False) -> tuple[dict[str, Any], Callable[[], bool]]:
+        """`reclaim` up to the moment nothing touches the region any more — the donor's answer — and its unmap,
+        left to the caller to run after that answer where the memory outlives the daemon's mapping (a memfd: the
+        donor's own mapping keeps its pages). Unmapping 256 MiB takes 18–40 ms, more than a short deadline: the
+        donor should not wait for it. The region is gone from the books first, so no read, fill or move can
+        reach it after the answer. Memory that may not outlive the mapping (CUDA) is closed here, before the
+        answer; the unmap returned then only says how that went. The reply's `unmapped`: True where the unmap
+        follows the answer (False only where it was made here and the mapping had to be left)."""
         t0 = time.monotonic()
         deadline = t0 + max(deadline_s, 0.0)
-        with self.lock:
-            region = self.regions.get(rid)
-            if region is None or region.closing:
-                raise KeyError(rid)
-            region.closing, region.dead = True, dead
+        region = self._close_region(rid, dead)
         moves: dict[bytes, bool] = {}           # block -> moved down (True) or dropped on the way (False)
         flights = [] if dead else self._move_all(region, deadline, moves)
         late = time.monotonic() >= deadline
@@ -137,19 +164,34 @@ class DonatedTier:
         self._end_flights(rid, flights)
         migrated = sum(moves.values())
         dropped += len(moves) - migrated
-        unmapped = region.mem.close()
+        unmap = self._unmapper(region)
         seconds = time.monotonic() - t0
-        with self.lock:                         # listed until here: stats never show it gone, uncounted
-            del self.regions[rid]
+        with self.lock:                         # listed until here (stats never show it gone, uncounted); out of
+            del self.regions[rid]               # the books before the answer, its unmap possibly after
             self.reclaim_seconds.observe(seconds)
             self.counters["reclaims"] += 1
             self.counters["migrated"] += migrated
             self.counters["reclaim_dropped"] += dropped
-        log.info("donated: region %d given back%s in %.3f s: %d blocks moved down, %d dropped%s", rid,
-                 " (its donor is gone)" if dead else "", seconds, migrated, dropped,
-                 "" if unmapped else "; its mapping is left (a view of it is still held)")
+        log.info("donated: region %d given back%s in %.3f s: %d blocks moved down, %d dropped", rid,
+                 " (its donor is gone)" if dead else "", seconds, migrated, dropped)
         return {"region": rid, "migrated": migrated, "dropped": dropped, "seconds": seconds,
-                "deadline_passed": late and dropped > 0, "unmapped": unmapped}
+                "deadline_passed": late and dropped > 0, "unmapped": unmap.deferred or unmap()}, unmap
+
+    def _close_region(self, rid: int, dead: bool) -> Region:
+        """(The start of a reclaim.) The region, closed to new blocks; KeyError if absent or closing already."""
+        with self.lock:
+            region = self.regions.get(rid)
+            if region is None or region.closing:
+                raise KeyError(rid)
+            region.closing, region.dead = True, dead
+            return region
+
+    def _unmapper(self, region: Region) -> _Unmap:
+        """(The region gone, no copy touching it.) Its unmap, made now unless its memory outlives the mapping."""
+        unmap = _Unmap(region, deferred=region.mem.outlives_mapping)
+        if not unmap.deferred:
+            unmap()
+        return unmap
 
     def _move_all(self, region: Region, deadline: float, moves: dict[bytes, bool]) -> list[Future[Any]]:
         """Submit a move down for each of the region's blocks, hottest first (a block booked and not filled yet
