@@ -228,3 +228,16 @@ def test_free_records_of_one_size_serve_another_without_quotas(tmp_path):
     assert held(s, "a", range(12)) == list(range(12)) and s.counters["evictions"] == 0
     assert s.counters["punched"] == 18 and on_disk(d) <= s.capacity
     s.close()
+
+
+def test_a_tenant_name_too_long_to_keep_is_served_and_only_forgotten_at_a_restart(tmp_path):
+    d = str(tmp_path)
+    long = "é" * 64                                    # 64 characters, 128 bytes: fits; 4-byte characters do not
+    longer = "\U0001F600" * 64
+    s = open_store(d, {"a": 4, "b": 4})
+    s.tenant_of = {NS["a"]: long, NS["b"]: longer}.get
+    assert put(s, "a", range(2)) == 2 and put(s, "b", range(2)) == 2
+    assert s.quotas.used[long] == s.quotas.used[longer] == 2 * RECORD
+    s.close()
+    owners, _ = parse(open(os.path.join(d, FILE), "rb").read())
+    assert owners == {NS["a"]: long}

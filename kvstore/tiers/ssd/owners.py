@@ -115,9 +115,12 @@ class Owners:
         """(Under the store's lock.) The digest's tenant, written with the next batch if it is new and named."""
         if not tenant or digest in self.known:
             return
-        if len(tenant.encode()) > MAX_NAME:
-            raise ValueError(f"tenant name longer than {MAX_NAME} bytes")
         self.known[digest] = tenant
+        if len(tenant.encode()) > MAX_NAME:          # (64 characters of UTF-8 may take 256 bytes)
+            log.warning("ssd: tenant %r has a name of over %d bytes: whose its SSD blocks are is not kept across a "
+                        "restart (they count as the default tenant's after one); give it a shorter name",
+                        tenant[:32], MAX_NAME)
+            return
         self.pending.append(_entry(digest, tenant))
 
     def take_pending(self) -> list[bytes]:
