@@ -238,6 +238,9 @@ def test_a_tenant_name_too_long_to_keep_is_served_and_only_forgotten_at_a_restar
     s.tenant_of = {NS["a"]: long, NS["b"]: longer}.get
     assert put(s, "a", range(2)) == 2 and put(s, "b", range(2)) == 2
     assert s.quotas.used[long] == s.quotas.used[longer] == 2 * RECORD
+    s.tenant_of = OWNER.get
+    put(s, "c", range(1))
+    s.delete_many([NS["c"] + key(0)])                  # c's digest holds nothing at close: the file is rewritten
     s.close()
     owners, _ = parse(open(os.path.join(d, FILE), "rb").read())
     assert owners == {NS["a"]: long}

@@ -132,9 +132,13 @@ class Owners:
         """(A path worker, in the write batch, before its headers: without the store's lock.) Write entries from
         `take_pending`, synced where the batch's records are."""
         if entries and self._fd >= 0:
-            os.write(self._fd, b"".join(entries))
-            if synced:
-                os.fdatasync(self._fd)
+            try:
+                os.write(self._fd, b"".join(entries))
+                if synced:
+                    os.fdatasync(self._fd)
+            except OSError:
+                self.pending[:0] = entries      # written again with the next batch (this one publishes nothing)
+                raise
 
     def close(self, live: Iterable[bytes] = ()) -> None:
         """Drop the entries of digests that hold no record (`live`: those that do), then close."""
@@ -143,14 +147,15 @@ class Owners:
         self.append(self.take_pending(), self.synced)
         os.close(self._fd)
         self._fd = -1
-        keep = {d: t for d, t in self.known.items() if d in set(live)}
+        holding = set(live)
+        keep = {d: t for d, t in self.known.items() if d in holding}
         if len(keep) < len(self.known):
             self._rewrite(keep)
 
     def _rewrite(self, owners: dict[bytes, str]) -> None:
         tmp = self.path + ".tmp"
         with open(tmp, "wb") as f:
-            f.write(MAGIC + b"".join(_entry(d, t) for d, t in owners.items()))
+            f.write(MAGIC + b"".join(_entry(d, t) for d, t in owners.items() if len(t.encode()) <= MAX_NAME))
             f.flush()
             if self.synced:
                 os.fsync(f.fileno())
