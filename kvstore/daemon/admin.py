@@ -249,12 +249,17 @@ def op_tenant_quota(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError(Code.BAD_REQUEST, "tenants set: this daemon has no SSD tier (set ssd.dir)")
     reply: dict[str, Any] = {"tenant": name}
     try:
-        if m.get("ssd") is not None:              # first: a refusal here leaves the host quota as it was
+        if m.get("ssd") is not None:
             reply["ssd_before"] = tier.set_quota(name, m["ssd"])
             reply["ssd"] = m["ssd"]
         if m.get("host") is not None:
             reply["host_before"] = st.index.quotas.quota(name)
-            st.index.quotas.set(name, m["host"])
+            try:
+                st.index.quotas.set(name, m["host"])
+            except ValueError:
+                if "ssd" in reply:                # all or nothing: the SSD quota goes back as it was
+                    tier.set_quota(name, reply["ssd_before"])
+                raise
             reply["host"] = m["host"]
     except ValueError as e:
         raise ProtocolError(Code.BAD_REQUEST, f"tenants set: {e}") from None

@@ -11,9 +11,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
-from kvstore.client import Client
+from kvstore.client import Client, KVStoreError
 from kvstore.protocol.geometry import Geometry
 from kvstore.tiers.ssd.record import HEADER_BYTES
 from tests.conftest import DaemonProc, block, spec, ssd_settled
@@ -88,11 +89,8 @@ def test_without_ssd_quotas_the_busy_tenant_takes_the_whole_tier(tmp_path, daemo
     assert (r["a"]["ssd_used_bytes"], r["b"]["ssd_used_bytes"]) == (16 * RECORD, 0)
     with d.client() as c:
         assert c.tenants()["ssd_quotas"] is False
-        try:
+        with pytest.raises(KVStoreError, match="SSD quotas are off"):
             c.set_quota("a", ssd=RECORD)
-            raise AssertionError("an SSD quota was set on a daemon that started without SSD quotas")
-        except Exception as e:
-            assert "SSD quotas are off" in str(e)
 
 
 def test_ssd_quotas_change_online_from_the_cli(tmp_path, daemons):
@@ -170,3 +168,23 @@ def test_a_quota_holds_against_another_models_blocks(tmp_path, daemons):
     finally:
         a.close()
         b.close()
+
+
+def test_a_quota_change_is_all_or_nothing_and_bad_ones_say_why(tmp_path, daemons):
+    d = ssd_quota_daemon(tmp_path, daemons, 8)
+    with d.client() as c:
+        with pytest.raises(KVStoreError, match="give host, ssd or both"):
+            c.call("tenant_quota", tenant="a")
+        with pytest.raises(KVStoreError, match="field .ssd. must be a non-negative integer"):
+            c.set_quota("a", ssd=-1)
+        with pytest.raises(KVStoreError, match="over the pool's capacity"):
+            c.set_quota("a", ssd=4 * RECORD, host=64 << 20)        # the SSD part fits, the host part does not
+        got = {r["tenant"]: r for r in c.tenants()["tenants"]}
+        assert (got["a"]["ssd_quota_bytes"], got["a"]["quota_bytes"]) == (8 * RECORD, 0)   # neither changed
+
+
+def test_an_ssd_quota_needs_an_ssd_tier(daemons):
+    d = DaemonProc(capacity="2MiB", segment="1MiB").start()
+    daemons.append(d)
+    with d.client() as c, pytest.raises(KVStoreError, match="this daemon has no SSD tier"):
+        c.set_quota("", ssd=1 << 20)
