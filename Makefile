@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm
 MOONCAKE_STAMP := $(VENV)/.mooncake
-SRC := pyproject.toml setup.py native/kvindex.c native/kvcopy.c
+SRC := pyproject.toml setup.py native/kvindex.c native/kvcopy.c native/kvbind.c
 
 # The wheel (`pip wheel --no-deps .`) and a clean venv with it installed as a user would: .venv-wheel.
 WHEEL_DIR := build/wheel

@@ -23,5 +23,8 @@ setup(
     ext_modules=[
         Extension("kvstore._kvindex", ["native/kvindex.c"], extra_compile_args=["-O2"], optional=True),
         Extension("kvstore._kvcopy", ["native/kvcopy.c"], extra_compile_args=["-O2"], optional=True),
+        # not a Python module: an LD_PRELOAD library for the remote tier's listening sockets (native/kvbind.c)
+        Extension("kvstore._kvbind", ["native/kvbind.c"], extra_compile_args=["-O2"], libraries=["dl"],
+                  optional=True),
     ],
 )

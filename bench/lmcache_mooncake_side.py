@@ -48,7 +48,8 @@ FIRST_TOKEN = 100_000                     # sequence T is (FIRST_TOKEN + T, 9906
 HELLO = 9906
 ENV = {"PYTHONHASHSEED": "0",             # LMCache's builtin chunk hash: must agree across the processes
        "LMCACHE_TRACK_USAGE": "false", "LMCACHE_LOG_LEVEL": "WARNING", "MC_LOG_LEVEL": "ERROR",
-       "PYTHONWARNINGS": "ignore"}
+       "PYTHONWARNINGS": "ignore",
+       "MC_TCP_BIND_ADDRESS": "127.0.0.1"}    # Mooncake advertises this, not the LAN address: loopback only
 PACKAGES = ("lmcache", "mooncake-transfer-engine-non-cuda", "torch")
 BUILD_HINT = ("bench/run_all.sh builds .venv-bench (CPU torch 2.13.0, lmcache 0.5.6, "
               "mooncake-transfer-engine-non-cuda 0.3.13.post1, kvstore), e.g. `BENCH_ONLY=remote bench/run_all.sh "

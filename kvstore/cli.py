@@ -146,6 +146,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.capacity:
         os.environ["KVSTORE_POOL_CAPACITY"] = args.capacity
     cfg = load_config(args.config or os.environ.get("KVSTORE_CONFIG"))
+    if cfg.remote.master and cfg.remote.bind_address not in ("0.0.0.0", "::"):   # Mooncake's ports bind there
+        from kvstore.tiers.remote.address import reexec_with_bind_guard
+        reexec_with_bind_guard()
     logging.basicConfig(level=cfg.log.level.upper(), format="%(asctime)s kvstore %(levelname)s %(message)s")
     try:
         Daemon(cfg).serve()
@@ -202,9 +205,15 @@ def _remote_line(t: dict[str, Any]) -> str:
     c = t.get("counters", {})
     state = "up" if t["up"] else f"DOWN for {t['down_s']:.0f} s ({t['last_error']})"
     bad = c.get("crc_mismatch", 0) + c.get("bad_value", 0)
-    return (f"remote store at {t['master']}: {state}; {t['placement']}, {t['replicas']} replica(s); "
+    ep = t.get("endpoint") or {}
+    where = (f"; this node at {ep['advertised']}, listening on {', '.join(ep['listening']) or '?'}"
+             if ep.get("advertised") else "")
+    skipped = c.get("write_skipped", 0)
+    return (f"remote store at {t['master']}: {state}; {t['placement']}, {t['replicas']} replica(s){where}; "
             f"{t['blocks_put_here']} block(s) put from here, {t['staged_blocks']} staged; "
-            f"gets {c.get('gets', 0)}, puts {c.get('puts', 0)}, bad values {bad}, lookups asked {c.get('probes', 0)}")
+            f"gets {c.get('gets', 0)}, puts {c.get('puts', 0)}, bad values {bad}, unreachable "
+            f"{c.get('unreachable', 0)}, lookups asked {c.get('probes', 0)}"
+            + (f"; {skipped} block(s) not published (store down: local only)" if skipped else ""))
 
 
 def _durable_line(wt: dict[str, Any]) -> str:

@@ -1,5 +1,12 @@
-"""A real `mooncake_master` for the remote tier's tests: its own HTTP metadata server (no etcd), free ports on
-loopback, killed at teardown. The binary comes with the `kvstore[mooncake]` extra (beside the venv's python)."""
+"""A real `mooncake_master` for the remote tier's tests, and Mooncake's HTTP metadata server beside it (no etcd), on
+free ports, every one bound to 127.0.0.1 only, killed at teardown. The binaries come with the `kvstore[mooncake]`
+extra (beside the venv's python).
+
+Loopback only, on purpose: the master's RPC, metrics and metadata ports are told 127.0.0.1 (`--rpc_address`,
+`--metrics_host`; the master's built-in metadata server listens on every address whatever
+`--http_metadata_server_host` says, in mooncake 0.3.13, so Mooncake's standalone one runs instead, with `--host`),
+and a daemon's environment (`env`) names 127.0.0.1 as its remote.hostname, which the daemon hands to Mooncake's
+transfer engine (kvstore.tiers.remote.address). tests/tiers/test_remote_loopback.py checks every socket."""
 from __future__ import annotations
 
 import os
@@ -11,6 +18,11 @@ import sys
 import tempfile
 import time
 
+# Every Mooncake client this process or its children set up (the tests' rogue clients, the benchmarks' raw nodes)
+# advertises loopback: Mooncake's transfer engine reads this, not the hostname its setup is given. Daemons set it
+# themselves from remote.hostname.
+os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -18,9 +30,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def master_binary() -> str | None:
-    here = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    return here if os.access(here, os.X_OK) else shutil.which("mooncake_master")
+def master_binary(name: str = "mooncake_master") -> str | None:
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    return here if os.access(here, os.X_OK) else shutil.which(name)
 
 
 class MooncakeMaster:
@@ -33,6 +45,7 @@ class MooncakeMaster:
         self.dir = log_dir or tempfile.mkdtemp(prefix="kvs-mc-")
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.meta: subprocess.Popen[bytes] | None = None
         self.log_path = os.path.join(self.dir, "master.log")
 
     @property
@@ -44,18 +57,29 @@ class MooncakeMaster:
         return f"http://127.0.0.1:{self.http_port}/metadata"
 
     def command(self) -> list[str]:
-        return [self.binary, f"--rpc_port={self.rpc_port}", "--enable_http_metadata_server=true",
-                "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={self.http_port}",
-                f"--metrics_port={self.metrics_port}", "--rpc_thread_num=2"]
+        return [self.binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+                "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}", "--rpc_thread_num=2"]
+
+    def metadata_command(self) -> list[str]:
+        script = master_binary("mooncake_http_metadata_server")
+        run = [script] if script else [sys.executable, "-m", "mooncake.http_metadata_server"]
+        return [*run, "--host=127.0.0.1", f"--port={self.http_port}", "--log-level=WARNING"]
+
+    @property
+    def pids(self) -> list[int]:
+        """The processes this master is (the master and its metadata server), while they run."""
+        return [p.pid for p in (self.proc, self.meta) if p is not None and p.poll() is None]
 
     def start(self, timeout: float = 20.0) -> MooncakeMaster:
         log = open(self.log_path, "ab")
+        self.meta = subprocess.Popen(self.metadata_command(), stdout=log, stderr=subprocess.STDOUT)
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}:\n{self.read_log()}")
+            for what, p in (("mooncake_master", self.proc), ("the metadata server", self.meta)):
+                if p.poll() is not None:
+                    raise RuntimeError(f"{what} exited with {p.returncode}:\n{self.read_log()}")
             if all(_listening(p) for p in (self.rpc_port, self.http_port)):
                 return self
             time.sleep(0.1)
@@ -66,9 +90,12 @@ class MooncakeMaster:
             return f.read()[-4000:]
 
     def stop(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout=30)
+        """Stop the master and its metadata server (a master started again knows nothing of the old one's books,
+        as when its built-in metadata server went with it)."""
+        for p in (self.proc, self.meta):
+            if p is not None and p.poll() is None:
+                p.send_signal(sig)
+                p.wait(timeout=30)
 
     def close(self) -> None:
         """Stop it and remove the directory it made for its log."""
@@ -79,6 +106,7 @@ class MooncakeMaster:
     def env(self, **extra: str) -> dict[str, str]:
         """A daemon's environment for a remote tier on this master."""
         return {"KVSTORE_REMOTE_MASTER": self.address, "KVSTORE_REMOTE_METADATA": self.metadata,
+                "KVSTORE_REMOTE_HOSTNAME": "127.0.0.1",
                 "KVSTORE_REMOTE_SEGMENT_BYTES": "64MiB", "KVSTORE_REMOTE_BUFFER_BYTES": "16MiB",
                 "KVSTORE_REMOTE_STAGING_BYTES": "16MiB", "KVSTORE_REMOTE_RETRY_S": "0.5", **extra}
 

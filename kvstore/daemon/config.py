@@ -138,7 +138,10 @@ class RemoteConfig:
     metadata: str = ""                  # the transfer engine's metadata server; empty: the master's own (port 8080)
     protocol: str = "tcp"               # tcp | rdma
     device: str = ""                    # the RDMA device names (rdma only), e.g. "mlx5_0"
-    hostname: str = "127.0.0.1"         # this node's address as the other nodes reach it
+    hostname: str = "127.0.0.1"         # this node's address as the other nodes reach it (the daemon hands it to
+                                        # Mooncake as MC_TCP_BIND_ADDRESS: the one setting for where bytes travel)
+    bind_address: str = ""              # where the transfer engine's ports listen: "" the hostname's address only,
+                                        # 0.0.0.0 or :: every address (kvstore.tiers.remote.address)
     segment_bytes: int = 512 << 20      # memory this node lends the store (held by its transfer engine); 0: none
     buffer_bytes: int = 64 << 20        # the client's own transfer buffer
     replicas: int = 1                   # copies of each block in the store (on distinct nodes' segments)
@@ -150,6 +153,9 @@ class RemoteConfig:
     known_s: float = 5.0                # a block the store said it holds is believed present this long (keep it
                                         # below the master's default_kv_lease_ttl, 10 s: no eviction in between)
     in_flight: int = 4                  # transfers on the network path at once
+    unreachable_s: float = 12.0         # a block whose transfer failed (its node gone) is a miss this long without
+                                        # asking (keep it above the master's client_ttl, 10 s, after which the
+                                        # master forgets a lost node's blocks)
 
 
 @dataclass(slots=True)
@@ -497,12 +503,26 @@ def _check_remote(r: RemoteConfig) -> list[str]:
         errors.append(f"remote.buffer_bytes: must be at least 1MiB, got {r.buffer_bytes}")
     if r.staging_bytes < 0:
         errors.append(f"remote.staging_bytes: must not be negative, got {r.staging_bytes}")
-    for name in ("timeout_s", "retry_s", "known_s"):
+    if not r.hostname or r.hostname.strip() != r.hostname or "/" in r.hostname:
+        errors.append(f"remote.hostname: must be this node's IP address or host name as the other nodes reach it, "
+                      f"got {r.hostname!r}")
+    if r.bind_address and not _is_ip(r.bind_address):
+        errors.append(f"remote.bind_address: must be empty (remote.hostname's address), an IP address of this node, "
+                      f"or 0.0.0.0 / :: (every address), got {r.bind_address!r}")
+    for name in ("timeout_s", "retry_s", "known_s", "unreachable_s"):
         if not 0 < getattr(r, name) <= 3600:
             errors.append(f"remote.{name}: must be above 0 and at most 3600 seconds, got {getattr(r, name)}")
     if not 1 <= r.in_flight <= 64:
         errors.append(f"remote.in_flight: must be 1..64, got {r.in_flight}")
     return errors
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
 
 
 def _check_limits(s: ServerConfig) -> list[str]:

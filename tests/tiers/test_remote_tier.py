@@ -1,12 +1,12 @@
-"""The remote tier on a real Mooncake Store: one `mooncake_master` (its own HTTP metadata server) and several kvstore
-daemons on loopback, each with its own socket, pool and segment — the nodes. Blocks cross nodes byte-exact, stay
-in their namespace, are verified against their writer's CRC-32C, survive the loss of the node that wrote them
-(replicas 2), and the daemons keep serving while the master is down and link again when it is back."""
+"""The remote tier on a real Mooncake Store: one `mooncake_master` (and Mooncake's HTTP metadata server) and
+several kvstore daemons on loopback, each with its own socket, pool and segment — the nodes. Blocks cross nodes
+byte-exact, stay in their namespace, are verified against their writer's CRC-32C, survive the loss of the node that
+wrote them (replicas 2), and the daemons keep serving while the master is down and link again when it is back."""
 from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,13 +21,6 @@ from tests.mooncake_master import MooncakeMaster, master_binary
 pytestmark = [pytest.mark.mooncake,
               pytest.mark.skipif(master_binary() is None, reason="Mooncake Store is not installed: pip install "
                                  "'kvstore[mooncake]' (make test installs it)")]
-
-
-@pytest.fixture
-def master() -> Iterator[MooncakeMaster]:
-    m = MooncakeMaster().start()
-    yield m
-    m.close()
 
 
 def node(daemons: list[DaemonProc], m: MooncakeMaster, capacity: str = "16MiB", **env: str) -> DaemonProc:
@@ -425,6 +418,9 @@ def test_stats_top_and_prometheus_show_the_remote_tier_and_the_network_path(mast
     ({"KVSTORE_REMOTE_BUFFER_BYTES": "4KiB"}, "remote.buffer_bytes: must be at least 1MiB"),
     ({"KVSTORE_REMOTE_TIMEOUT_S": "0"}, "remote.timeout_s: must be above 0"),
     ({"KVSTORE_REMOTE_IN_FLIGHT": "0"}, "remote.in_flight: must be 1..64"),
+    ({"KVSTORE_REMOTE_BIND_ADDRESS": "lo"}, "remote.bind_address: must be empty"),
+    ({"KVSTORE_REMOTE_HOSTNAME": ""}, "remote.hostname: must be this node's IP address"),
+    ({"KVSTORE_REMOTE_UNREACHABLE_S": "0"}, "remote.unreachable_s: must be above 0"),
 ])
 def test_remote_config_errors_are_clear(env: dict[str, str], message: str) -> None:
     from kvstore.daemon.config import ConfigError, load_config

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from kvstore.daemon.config import RemoteConfig
 from kvstore.tiers import TierUnavailable
+from kvstore.tiers.remote import address
 
 log = logging.getLogger("kvstore")
 Part = tuple[int, int]      # (address, length) in registered memory
@@ -54,7 +55,10 @@ class MooncakeClient:
     """One `MooncakeDistributedStore`, set up with this node's segment. Thread-safe as Mooncake's client is; the
     lock only guards (re)connection and registration."""
 
-    def __init__(self, cfg: RemoteConfig) -> None:
+    def __init__(self, cfg: RemoteConfig, advertised: str = "127.0.0.1", listen: str | None = None) -> None:
+        """`advertised`: the address the other nodes are told (remote.hostname's, as MC_TCP_BIND_ADDRESS);
+        `listen`: the address the transfer engine's ports bind, None: every address
+        (kvstore.tiers.remote.address)."""
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as e:
@@ -67,6 +71,9 @@ class MooncakeClient:
         self._lock = threading.Lock()
         self._store: Any = None
         self._regions: dict[int, int] = {}      # registered address → length
+        self.advertised = advertised
+        self.listen = listen
+        self.endpoint: dict[str, Any] = {}      # what the other nodes are told, and where the ports listen
 
     # ----- connection -----
     @property
@@ -99,12 +106,17 @@ class MooncakeClient:
     def _connect_locked(self) -> None:
         store = self._factory()
         c = self.cfg
-        rc = store.setup(c.hostname, metadata_address(c), c.segment_bytes, c.buffer_bytes, c.protocol, c.device,
-                         c.master)
+        with address.armed(self.listen):          # the engine's listening ports bind here (its setup binds them)
+            rc = store.setup(c.hostname, metadata_address(c), c.segment_bytes, c.buffer_bytes, c.protocol,
+                             c.device, c.master)
         if rc != 0:
-            raise StoreDown(f"remote: setting up Mooncake Store's client failed (code {rc}); is mooncake_master "
+            raise StoreDown(f"setting up Mooncake Store's client failed (code {rc}); is mooncake_master "
                             f"running at {c.master} with its metadata server at {metadata_address(c)}?")
         self._store = store
+        try:
+            self.endpoint = address.describe(str(store.get_hostname()), metadata_address(c))
+        except Exception as e:                          # a binding without get_hostname: nothing to show
+            log.debug("remote: could not read this node's transfer endpoint: %s", e)
         for addr, size in self._regions.items():      # memory named before the client existed
             store.register_buffer(addr, size)
 
@@ -118,11 +130,11 @@ class MooncakeClient:
     def _call(self, name: str, *args: Any) -> Any:
         store = self._store
         if store is None:
-            raise StoreDown("remote: not connected")
+            raise StoreDown("not connected")
         try:
             return getattr(store, name)(*args)
         except Exception as e:                          # the binding raises where the transport broke
-            raise StoreDown(f"remote: {name} failed: {type(e).__name__}: {e}") from e
+            raise StoreDown(f"{name} failed: {type(e).__name__}: {e}") from e
 
     # ----- memory -----
     def register(self, addr: int, size: int) -> None:
@@ -137,7 +149,7 @@ class MooncakeClient:
             if self._store is not None:
                 rc = self._store.register_buffer(addr, size)
                 if rc != 0:
-                    raise StoreDown(f"remote: registering {size} bytes of memory failed (code {rc})")
+                    raise StoreDown(f"registering {size} bytes of memory failed (code {rc})")
             self._regions[addr] = size
 
     def registered(self, addr: int, size: int) -> bool:
@@ -162,7 +174,7 @@ class MooncakeClient:
         """Which keys the store holds now (one batched query to the master)."""
         codes = self._call("batch_is_exist", list(keys))
         if any(c < 0 for c in codes):
-            raise StoreDown(f"remote: the master did not answer an existence query (codes "
+            raise StoreDown(f"the master did not answer an existence query (codes "
                             f"{sorted(set(c for c in codes if c < 0))})")
         return [c == 1 for c in codes]
 
@@ -213,5 +225,5 @@ def _answered(call: str, codes: Sequence[int]) -> list[int]:
     """Per-key codes, unless the master answered none of them (StoreDown)."""
     out = list(codes)
     if out and all(c == RPC_FAILED for c in out):
-        raise StoreDown(f"remote: the master did not answer {call} (code {RPC_FAILED})")
+        raise StoreDown(f"the master did not answer {call} (code {RPC_FAILED})")
     return out

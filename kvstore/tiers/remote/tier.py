@@ -46,7 +46,7 @@ from kvstore.checksum import crc32c
 from kvstore.daemon.config import Config, RemoteConfig
 from kvstore.policy.workflow import Workflows
 from kvstore.tiers import StagingBuffer, TierUnavailable, TierWrite
-from kvstore.tiers.remote import trailer
+from kvstore.tiers.remote import address, trailer
 from kvstore.tiers.remote.arena import Arena
 from kvstore.tiers.remote.client import NOT_FOUND, TRANSFER_FAILED, MooncakeClient, Part, StoreDown, store_key
 from kvstore.traffic import Busy, Lane, Path
@@ -92,7 +92,8 @@ class RemoteTier:
         self.pad = Arena(PAD_BYTES)
         self.staged: dict[bytes, Staged] = {}
         self.queue: deque[bytes] = deque()          # staged blocks in the order they came, for the writer
-        self.mine: dict[bytes, None] = {}           # blocks this daemon put (insertion-ordered set)
+        self.mine: dict[bytes, int] = {}            # blocks this daemon put → their bytes (insertion-ordered)
+        self.mine_bytes = 0
         self.known: dict[bytes, float] = {}         # blocks the store said it held, until when believed
         self.announced: set[bytes] = set()          # write-through blocks on their way (a delete cancels)
         self.bad: dict[bytes, float] = {}           # values that failed their check, until when (removed too)
@@ -131,11 +132,12 @@ class RemoteTier:
             if not self.client.connected:
                 why = self.client.reachable()
                 if why is not None:
-                    raise StoreDown(f"remote: {why}")
+                    raise StoreDown(why)
                 self.client.connect()
                 self.counters["connects"] += 1
+                self._report_endpoint()
             elif not self.client.healthy():
-                raise StoreDown(f"remote: the master at {self.cfg.master} does not answer")
+                raise StoreDown(f"the master at {self.cfg.master} does not answer")
             if self.staging is not None:
                 self.client.register(self.staging.addr, self.staging.size)
             self.client.register(self.pad.addr, self.pad.size)
@@ -148,6 +150,16 @@ class RemoteTier:
             self.cond.notify_all()
         log.info("remote: linked to Mooncake Store at %s (down %.1f s before)", self.cfg.master, was)
         return True
+
+    def _report_endpoint(self) -> None:
+        """Say where the other nodes reach this node and where its transfer ports listen; warn where that is not
+        what remote.hostname and remote.bind_address ask for (kvstore.tiers.remote.address)."""
+        ep = self.client.endpoint
+        if ep.get("advertised"):
+            log.info("remote: this node's transfer endpoint is %s (ports %s), listening on %s", ep["advertised"],
+                     ", ".join(str(p) for p in ep["ports"]) or "?", ", ".join(ep["listening"]) or "?")
+        for problem in address.problems(ep, self.client.advertised, self.client.listen):
+            log.warning("remote: %s", problem)
 
     def _record_down(self, e: Exception, quiet: bool = False) -> None:
         with self.cond:
@@ -208,19 +220,20 @@ class RemoteTier:
         for b in bids:
             self.known[b] = until
 
-    def _mine(self, bid: bytes) -> None:
+    def _mine(self, bid: bytes, nbytes: int) -> None:
         """(Under the tier lock.) This daemon put the block: known present for remote.known_s, like a block the
         store said it held (the store evicts by itself; kept below Mooncake's lease, 10 s after a put or a read,
         the books never promise a block it has evicted). `mine` only counts them, per namespace."""
         self._learned([bid])
-        self.mine[bid] = None
+        self.mine_bytes += nbytes - self.mine.get(bid, 0)
+        self.mine[bid] = nbytes
         if len(self.mine) > KNOWN_MAX:
-            self.mine.pop(next(iter(self.mine)))
+            self.mine_bytes -= self.mine.pop(next(iter(self.mine)))
 
     def _forgot(self, bids: Sequence[bytes]) -> None:
         """(Under the tier lock.) The store does not hold these (any more)."""
         for b in bids:
-            self.mine.pop(b, None)
+            self.mine_bytes -= self.mine.pop(b, 0)
             self.known.pop(b, None)
 
     def probe(self, bids: Sequence[bytes]) -> int:
@@ -242,7 +255,7 @@ class RemoteTier:
         except (StoreDown, FutureTimeout, Busy, CancelledError) as e:
             self.counters["probe_failed"] += 1
             if isinstance(e, FutureTimeout):            # the master did not answer in time: down for lookups
-                e = StoreDown(f"remote: the master did not answer an existence query in {self.cfg.timeout_s} s")
+                e = StoreDown(f"the master did not answer an existence query in {self.cfg.timeout_s} s")
             if isinstance(e, StoreDown):
                 self._record_down(e)
             return n
@@ -348,7 +361,7 @@ class RemoteTier:
                     continue
                 self._unstage(bid, s)
                 if stored and not s.deleted:
-                    self._mine(bid)
+                    self._mine(bid, s.nbytes)
                     self.counters["demoted"] += 1
                 elif not stored:
                     self.counters["dropped"] += 1
@@ -368,6 +381,7 @@ class RemoteTier:
                 self.counters["write_skipped"] += len(items)
                 return 0
         views = [memoryview(it[1]).cast("B") for it in live]
+        sizes = [v.nbytes for v in views]
         try:
             ok = self._put([(bid, v, crc) for (bid, _, crc), v in zip(live, views)],
                            [self._addr(v) for v in views], lane)
@@ -382,10 +396,10 @@ class RemoteTier:
             with self.lock:
                 gone = [it[0] for it in live if it[0] not in self.announced]
                 self.announced.difference_update(it[0] for it in items)
-        stored = [it[0] for it, s in zip(live, ok) if s and it[0] not in gone]
+        stored = [(it[0], n) for it, n, s in zip(live, sizes, ok) if s and it[0] not in gone]
         with self.lock:
-            for bid in stored:
-                self._mine(bid)
+            for bid, nbytes in stored:
+                self._mine(bid, nbytes)
             self.counters["written_through"] += len(stored)
         if gone:                                     # deleted while being put: not kept in the store
             self._remove_later(gone)
@@ -552,8 +566,7 @@ class RemoteTier:
                 t = poff + i * trailer.SIZE
                 ok, crc = trailer.unpack(self.pad.mm[t:t + trailer.SIZE], out.nbytes) if code >= 0 else (False, None)
                 if not ok or code != out.nbytes + trailer.SIZE:
-                    gone = code in (NOT_FOUND, TRANSFER_FAILED) or code < 0 and code <= -900
-                    self._miss(bid, "absent" if gone else "bad_value")
+                    self._miss(bid, _why_missed(code))
                     break
                 if crc is not None and crc32c(out) != crc:
                     self._miss(bid, "crc_mismatch")
@@ -569,15 +582,19 @@ class RemoteTier:
 
     def _miss(self, bid: bytes, why: str) -> None:
         """A block the store did not serve. One whose value failed its check is quarantined here for
-        remote.known_s (not asked for again) and removed from the store, so that a good copy can be put again."""
+        remote.known_s (not asked for again) and removed from the store, so that a good copy can be put again. One
+        whose transfer failed (the node holding it is gone, and the master still names it until its client_ttl
+        ends) is a miss for remote.unreachable_s without asking: each lookup would otherwise report it and each
+        get wait seconds for the transfer to fail again."""
         self.counters[why] += 1
+        hold = {"absent": 0.0, "unreachable": self.cfg.unreachable_s}.get(why, self.cfg.known_s)
         with self.lock:
             self._forgot([bid])
-            if why != "absent":
-                self.bad[bid] = time.monotonic() + self.cfg.known_s
+            if hold:
+                self.bad[bid] = time.monotonic() + hold
                 if len(self.bad) > KNOWN_MAX:
                     self.bad.pop(next(iter(self.bad)))
-        if why != "absent":
+        if why not in ("absent", "unreachable"):
             self._remove_later([bid])
 
     def read_async(self, bid: bytes, out: memoryview, lane: Lane,
@@ -642,7 +659,9 @@ class RemoteTier:
             staged = sum(s.nbytes for s in self.staged.values())
             mapped = (self.staging.size if self.staging is not None else 0) + self.pad.size
             return {"tier": self.name, "capacity_bytes": self.cfg.segment_bytes, "mapped_bytes": mapped,
-                    "used_bytes": staged, "resident_bytes": mapped, "blocks": len(self.mine) + len(self.staged),
+                    "used_bytes": staged + self.mine_bytes, "resident_bytes": mapped,
+                    "blocks": len(self.mine) + len(self.staged), "put_here_bytes": self.mine_bytes,
+                    "endpoint": dict(self.client.endpoint),
                     "segments": 1, "kind": "mooncake", "master": self.cfg.master, "up": self.up,
                     "down_s": 0.0 if self.up else round(time.monotonic() - self.down_since, 3),
                     "last_error": "" if self.up else self.last_error, "placement": self.placement,
@@ -667,6 +686,16 @@ class RemoteTier:
         if self.staging is not None:
             self.staging.close()
         self.pad.close()
+
+
+def _why_missed(code: int) -> str:
+    """A get's code for a block it did not serve: absent (not in the store, or the master did not answer),
+    unreachable (the bytes did not arrive: the node holding them is gone), or bad_value (its length is wrong)."""
+    if code == TRANSFER_FAILED:
+        return "unreachable"
+    if code == NOT_FOUND or code <= -900:
+        return "absent"
+    return "bad_value"
 
 
 def _pieces(sizes: Sequence[int], limit: int, most: int = 1 << 30) -> list[tuple[int, int]]:
@@ -703,9 +732,34 @@ def open_tier(config: Config, traffic: TrafficManager, workflows: Workflows | No
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(1, int(round(cfg.timeout_s)))))
     # Mooncake's own log lines go to the daemon's stderr: its warnings and errors only, unless kvstore logs debug
     os.environ.setdefault("MC_LOG_LEVEL", "INFO" if config.log.level == "debug" else "WARNING")
-    client = MooncakeClient(cfg)
+    advertised, listen = _endpoint_addresses(cfg)
+    client = MooncakeClient(cfg, advertised, listen)
     path = traffic.path("net", cfg.in_flight, nominal_bps=1e9)
     tier = RemoteTier(cfg, path, client, write_back=where in ("write_back", "both"), placement=where).start()
-    log.info("remote: Mooncake Store at %s (metadata %s, %s), %s, %d replica(s); linking in the background",
-             cfg.master, cfg.metadata or "the master's", cfg.protocol, where, cfg.replicas)
+    log.info("remote: Mooncake Store at %s (metadata %s, %s), %s, %d replica(s); this node is %s to the others; "
+             "linking in the background", cfg.master, cfg.metadata or "the master's", cfg.protocol, where,
+             cfg.replicas, advertised)
     return tier
+
+
+def _endpoint_addresses(cfg: RemoteConfig) -> tuple[str, str | None]:
+    """(the address the other nodes are told, the one the transfer ports bind or None for every address), with
+    MC_TCP_BIND_ADDRESS set to the first: Mooncake advertises that, not the hostname its setup is given."""
+    try:
+        told = address.advertised(cfg.hostname)
+    except OSError as e:
+        raise TierUnavailable(f"remote.hostname {cfg.hostname!r} does not resolve ({e}); set it to this node's "
+                              f"address as the other nodes reach it") from None
+    before = os.environ.get("MC_TCP_BIND_ADDRESS")
+    if before and before != told:
+        log.warning("remote: MC_TCP_BIND_ADDRESS=%s in the environment is replaced by remote.hostname's %s (one "
+                    "setting decides where this node's bytes travel: set remote.hostname)", before, told)
+    os.environ["MC_TCP_BIND_ADDRESS"] = told
+    listen = address.listen_address(told, cfg.bind_address)
+    if listen is not None and not address.guard_loaded():
+        log.warning("remote: the transfer engine's ports will listen on every address, not only %s: the bind "
+                    "guard (native/kvbind.c) is not loaded (%s); firewall them, or set remote.bind_address: "
+                    "0.0.0.0 to say that is meant", listen,
+                    "not built: no C compiler at install" if address.library_path() is None else
+                    "start the daemon with `kvstore serve`, which preloads it")
+    return told, listen
