@@ -6,24 +6,39 @@ No copy: the tier puts straight from the committed slot (the pool's segments are
 transfer engine), pinned only while its batch is on the wire. The queue is bounded (remote.staging_bytes of
 blocks): beyond it a block is skipped and counted (publish_skipped) — it stays on this node, and goes down by
 demotion where the remote tier takes evictions. A block evicted or deleted before its turn is skipped too.
+
+While the store does not answer, the queue waits (within the same bound) instead of handing the tier puts it would
+skip: blocks committed while the master is down are published when it answers again, those still in their host
+slot then (the others stay on this node: local only, counted `publish_gone` / `publish_skipped`).
 """
 from __future__ import annotations
 
 from collections import Counter, deque
+from dataclasses import dataclass
 from threading import Condition
 
 from kvstore.index import Holdings, Index, NamespaceEntry
 from kvstore.movers.writethrough import write_slots
-from kvstore.tiers import LowerTier
+from kvstore.tiers import SharedTier
 from kvstore.tiers.host import HostPool
 from kvstore.traffic import Lane
 from kvstore.workers import Worker
 
 BATCH = 32
+DOWN_POLL_S = 0.25      # while the store is down, how often the queue looks whether it answers again
+TRIES = 4               # puts of a block the store refused (a master just restarted places nothing for a moment)
+
+
+@dataclass(slots=True)
+class Queued:
+    ns: NamespaceEntry
+    hash: bytes
+    gid: int                # the slot at commit: a block no longer there is not published
+    tries: int = 0          # batches of it the store did not take
 
 
 class Publisher:
-    def __init__(self, index: Index, pool: HostPool, tier: LowerTier, changed: Condition, counters: Counter[str],
+    def __init__(self, index: Index, pool: HostPool, tier: SharedTier, changed: Condition, counters: Counter[str],
                  max_bytes: int) -> None:
         self.index = index
         self.pool = pool
@@ -32,7 +47,7 @@ class Publisher:
         self.counters = counters
         self.max_bytes = max_bytes
         self.holder = Holdings()
-        self.queue: deque[tuple[NamespaceEntry, bytes, int]] = deque()   # (namespace, block hash, slot at commit)
+        self.queue: deque[Queued] = deque()
         self.queued_bytes = 0
         self.writing = 0
         self._stop = False
@@ -42,44 +57,67 @@ class Publisher:
         """(Under the state lock.) Queue the blocks just committed."""
         for h in hashes:
             gid = self.index.slot(ns, h)
-            if gid is None:
-                continue
-            if self.queued_bytes + ns.slot_bytes > self.max_bytes:
-                self.counters["publish_skipped"] += 1
-                continue
-            self.queue.append((ns, h, gid))
-            self.queued_bytes += ns.slot_bytes
+            if gid is not None:
+                self._enqueue(Queued(ns, h, gid))
         self.changed.notify_all()
+
+    def _enqueue(self, q: Queued, first: bool = False) -> None:
+        if self.queued_bytes + q.ns.slot_bytes > self.max_bytes:
+            self.counters["publish_skipped"] += 1
+            return
+        if first:
+            self.queue.appendleft(q)
+        else:
+            self.queue.append(q)
+        self.queued_bytes += q.ns.slot_bytes
 
     def _run(self) -> None:
         while True:
             with self.changed:
-                while not self.queue and not self._stop:
-                    self.changed.wait()
+                while not self._stop and (not self.queue or not self.tier.up):
+                    self.changed.wait(DOWN_POLL_S if self.queue else None)   # the tier's link is not our lock's
                 if self._stop:
                     return
                 live = self._take()
-                views = [self.pool.view(gid) for _, _, gid in live]
-                crcs = self.index.crcs_of([gid for _, _, gid in live])
-                bids = [ns.block_id(h) for ns, h, _ in live]
+                views = [self.pool.view(q.gid) for q in live]
+                crcs = self.index.crcs_of([q.gid for q in live])
+                bids = [q.ns.block_id(q.hash) for q in live]
                 self.tier.announce(bids)                   # a delete from now on cancels the put
                 self.writing = len(live)
             stored = write_slots(self.tier, bids, views, crcs, Lane.STORE, "a publishing")
             with self.changed:
                 self.counters["published"] += stored
-                gids = [gid for _, _, gid in live]
-                if gids:
-                    self.index.release(gids, self.holder)
+                if live:
+                    self.index.release([q.gid for q in live], self.holder)
                 self.writing = 0
+                refused = stored < len(live) and self._again(live)
+                if refused:                                # give the store a moment before the next batch
+                    self.changed.wait(DOWN_POLL_S)
 
-    def _take(self) -> list[tuple[NamespaceEntry, bytes, int]]:
+    def _again(self, batch: list[Queued]) -> bool:
+        """(Under the state lock.) A batch the store did not wholly take — it went down under it, or refused it (a
+        master just restarted places nothing until the nodes' segments are mounted again; a full store evicts
+        after refusing): in line again, first if the store is down, at most TRIES times a block. A block it did
+        take is put again (the store answers that as stored). Whether any went back in line."""
+        down = not self.tier.up
+        back = False
+        for q in reversed(batch):
+            q.tries += 0 if down else 1
+            if q.tries >= TRIES:
+                self.counters["publish_refused"] += 1
+                continue
+            self._enqueue(q, first=down)
+            back = True
+        return back
+
+    def _take(self) -> list[Queued]:
         """(Under the state lock.) Up to BATCH queued blocks still in their slot, pinned for their put."""
-        out: list[tuple[NamespaceEntry, bytes, int]] = []
+        out: list[Queued] = []
         while self.queue and len(out) < BATCH:
-            ns, h, gid = self.queue.popleft()
-            self.queued_bytes -= ns.slot_bytes
-            if self.index.slot(ns, h) == gid and self.index.pin(ns, h, self.holder) == gid:
-                out.append((ns, h, gid))
+            q = self.queue.popleft()
+            self.queued_bytes -= q.ns.slot_bytes
+            if self.index.slot(q.ns, q.hash) == q.gid and self.index.pin(q.ns, q.hash, self.holder) == q.gid:
+                out.append(q)
             else:
                 self.counters["publish_gone"] += 1
         return out

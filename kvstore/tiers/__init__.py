@@ -104,6 +104,7 @@ class SharedTier(LowerTier, Protocol):
     """A lower tier shared with other nodes (the remote store): what it holds beyond what this daemon put there is
     known only by asking it, which `probe` does without the daemon's state lock."""
     write_through: bool     # committed blocks are put in it at once (kvstore.movers.publish)
+    up: bool                # it answers now: a put would be taken (while down, publishing waits)
 
     def probe(self, bids: Sequence[bytes]) -> int:
         """How many leading blocks of `bids` the tier holds (one batched question; none if it does not answer)."""

@@ -17,7 +17,7 @@ import pytest
 from kvstore.tiers.remote.address import LISTEN, is_loopback, sockets
 from tests.conftest import DaemonProc, block, hashes, spec
 from tests.mooncake_master import MooncakeMaster, master_binary
-from tests.tiers.test_remote_tier import get_all, node, put_through, remote_of
+from tests.tiers.test_remote_tier import get_all, node, put_through, remote_of, wait_for
 
 pytestmark = [pytest.mark.mooncake,
               pytest.mark.skipif(master_binary() is None, reason="Mooncake Store is not installed: pip install "
@@ -108,3 +108,21 @@ def test_a_dead_nodes_blocks_are_misses_without_asking_again(master, daemons):
         assert remote_of(b, c)["counters"]["unreachable"] == 1
         assert c.namespace(spec()).lookup(hs) == 0                      # not asked of the master again
         assert remote_of(b, c)["counters"]["unreachable"] == 1
+
+
+def test_blocks_committed_while_the_master_is_down_are_published_when_it_returns(master, daemons):
+    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through", KVSTORE_REMOTE_TIMEOUT_S="1")
+    b = node(daemons, master)
+    master.stop()
+    wait_for(lambda: not remote_of(a)["up"], "A sees the store down (its link asks every remote.retry_s)")
+    hs = hashes(8, tag=b"while-down")
+    with a.client() as c:
+        assert c.namespace(spec()).put(hs, [block(300 + i) for i in range(8)]).stored == 8
+        assert c.stats()["counters"].get("published", 0) == 0
+    assert remote_of(a)["counters"].get("puts", 0) == 0
+    master.start()
+    wait_for(lambda: remote_of(a)["up"] and remote_of(b)["up"], "both link again", timeout=60)
+    wait_for(lambda: remote_of(a)["counters"].get("puts", 0) >= 8, "A publishes what waited", timeout=60)
+    with b.client() as c:
+        assert c.namespace(spec()).lookup(hs) == 8
+    assert get_all(b, hs) == [block(300 + i) for i in range(8)]

@@ -114,13 +114,21 @@ class RemoteTier:
 
     # ----- the link -----
     def _keep_linked(self) -> None:
-        """Connect, and connect again whenever a call found the store down (every remote.retry_s)."""
+        """Connect, and connect again whenever the store is found down (every remote.retry_s). While linked, ask
+        the master every remote.retry_s whether it answers (one small RPC), so that a master gone while nothing
+        called it is known down before a lookup or a put waits on it (and publishing holds its queue)."""
         while True:
             with self.cond:
-                while self.up and not self._stop:
-                    self.cond.wait()
+                deadline = time.monotonic() + self.cfg.retry_s
+                while self.up and not self._stop and time.monotonic() < deadline:
+                    self.cond.wait(deadline - time.monotonic())
                 if self._stop:
                     return
+                up = self.up
+            if up:
+                if not self.client.healthy():
+                    self._record_down(StoreDown(f"the master at {self.cfg.master} does not answer"))
+                continue
             if not self._try_link():
                 with self.cond:
                     self.cond.wait(self.cfg.retry_s)
@@ -167,7 +175,7 @@ class RemoteTier:
                 self.up = False
                 self.down_since = time.monotonic()
                 self.counters["went_down"] += 1
-                log.warning("remote: %s; remote lookups are misses until it answers again (tried every %.0f s)",
+                log.warning("remote: %s; remote lookups are misses until it answers again (tried every %g s)",
                             e, self.cfg.retry_s)
             elif not quiet:
                 log.debug("remote: %s", e)
