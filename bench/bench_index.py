@@ -41,7 +41,7 @@ from common import Table, progress, write_json  # noqa: E402
 
 from kvstore.index.keytable import PyKeyTable  # noqa: E402
 from kvstore.policy import make_policy  # noqa: E402
-from kvstore.policy.workflow import Touch, Workflows  # noqa: E402
+from kvstore.workflows import Touch, Workflows  # noqa: E402
 
 try:
     from kvstore._kvindex import KeyTable as NativeKeyTable

@@ -218,7 +218,8 @@ def _workflow(trace: list[Request], capacity: int, hints: bool, **kw: object) ->
     sends them (a call per request, the end after a workflow's last); the get touches the hit prefix head last;
     the put of the whole chain reserves the missing blocks (evicting as it goes), publishes them tail first and
     then refreshes the blocks stored already, tail first: the chain leaves tail first."""
-    from kvstore.policy.workflow import Touch, WorkflowPolicy, Workflows
+    from kvstore.policy.workflow import WorkflowPolicy
+    from kvstore.workflows import Touch, Workflows
 
     clock = [0.0]
     flows = Workflows(idle_s=float("inf"), clock=lambda: clock[0])

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 from kvstore import __version__, workers
 from kvstore.daemon import process
 from kvstore.daemon.hints import unscoped
-from kvstore.daemon.pauses import pause_point
 from kvstore.daemon.tenants import Conn, forbidden, tenant_of
 from kvstore.index import NamespaceEntry
 from kvstore.protocol import HASH_BYTES, Code, ProtocolError
+from kvstore.testpoints import pause_point
+from kvstore.tiers import PacedTier, TenantBooks
 
 if TYPE_CHECKING:
     from kvstore.daemon.state import State
@@ -221,9 +222,9 @@ def _tenant_rows(st: State) -> list[dict[str, Any]]:
     return rows
 
 
-def _ssd_tier(st: State) -> Any:
+def _ssd_tier(st: State) -> TenantBooks | None:
     """The lower tier that keeps tenants' books (the SSD's), or None."""
-    return next((t for t in st.lower if hasattr(t, "tenant_rows")), None)
+    return next((t for t in st.lower if isinstance(t, TenantBooks)), None)
 
 
 def _ssd_rows(st: State, tenants: list[str]) -> dict[str, dict[str, int]]:
@@ -249,7 +250,7 @@ def op_tenant_quota(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError(Code.BAD_REQUEST, "tenants set: this daemon has no SSD tier (set ssd.dir)")
     reply: dict[str, Any] = {"tenant": name}
     try:
-        if m.get("ssd") is not None:
+        if m.get("ssd") is not None and tier is not None:
             reply["ssd_before"] = tier.set_quota(name, m["ssd"])
             reply["ssd"] = m["ssd"]
         if m.get("host") is not None:
@@ -257,7 +258,7 @@ def op_tenant_quota(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
             try:
                 st.index.quotas.set(name, m["host"])
             except ValueError:
-                if "ssd" in reply:                # all or nothing: the SSD quota goes back as it was
+                if "ssd" in reply and tier is not None:   # all or nothing: the SSD quota goes back as it was
                     tier.set_quota(name, reply["ssd_before"])
                 raise
             reply["host"] = m["host"]
@@ -284,13 +285,13 @@ def _staging_room(st: State) -> int:
     """(Under the state lock, which it may let go of.) How many blocks the next chunk of an operator's eviction
     may evict: CHUNK_BLOCKS, or as many as the first lower tier can stage now after waiting (without the lock) for
     its writes to make room. Evicting 1 GiB at once into 256 MiB of SSD staging dropped three blocks in four."""
-    wait_room = getattr(st.lower.first, "wait_room", None) if st.lower else None
+    first = st.lower.first if st.lower else None
     slot = max((c.slot_bytes for c in st.pool.classes.values()), default=0)
-    if wait_room is None or not slot:
+    if not isinstance(first, PacedTier) or not slot:
         return CHUNK_BLOCKS
     st.lock.release()
     try:
-        room = wait_room(CHUNK_BLOCKS * slot, EVICT_ROOM_WAIT_S)
+        room = first.wait_room(CHUNK_BLOCKS * slot, EVICT_ROOM_WAIT_S)
     finally:
         st.lock.acquire()
     return max(1, min(CHUNK_BLOCKS, room // slot))

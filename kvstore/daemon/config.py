@@ -14,11 +14,18 @@ from typing import Any
 
 import yaml
 
+from kvstore.movers.config import PrefetchConfig
 from kvstore.policy import POLICIES
 from kvstore.protocol.paths import default_socket_path
-from kvstore.tiers.ssd.files import IO_MODES
-from kvstore.tiers.ssd.writes import SYNC_POLICIES
+from kvstore.tiers.donated.config import DonatedConfig
+from kvstore.tiers.remote.config import PLACEMENTS, RemoteConfig
+from kvstore.tiers.ssd.config import SsdConfig
+from kvstore.traffic.config import TrafficConfig
 from kvstore.units import parse_size
+
+# The sections each part owns (dataclass + checks in its own package), composed here; re-exported for callers.
+__all__ = ["PLACEMENTS", "Config", "ConfigError", "DonatedConfig", "PrefetchConfig", "RemoteConfig", "SsdConfig",
+           "TrafficConfig", "load_config"]
 
 
 class ConfigError(ValueError):
@@ -79,34 +86,6 @@ class PoolConfig:
 
 
 @dataclass(slots=True)
-class SsdConfig:
-    dir: str = ""                       # empty: no SSD tier
-    capacity: int = 16 << 30
-    sync: str = "batch"
-    staging_bytes: int = 256 << 20      # evicted blocks waiting in memory for their SSD write
-    promote_reserve: int = 2            # free host slots per block size kept for promotions (movers/reserve.py)
-    write_through: bool = False         # also write every committed block to SSD at once (store lane)
-    io: str = "auto"                    # auto | io_uring | threads: how record payloads reach the disk
-    persist_on_stop: bool = True        # a graceful stop writes the host pool's blocks to SSD first
-    eviction: str = "lru"               # which record makes room at the cap (kvstore.policy)
-    durable_timeout_s: float = 5.0      # a durable commit or flush naming no deadline waits at most this long
-    durable_timeout_max_s: float = 20.0  # ... and one naming a longer deadline this long (below clients' timeouts)
-
-
-@dataclass(slots=True)
-class TrafficConfig:
-    policy: str = "weighted"            # weighted | fifo (no lanes: the benchmark's baseline)
-    share_store: float = 0.02           # minimum shares of the lower lanes; critical takes the rest
-    share_prefetch: float = 0.01
-    share_background: float = 0.01
-    queue_critical: int = 8192          # transfers waiting per lane and path; more is refused with "busy"
-    queue_store: int = 4096
-    queue_prefetch: int = 1024
-    queue_background: int = 1024
-    ssd_in_flight: int = 4              # transfers the SSD path runs at once (its worker threads)
-
-
-@dataclass(slots=True)
 class MetricsConfig:
     enabled: bool = False
     host: str = "127.0.0.1"
@@ -117,59 +96,6 @@ class MetricsConfig:
 class HintsConfig:
     idle_s: float = 600.0               # a workflow or session without activity this long is retired
     max_workflows: int = 100000         # active at once; beyond it the least recently active one is retired
-
-
-@dataclass(slots=True)
-class PrefetchConfig:
-    """The predictive prefetch (kvstore.movers.predictive): SSD blocks of a workflow expected back soon are promoted
-    into free or retired host space ahead of its request."""
-    enabled: bool = True                # needs a lower tier; off: only clients' explicit prefetches
-    min_p: float = 0.5                  # the timed trigger: P(the workflow calls again) at least this ...
-    lead_s: float = 1.0                 # ... and its next call due within this many seconds (0: no timed trigger)
-    max_chain_blocks: int = 4096        # per active workflow, the head of its latest chain kept (16 B a block)
-    blocks_per_tick: int = 256          # blocks queued at most per server tick or per `next` hint
-
-
-@dataclass(slots=True)
-class RemoteConfig:
-    """The remote tier (kvstore.tiers.remote): blocks shared by the daemons of several nodes through Mooncake Store
-    (the `kvstore[mooncake]` extra). Off while `master` is empty."""
-    master: str = ""                    # the mooncake_master's RPC address, host:port; empty: no remote tier
-    metadata: str = ""                  # the transfer engine's metadata server; empty: the master's own (port 8080)
-    protocol: str = "tcp"               # tcp | rdma
-    device: str = ""                    # the RDMA device names (rdma only), e.g. "mlx5_0"
-    hostname: str = "127.0.0.1"         # this node's address as the other nodes reach it (the daemon hands it to
-                                        # Mooncake as MC_TCP_BIND_ADDRESS: the one setting for where bytes travel)
-    bind_address: str = ""              # where the transfer engine's ports listen: "" the hostname's address only,
-                                        # 0.0.0.0 or :: every address (kvstore.tiers.remote.address)
-    segment_bytes: int = 512 << 20      # memory this node lends the store (held by its transfer engine); 0: none
-    buffer_bytes: int = 64 << 20        # the client's own transfer buffer
-    replicas: int = 1                   # copies of each block in the store (on distinct nodes' segments)
-    placement: str = "auto"             # auto | write_back | write_through | both (auto: write_back without an SSD
-                                        # tier, write_through beside one)
-    staging_bytes: int = 256 << 20      # evicted blocks waiting in memory for their put; beyond it they are dropped
-    timeout_s: float = 2.0              # the longest one store operation may hold a read before it is a miss
-    retry_s: float = 2.0                # a store found down is tried again after this long
-    known_s: float = 5.0                # a block the store said it holds is believed present this long (keep it
-                                        # below the master's default_kv_lease_ttl, 10 s: no eviction in between)
-    in_flight: int = 4                  # transfers on the network path at once
-    unreachable_s: float = 12.0         # a block whose transfer failed (its node gone) is a miss this long without
-                                        # asking (keep it above the master's client_ttl, 10 s, after which the
-                                        # master forgets a lost node's blocks)
-
-
-@dataclass(slots=True)
-class DonatedConfig:
-    """The donated tier (kvstore.tiers.donated, SwiftCache §3.2): memory an engine lends the daemon while it does not
-    need it (shared memory, or GPU memory by CUDA IPC handle), a tier between the host pool and the SSD, handed back
-    on the donor's demand within its deadline. Donors connect to their own socket (kvstore.client.donor)."""
-    enabled: bool = False               # off: no donated tier, no donors' socket
-    socket: str = ""                    # empty: donate.sock beside server.socket
-    kind: str = "memfd"                 # memfd (shared memory, any machine) | cuda (GPU memory by CUDA IPC handle)
-    max_bytes: int = 0                  # all donated regions together; 0: no cap (donors lend what they have)
-    max_donors: int = 16                # donor connections at once
-    max_deadline_ms: int = 60000        # a reclaim asking for a longer deadline gets this one
-    in_flight: int = 2                  # copies the tier's path runs at once (its worker threads)
 
 
 @dataclass(slots=True)
@@ -410,37 +336,13 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"metrics.host: not an IP address: {m.host!r}")
     if not 1 <= m.port <= 65535:
         errors.append(f"metrics.port: must be 1..65535, got {m.port}")
-    d = cfg.ssd
-    if d.dir and not os.path.isabs(d.dir):
-        errors.append(f"ssd.dir: must be an absolute path (or empty for no SSD tier), got {d.dir!r}")
-    if d.io not in IO_MODES:
-        errors.append(f"ssd.io: must be one of {', '.join(IO_MODES)}, got {d.io!r}")
-    if not 0 <= d.promote_reserve <= 1024:
-        errors.append(f"ssd.promote_reserve: must be 0 (off) to 1024 free slots, got {d.promote_reserve}")
-    if d.eviction not in POLICIES:
-        errors.append(f"ssd.eviction: must be one of {', '.join(POLICIES)}, got {d.eviction!r}")
-    if d.sync not in SYNC_POLICIES:
-        errors.append(f"ssd.sync: must be one of {', '.join(SYNC_POLICIES)}, got {d.sync!r}")
-    if d.dir and d.capacity < 1 << 20:
-        errors.append(f"ssd.capacity: must be at least 1MiB, got {d.capacity}")
-    if not 0 < d.durable_timeout_max_s <= 3600:
-        errors.append(f"ssd.durable_timeout_max_s: must be above 0 and at most 3600 seconds, got "
-                      f"{d.durable_timeout_max_s}")
-    if not 0 <= d.durable_timeout_s <= d.durable_timeout_max_s:
-        errors.append(f"ssd.durable_timeout_s: must be 0..ssd.durable_timeout_max_s ({d.durable_timeout_max_s}) "
-                      f"seconds, got {d.durable_timeout_s}")
-    errors += _check_remote(cfg.remote)
-    errors += _check_traffic(cfg.traffic)
+    for section in (cfg.ssd, cfg.remote, cfg.traffic, cfg.prefetch, cfg.donated):   # each checks itself
+        errors += section.check()
     errors += _check_hints(cfg.hints)
-    errors += _check_prefetch(cfg.prefetch)
     errors += _check_tenancy(cfg)
-    errors += _check_donated(cfg.donated)
     if cfg.log.level not in LOG_LEVELS:
         errors.append(f"log.level: must be one of {', '.join(LOG_LEVELS)}, got {cfg.log.level!r}")
     return errors
-
-
-PLACEMENTS = ("auto", "write_back", "write_through", "both")
 
 
 def _check_tenancy(cfg: Config) -> list[str]:
@@ -463,66 +365,6 @@ def _check_tenancy(cfg: Config) -> list[str]:
         errors.append(f"tenants: the SSD quotas ({ssd} bytes, tenancy.default_ssd included) exceed ssd.capacity "
                       f"({cfg.ssd.capacity} bytes): lower them or grow the tier")
     return errors
-
-
-def _check_donated(d: DonatedConfig) -> list[str]:
-    errors = []
-    if d.kind not in ("memfd", "cuda"):
-        errors.append(f"donated.kind: must be memfd or cuda, got {d.kind!r}")
-    if d.socket and not os.path.isabs(d.socket):
-        errors.append(f"donated.socket: must be an absolute path (or empty: beside server.socket), got {d.socket!r}")
-    if not 1 <= d.max_donors <= 1024:
-        errors.append(f"donated.max_donors: must be 1..1024, got {d.max_donors}")
-    if not 0 <= d.max_deadline_ms <= 3_600_000:
-        errors.append(f"donated.max_deadline_ms: must be 0..3600000, got {d.max_deadline_ms}")
-    if not 1 <= d.in_flight <= 64:
-        errors.append(f"donated.in_flight: must be 1..64, got {d.in_flight}")
-    return errors
-
-
-def _check_remote(r: RemoteConfig) -> list[str]:
-    if not r.master:
-        return []
-    errors = []
-    host, _, port = r.master.rpartition(":")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        errors.append(f"remote.master: must be host:port (the mooncake_master's RPC address), got {r.master!r}")
-    if r.metadata and not r.metadata.startswith(("http://", "etcd://", "redis://", "P2PHANDSHAKE")):
-        errors.append(f"remote.metadata: must be an http://, etcd:// or redis:// address or P2PHANDSHAKE, "
-                      f"got {r.metadata!r}")
-    if r.protocol not in ("tcp", "rdma"):
-        errors.append(f"remote.protocol: must be tcp or rdma, got {r.protocol!r}")
-    if r.placement not in PLACEMENTS:
-        errors.append(f"remote.placement: must be one of {', '.join(PLACEMENTS)}, got {r.placement!r}")
-    if not 1 <= r.replicas <= 8:
-        errors.append(f"remote.replicas: must be 1..8, got {r.replicas}")
-    if 0 < r.segment_bytes < 1 << 20:
-        errors.append(f"remote.segment_bytes: must be 0 (this node lends the store nothing) or at least 1MiB, got "
-                      f"{r.segment_bytes}")
-    if r.buffer_bytes < 1 << 20:
-        errors.append(f"remote.buffer_bytes: must be at least 1MiB, got {r.buffer_bytes}")
-    if r.staging_bytes < 0:
-        errors.append(f"remote.staging_bytes: must not be negative, got {r.staging_bytes}")
-    if not r.hostname or r.hostname.strip() != r.hostname or "/" in r.hostname:
-        errors.append(f"remote.hostname: must be this node's IP address or host name as the other nodes reach it, "
-                      f"got {r.hostname!r}")
-    if r.bind_address and not _is_ip(r.bind_address):
-        errors.append(f"remote.bind_address: must be empty (remote.hostname's address), an IP address of this node, "
-                      f"or 0.0.0.0 / :: (every address), got {r.bind_address!r}")
-    for name in ("timeout_s", "retry_s", "known_s", "unreachable_s"):
-        if not 0 < getattr(r, name) <= 3600:
-            errors.append(f"remote.{name}: must be above 0 and at most 3600 seconds, got {getattr(r, name)}")
-    if not 1 <= r.in_flight <= 64:
-        errors.append(f"remote.in_flight: must be 1..64, got {r.in_flight}")
-    return errors
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-        return True
-    except ValueError:
-        return False
 
 
 def _check_limits(s: ServerConfig) -> list[str]:
@@ -549,37 +391,4 @@ def _check_hints(h: HintsConfig) -> list[str]:
         errors.append(f"hints.idle_s: must be 0.05..604800 seconds, got {h.idle_s}")
     if not 1 <= h.max_workflows <= 10_000_000:
         errors.append(f"hints.max_workflows: must be 1..10000000, got {h.max_workflows}")
-    return errors
-
-
-def _check_prefetch(p: PrefetchConfig) -> list[str]:
-    errors = []
-    if not 0 <= p.min_p <= 1:
-        errors.append(f"prefetch.min_p: must be a probability, 0..1, got {p.min_p}")
-    if not 0 <= p.lead_s <= 3600:
-        errors.append(f"prefetch.lead_s: must be 0..3600 seconds (0: no timed trigger), got {p.lead_s}")
-    if not 1 <= p.max_chain_blocks <= 1 << 20:
-        errors.append(f"prefetch.max_chain_blocks: must be 1..1048576, got {p.max_chain_blocks}")
-    if not 1 <= p.blocks_per_tick <= 65536:
-        errors.append(f"prefetch.blocks_per_tick: must be 1..65536, got {p.blocks_per_tick}")
-    return errors
-
-
-def _check_traffic(t: TrafficConfig) -> list[str]:
-    errors = []
-    if t.policy not in ("weighted", "fifo"):
-        errors.append(f"traffic.policy: must be weighted or fifo, got {t.policy!r}")
-    shares = {"share_store": t.share_store, "share_prefetch": t.share_prefetch,
-              "share_background": t.share_background}
-    for name, v in shares.items():
-        if not 0 < v < 1:
-            errors.append(f"traffic.{name}: must be above 0 (a lane with no share could starve) and below 1, got {v}")
-    if sum(shares.values()) >= 0.5:
-        errors.append(f"traffic: the lower lanes' shares add up to {sum(shares.values()):.3f}; keep them below 0.5 "
-                      "so that critical reads take most of a contended path")
-    for name in ("queue_critical", "queue_store", "queue_prefetch", "queue_background"):
-        if not 1 <= getattr(t, name) <= 1 << 20:
-            errors.append(f"traffic.{name}: must be 1..1048576, got {getattr(t, name)}")
-    if not 1 <= t.ssd_in_flight <= 64:
-        errors.append(f"traffic.ssd_in_flight: must be 1..64, got {t.ssd_in_flight}")
     return errors

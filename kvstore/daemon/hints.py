@@ -1,5 +1,5 @@
 """The daemon's side of the hints (issue 14): which workflows and chat sessions are running, per tenant, kept for
-the eviction policy (kvstore.policy.workflow: its `Workflows` are the books this module feeds).
+the eviction policy (kvstore.workflows: its `Workflows` are the books this module feeds).
 
 Hints are advice. A malformed hint (a field of the wrong type or too long) is refused like any request
 (`bad_request`, by the schema); a well-formed one that means nothing — the end of a workflow nobody began, a call
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.daemon.config import HintsConfig
-from kvstore.policy.predictor import START
-from kvstore.policy.workflow import Touch, Workflows
 from kvstore.protocol import Code, ProtocolError
+from kvstore.workflows import Touch, Workflows
+from kvstore.workflows.predictor import START
 
 SESSION = "session:"                 # a chat session's workflow id: SESSION + its id
 KINDS = ("begin", "call", "end", "session_begin", "session_end")

@@ -28,11 +28,11 @@ from kvstore.daemon.tenants import Conn, resolve, tenant_of
 from kvstore.index import Holdings, NamespaceEntry
 from kvstore.movers.durability import NO_SSD_TIER, Ticket
 from kvstore.movers.prefetch import LaneFull
-from kvstore.policy.workflow import Touch
 from kvstore.protocol import HASH_BYTES, Code, ProtocolError, split_keys
 from kvstore.protocol.geometry import GeometryError
 from kvstore.protocol.keys import NamespaceSpec
 from kvstore.traffic import Lane, parse_lane
+from kvstore.workflows import Touch
 
 MAX_FDS_PER_REPLY = 200     # below the kernel's SCM_MAX_FD (253)
 WAIT_S = 5.0                # a prefetch with `wait` re-checks at least this often

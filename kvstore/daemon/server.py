@@ -34,7 +34,7 @@ from kvstore.daemon.tenants import Peer
 from kvstore.movers.persist import persist_host_pool
 from kvstore.private_dir import NotASocket, NotPrivateDir, SocketServed, ensure_private_dir, listen_private
 from kvstore.protocol import Code, encode, error
-from kvstore.tiers import TierUnavailable
+from kvstore.tiers import DurableTier, TierUnavailable
 from kvstore.units import format_size
 
 log = logging.getLogger("kvstore")
@@ -307,8 +307,8 @@ class Daemon:
             st.write_through.close()         # before the pool closes: its writes read from the slots
         if st.publisher is not None:
             st.publisher.close()
-        ssd = st.lower.named("ssd") if st.lower else None
-        if ssd is not None and self.config.ssd.persist_on_stop:
+        ssd = next((t for t in st.lower if isinstance(t, DurableTier)), None) if st.lower else None
+        if ssd is not None and ssd.persist_on_stop:
             t0 = time.monotonic()
             with st.lock:
                 written, left = persist_host_pool(st.index, st.pool, ssd, self.config.server.shutdown_timeout_s)

@@ -4,7 +4,7 @@ that the configuration leaves out (no lower tier: no demotion, promotion reads, 
 from the start. The write-through mover exists wherever the first lower tier can say when a block is on disk: it
 writes every committed block with ssd.write_through, and the blocks of durable commits and flushes always.
 
-The hints' books are one `Workflows` (st.workflows, kvstore.policy.workflow), read by the index's eviction policy and
+The hints' books are one `Workflows` (st.workflows, kvstore.workflows), read by the index's eviction policy and
 fed by `hints` (kvstore.daemon.hints: per tenant, idle retirement); `looked_up` counts distinct keys looked up, for
 the hit-rate ceiling (kvstore.hll). `predictive` (kvstore.movers.predictive) prefetches the lower-tier blocks of
 workflows expected back soon; None without a lower tier or with prefetch.enabled false.
@@ -36,12 +36,13 @@ from kvstore.movers.prefetch import Prefetcher
 from kvstore.movers.promotion import Promotion
 from kvstore.movers.publish import Publisher
 from kvstore.movers.reserve import Reserve
-from kvstore.movers.writethrough import DurableTier, WriteThrough
-from kvstore.policy.workflow import Workflows
-from kvstore.tiers import LowerTiers, SharedTier
+from kvstore.movers.writethrough import WriteThrough
+from kvstore.tiers import DurableTier, LowerTiers, SharedTier, TenantBooks, TierContext
 from kvstore.tiers.host import HostPool
+from kvstore.tiers.registry import SECTIONS as TIER_SECTIONS
 from kvstore.tiers.registry import open_lower_tiers
 from kvstore.traffic.manager import TrafficManager
+from kvstore.workflows import Workflows
 
 
 @dataclass(eq=False)
@@ -96,7 +97,9 @@ def build_state(config: Config) -> State:
     counters: Counter[str] = Counter()
     traffic = TrafficManager(config.traffic)
     workflows = Workflows(idle_s=config.hints.idle_s)
-    lower = open_lower_tiers(config, traffic, workflows)
+    ssd_quotas = ({t.name: t.ssd for t in config.tenants if t.ssd}, config.tenancy.default_ssd)
+    context = TierContext(traffic, workflows, socket=config.server.socket, quotas={"ssd": ssd_quotas})
+    lower = open_lower_tiers({name: getattr(config, name) for name in TIER_SECTIONS}, context)
     pool = HostPool(config.pool.capacity, config.pool.segment_bytes, config.pool.small_segment_slots)
     demotion = Demotion(lower.first, pool, counters) if lower else None
     t = config.tenancy
@@ -106,9 +109,8 @@ def build_state(config: Config) -> State:
                   tenant_policies={t.name: t.policy for t in config.tenants})
     index.coupled = config.pool.pair_eviction == "coupled"
     for tier in lower:                                   # a tier with tenants' books (the SSD's quotas)
-        know = getattr(tier, "know_tenants", None)
-        if know is not None:
-            know(index.namespaces.tenant_of_digest)
+        if isinstance(tier, TenantBooks):
+            tier.know_tenants(index.namespaces.tenant_of_digest)
     prefetcher = Prefetcher(index, pool, lower, changed, counters) if lower else None
     copy_evicted = partial(copy_deferred, demotion, index, lock, False)
     reserve = Reserve(index, pool, lock, counters, config.ssd.promote_reserve if demotion is not None else 0,

@@ -37,10 +37,10 @@ from kvstore.index.quotas import Quotas
 from kvstore.index.sweep import SlotCursor
 from kvstore.policy import EvictionPolicy, make_policy
 from kvstore.policy.tenants import PerTenantPolicy
-from kvstore.policy.workflow import Touch, Workflows
 from kvstore.protocol import ReserveStatus
 from kvstore.protocol.keys import NamespaceSpec
 from kvstore.tiers.host import HostPool, Segment
+from kvstore.workflows import Touch, Workflows
 
 RESERVED, EXISTS, IN_PROGRESS, NO_SPACE = (ReserveStatus.RESERVED, ReserveStatus.EXISTS, ReserveStatus.IN_PROGRESS,
                                           ReserveStatus.NO_SPACE)

@@ -36,7 +36,7 @@ from kvstore.policy import EvictionPolicy
 from kvstore.tiers.host import HostPool, Segment, gid_of, split_gid
 
 if TYPE_CHECKING:
-    from kvstore.policy.workflow import Touch
+    from kvstore.workflows import Touch
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from kvstore.daemon.pauses import pause_point
 from kvstore.index import Eviction
+from kvstore.testpoints import pause_point
 from kvstore.tiers import LowerTier, StagingBuffer
 from kvstore.tiers.host import HostPool, split_gid
 

@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from threading import Lock
 from typing import Any
 
-from kvstore.daemon.config import PrefetchConfig
 from kvstore.index import Index, NamespaceEntry
+from kvstore.movers.config import PrefetchConfig
 from kvstore.movers.prefetch import LaneFull, Prefetcher
-from kvstore.policy.workflow import Touch, Workflow, Workflows
 from kvstore.protocol import HASH_BYTES
 from kvstore.tiers import LowerTiers
 from kvstore.tiers.host import HostPool
+from kvstore.workflows import Touch, Workflow, Workflows
 
 SCAN_WORKFLOWS = 256        # armed workflows whose timing one tick looks at (the others at the next ticks)
 BURST_S = 1.0               # requests of a workflow this close together are batches of one request (`merge_chain`)

@@ -23,10 +23,10 @@ from threading import Condition
 from typing import Any
 
 from kvstore.index import Holdings, Index, NamespaceEntry
-from kvstore.policy.workflow import Touch
 from kvstore.tiers import LowerTier, LowerTiers
 from kvstore.tiers.host import HostPool
 from kvstore.traffic import Busy, Lane
+from kvstore.workflows import Touch
 
 Outcome = Callable[[bytes, int | None], None]   # (index key, its gid if it landed, else None): under the state lock
 

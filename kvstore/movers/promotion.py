@@ -17,11 +17,11 @@ from collections.abc import Callable
 from threading import Condition, Lock
 
 from kvstore.index import Holdings, Index, NamespaceEntry
-from kvstore.policy.workflow import Touch
 from kvstore.tiers import LowerTier, LowerTiers, SharedTier
 from kvstore.tiers.host import HostPool
 from kvstore.traffic import Lane
 from kvstore.traffic.path import rank
+from kvstore.workflows import Touch
 
 log = logging.getLogger("kvstore")
 PROMOTION_WAIT_S = 5.0      # a get waiting for a promotion in flight gives up (a miss) after this long
@@ -89,7 +89,7 @@ class Promotion:
         """(Under the state lock, released during the read.) Promote the leading blocks that one lower tier holds
         into pinned host slots; returns their gids in key order — except those already handed to `early`, which
         gets the blocks verified so far while later ones are still being read. `touch`: the request's hint
-        context, which the promoted blocks are tagged with (kvstore.policy.workflow).
+        context, which the promoted blocks are tagged with (kvstore.workflows).
 
         A tier that serves none of them leaves the read to the tiers that hold the leading block now, looked up
         again without it: the store evicted it meanwhile, a value failed its check, or — the case that must never

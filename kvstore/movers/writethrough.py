@@ -27,35 +27,18 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
 from threading import Condition
-from typing import Protocol, runtime_checkable
 
-from kvstore.daemon.crash import fault_point
 from kvstore.index import Holdings, Index, NamespaceEntry
 from kvstore.movers.durability import Books, Entry, Ticket
-from kvstore.tiers import LowerTier
+from kvstore.testpoints import fault_point
+from kvstore.tiers import DurableTier, LowerTier
 from kvstore.tiers.host import HostPool
 from kvstore.traffic import Lane
 from kvstore.workers import Worker
 
 log = logging.getLogger("kvstore")
 BATCH = 32
-
-
-@runtime_checkable
-class DurableTier(LowerTier, Protocol):
-    """A lower tier that can say when a block is on its medium (the SSD tier's write-through hooks)."""
-
-    def want(self, bids: Sequence[bytes]) -> None: ...
-
-    def unwant(self, bids: Sequence[bytes]) -> None: ...
-
-    def when_written(self, bids: Sequence[bytes], done: Callable[[bytes], None]) -> None: ...
-
-    def staged_keys(self, digests: set[bytes]) -> list[bytes]: ...
-
-    def on_disk(self, bid: bytes) -> bool: ...
 
 
 def write_slots(tier: LowerTier, bids: list[bytes], views: list[memoryview], crcs: list[int | None], lane: Lane,

@@ -1,6 +1,9 @@
 """Eviction policies: who decides which block leaves a full tier. A policy never touches bytes.
 
-Two shapes, by where a tier keeps its candidates:
+One contract in two sizes, by where a tier keeps its candidates, and one registry: `REGISTRY` maps a policy's name
+(what `pool.eviction`, `ssd.eviction` and `tenants[].policy` say) to its module, imported on use; the module offers
+`host_policy(table, workflows, key_at, slots_of)` and `tier_policy(workflows)`. A new policy is one module and one
+line in REGISTRY (tests/policy/test_registry.py registers a toy one from a test module).
 
 `EvictionPolicy` — the host pool's, over the index's key table. It never sees pinned blocks: the index tells it when
 a block is pinned (no longer a candidate) and unpinned (a candidate again).
@@ -15,13 +18,14 @@ a block is pinned (no longer a candidate) and unpinned (a candidate again).
   (compaction, kvstore.index.capacity; after the key table maps it to `dst`); its place in the policy's order is
   kept. Books per slot (the workflow policy's rows) follow the block; books by key (LRU's) have nothing to do. The
   index compacts a segment only under a policy that has this hook (another one's segments go as they stand).
-`touch` is the request's hint context (kvstore.policy.workflow.Touch: workflow and agent) or None. Blocks enter the
+`touch` is the request's hint context (kvstore.workflows.Touch: workflow and agent) or None. Blocks enter the
 key table already linked as the most recent of their class and leave it by removal, so LRU, built on the table's
 intrusive lists, does nothing on `added` and `removed`.
 
-`TierPolicy` — for a lower tier with books of its own (the SSD store): the tier tells it every block that comes
-(`added(key, cls)`, the most recent of its class), goes (`removed`) or is read (`accessed`), and asks `victim(cls)`
-when a class is full. Keys are whatever the tier books blocks by (the SSD: block ids); a class is a block size.
+`TierPolicy` — the part of it a lower tier with books of its own uses (the SSD store), no pins, no moves: the tier
+tells it every block that comes (`added(key, cls)`, the most recent of its class), goes (`removed`) or is read
+(`accessed`), and asks `victim(cls)` when a class is full. Keys are whatever the tier books blocks by (the SSD: block
+ids); a class is a block size.
 
 `workflow` (PBKV §4.2: retired blocks first, then active ones by lookahead value) implements both: over the key
 table in compact rows per host slot (kvstore.policy.compact) and in dicts for a lower tier (kvstore.policy.workflow),
@@ -29,26 +33,19 @@ one `Workflows` (the hints' books) shared by the tiers.
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
-    from kvstore.policy.workflow import Touch, Workflows
+    from kvstore.workflows import Touch, Workflows
 
-POLICIES = ("lru", "workflow")
-
-
-class EvictionPolicy(Protocol):
-    name: str
-
-    def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None: ...
-    def removed(self, key: bytes) -> None: ...
-    def accessed(self, key: bytes, touch: Touch | None = None) -> None: ...
-    def pinned(self, key: bytes) -> None: ...
-    def unpinned(self, key: bytes) -> None: ...
-    def victim(self, cls: int) -> bytes | None: ...
-    def moved(self, key: bytes, src: int, dst: int) -> None: ...
+REGISTRY: dict[str, str] = {
+    "lru": "kvstore.policy.lru",
+    "workflow": "kvstore.policy.workflow",
+}
+POLICIES = tuple(REGISTRY)
 
 
 class TierPolicy(Protocol):
@@ -60,33 +57,29 @@ class TierPolicy(Protocol):
     def victim(self, cls: int) -> bytes | None: ...
 
 
+class EvictionPolicy(TierPolicy, Protocol):
+    def pinned(self, key: bytes) -> None: ...
+    def unpinned(self, key: bytes) -> None: ...
+    def moved(self, key: bytes, src: int, dst: int) -> None: ...
+
+
+def _module(name: str) -> object:
+    module = REGISTRY.get(name)
+    if module is None:
+        raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(REGISTRY)}")
+    return importlib.import_module(module)
+
+
 def make_policy(name: str, table: KeyTable, workflows: Workflows | None = None,
                 key_at: Callable[[int], bytes | None] | None = None,
                 slots_of: Callable[[int], int] | None = None) -> EvictionPolicy:
-    """The host pool's policy by name, imported on use. `workflow` needs `key_at(gid)` (the pool's reverse map);
-    `workflows` are the hints' books (a private one if None); `slots_of(segment id)` sizes a segment's rows."""
-    if name == "lru":
-        from kvstore.policy.lru import LruPolicy
-
-        return LruPolicy(table)
-    if name == "workflow":
-        from kvstore.policy.compact import CompactWorkflowPolicy
-        from kvstore.policy.workflow import Workflows
-
-        if key_at is None:
-            raise ValueError("the workflow policy needs key_at (gid -> key)")
-        return CompactWorkflowPolicy(table, workflows or Workflows(), key_at, slots_of)
-    raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")
+    """The host pool's policy by name. `key_at(gid)` is the pool's reverse map (a policy with books per slot needs
+    it); `workflows` are the hints' books (a private one if None); `slots_of(segment id)` sizes per-segment rows."""
+    policy: EvictionPolicy = _module(name).host_policy(table, workflows, key_at, slots_of)  # type: ignore[attr-defined]
+    return policy
 
 
 def make_tier_policy(name: str, workflows: Workflows | None = None) -> TierPolicy:
-    """A lower tier's policy by name, imported on use (`workflows`: the hints' books, a private one if None)."""
-    if name == "lru":
-        from kvstore.policy.lru import LruOrder
-
-        return LruOrder()
-    if name == "workflow":
-        from kvstore.policy.workflow import WorkflowPolicy, Workflows
-
-        return WorkflowPolicy(workflows or Workflows())
-    raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")
+    """A lower tier's policy by name (`workflows`: the hints' books, a private one if None)."""
+    policy: TierPolicy = _module(name).tier_policy(workflows)  # type: ignore[attr-defined]
+    return policy

@@ -37,7 +37,7 @@ from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstore.policy.workflow import Touch, Workflow, Workflows, agent_names
+from kvstore.workflows import Touch, Workflow, Workflows, agent_names
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable

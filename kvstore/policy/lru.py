@@ -2,11 +2,23 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
-    from kvstore.policy.workflow import Touch
+    from kvstore.workflows import Touch, Workflows
+
+
+def host_policy(table: KeyTable, workflows: Workflows | None = None, key_at: Callable[[int], bytes | None] | None
+                = None, slots_of: Callable[[int], int] | None = None) -> LruPolicy:
+    """The registry's entry for the host pool (kvstore.policy): hints and slots play no part in LRU."""
+    return LruPolicy(table)
+
+
+def tier_policy(workflows: Workflows | None = None) -> LruOrder:
+    """The registry's entry for a lower tier with books of its own."""
+    return LruOrder()
 
 
 class LruPolicy:

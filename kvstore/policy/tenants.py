@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
     from kvstore.policy import EvictionPolicy
-    from kvstore.policy.workflow import Touch
+    from kvstore.workflows import Touch
 
 
 class PerTenantPolicy:

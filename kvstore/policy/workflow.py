@@ -1,8 +1,8 @@
 """Workflow-aware eviction (PBKV §4.2): retired blocks first, then active blocks by their lookahead reuse score.
 
 The engine (or an agent framework) tells the daemon which workflow, agent and session each request belongs to
-(hints: `Workflows.begin / call / end`); each block remembers which workflows touched it (`tags`, at most
-`tag_budget` of them, the most recent, and how many ever did). Then, when a class is full:
+(hints, booked in kvstore.workflows: `Workflows.begin / call / end`); each block remembers which workflows touched
+it (`tags`, at most `tag_budget` of them, the most recent, and how many ever did). Then, when a class is full:
 
 1. **Retired blocks first** — every workflow that touched them has ended (or went idle past `idle_s`), or no hint
    ever named one. Fewest touching workflows first (a block many workflows used, such as a shared system prompt,
@@ -10,16 +10,16 @@ The engine (or an agent framework) tells the daemon which workflow, agent and se
    block is here, and the policy is LRU.
 2. **Then active blocks, lowest score first.** A block's score sums, over the active workflows that touched it,
    that workflow's K-step lookahead reuse value: Σ_k γ^(k-1) · s_w(k) · P(step k calls an agent that reuses the
-   block), s_w(k) the probability w is still running at step k (predictor.py). Under the prefix-sharing
+   block), s_w(k) the probability w is still running at step k (kvstore.workflows.predictor). Under the prefix-sharing
    convention of agent frameworks (each agent's prompt carries the whole history so far), every later agent of a
    workflow reuses what an earlier one touched: the "later agents inherit" variant of PBKV §5, the default
    (`inherit=False` scores only the agents that touched the block themselves). A chat session is a workflow whose
    every turn reuses its whole history.
    **Timed** (the default): each value is scaled by how soon the workflow is expected back — the mean gap
    between calls over its expected residual wait, E[G − e | G > e], e the time since its last call and G the gaps
-   learned per (type, agent) (`predictor.Gaps`). Agents wait on decodes and tools, and those waits are not
-   memoryless: the workflow that just called is the least likely to call next, so this is Belady's farthest next
-   use, estimated (under memoryless gaps it falls back to the lookahead order).
+   learned per (type, agent) (`kvstore.workflows.predictor.Gaps`). Agents wait on decodes and tools, and those
+   waits are not memoryless: the workflow that just called is the least likely to call next, so this is Belady's
+   farthest next use, estimated (under memoryless gaps it falls back to the lookahead order).
    Blocks are kept in groups of one signature (the set of active workflows that touched them), each an LRU list:
    a score is computed per group, not per block, and a workflow's step changes the value of its groups only.
 3. Within a group, least recently used first: a read touches a prefix's head last, so tails go before heads.
@@ -42,161 +42,33 @@ slot (the host pool's, within the 10-million-block memory budget). tests/policy 
 from __future__ import annotations
 
 import math
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvstore.policy.predictor import END, START, Gaps, TransitionModel, survival
+from kvstore.workflows import Touch, Workflow, Workflows, agent_names
+
+if TYPE_CHECKING:
+    from kvstore.index.keytable import KeyTable
+    from kvstore.policy.compact import CompactWorkflowPolicy
 
 RETIRED = frozenset[str]()
 Signature = frozenset[str]
 
 
-@dataclass(frozen=True, slots=True)
-class Touch:
-    """The hint context of a request: the workflow (or chat session) and agent it belongs to."""
-    workflow: str
-    agent: str = ""
+def host_policy(table: KeyTable, workflows: Workflows | None = None, key_at: Callable[[int], bytes | None] | None
+                = None, slots_of: Callable[[int], int] | None = None) -> CompactWorkflowPolicy:
+    """The registry's entry for the host pool (kvstore.policy): the compact form, rows per host slot."""
+    from kvstore.policy.compact import CompactWorkflowPolicy
+
+    if key_at is None:
+        raise ValueError("the workflow policy needs key_at (gid -> key)")
+    return CompactWorkflowPolicy(table, workflows or Workflows(), key_at, slots_of)
 
 
-@dataclass
-class Workflow:
-    wid: str
-    wtype: str
-    agent: str = START
-    steps: int = 0
-    seen: float = 0.0
-    agents: dict[str, int] = field(default_factory=dict)    # agent → its bit in a block's agent mask
-    num: int = 0                                             # its number (1..2**32-1) in the compact books' tags
-
-
-class Workflows:
-    """The hints' books: which workflows are active, what each called last, and its lookahead value."""
-
-    def __init__(self, predictor: TransitionModel | None = None, horizon: int = 3, gamma: float = 0.7,
-                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic, timed: bool = True) -> None:
-        self.predictor = predictor or TransitionModel(horizon)
-        self.horizon = horizon
-        self.gamma = gamma
-        self.idle_s = idle_s
-        self.clock = clock
-        self.active: dict[str, Workflow] = {}
-        self.ignored = 0                        # hints about unknown workflows, counted and dropped
-        self._value: dict[str, float] = {}
-        self.gaps = Gaps()                      # seconds between a workflow's calls, per (type, agent)
-        self.timed = timed                      # weigh each value by how soon the workflow is expected back
-        self.nums: dict[int, Workflow] = {}                   # the active workflows by number
-        self.version = 0                                        # bumps with every hint that may change a value
-        self.retire_hooks: list[Callable[[Workflow], None]] = []   # each policy's: a workflow ended (already out
-        self._next_num = 0                                      # of `active` and `nums`)
-        self.change_hooks: list[Callable[[Workflow], None]] = []   # each policy's: the workflow's value may change
-
-    def begin(self, wid: str, wtype: str = "") -> Workflow:
-        w = self.active.get(wid)
-        if w is None:
-            self._next_num = self._next_num % 0xFFFFFFFF + 1      # 32-bit, never 0 (an empty tag)
-            w = self.active[wid] = self.nums[self._next_num] = Workflow(wid, wtype, seen=self.clock(),
-                                                                          num=self._next_num)
-            self._value.pop(wid, None)
-            self.version += 1
-        return w
-
-    def call(self, wid: str, agent: str, wtype: str = "") -> Workflow:
-        """Agent `agent` of workflow `wid` is invoked (a workflow not begun yet begins here)."""
-        w = self.begin(wid, wtype)
-        self.predictor.called(wid, w.wtype, w.agent, agent)
-        now = self.clock()
-        if w.steps:
-            self.gaps.observe(w.wtype, w.agent, now - w.seen)
-        w.agent = agent
-        w.steps += 1
-        w.seen = now
-        w.agents.setdefault(agent, len(w.agents))
-        self._value.pop(wid, None)
-        self.version += 1
-        for hook in self.change_hooks:
-            hook(w)
-        return w
-
-    def end(self, wid: str) -> None:
-        w = self.active.pop(wid, None)
-        if w is None:
-            self.ignored += 1
-            return
-        self.predictor.ended(wid, w.wtype, w.agent)
-        self._retire(w)
-
-    def retire(self, wid: str) -> bool:
-        """Retire one workflow whose end never came (idle, or one too many): its blocks become retired blocks, and
-        the predictor learns no end. False if it was not active."""
-        w = self.active.pop(wid, None)
-        if w is None:
-            return False
-        self._retire(w)
-        return True
-
-    def expire(self) -> list[str]:
-        """Retire workflows idle for longer than idle_s (their end never came); their ids."""
-        now = self.clock()
-        idle = [wid for wid, w in self.active.items() if now - w.seen > self.idle_s]
-        for wid in idle:
-            self._retire(self.active.pop(wid))
-        return idle
-
-    def _retire(self, w: Workflow) -> None:
-        self.nums.pop(w.num, None)
-        self._value.pop(w.wid, None)
-        self.version += 1
-        for hook in self.retire_hooks:
-            hook(w)
-
-    def value(self, wid: str) -> float:
-        """The workflow's reuse value for a block every later agent reuses (0 when not active): its K-step lookahead
-        Σ γ^(k-1)·P(running at step k); timed (the default), scaled by how soon its next call is expected — the
-        mean gap over the expected residual wait (`Gaps`), so Belady's farthest next use is what goes first. A
-        workflow whose type has no gaps learned yet counts as due within one mean gap."""
-        got = self._value.get(wid)
-        if got is None:
-            w = self.active.get(wid)
-            if w is None:
-                return 0.0
-            ahead = self.predictor.lookahead(w.wtype, w.agent, self.horizon)
-            alive = survival(ahead)
-            got = self._value[wid] = sum(self.gamma ** k * alive[k] for k in range(len(alive)))
-        if not self.timed:
-            return got
-        mean = self.gaps.mean
-        if mean is None:
-            return got
-        w = self.active[wid]
-        due = self.gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
-        return got if due is None else got * mean / (due + 0.05 * mean)
-
-    def expect(self, wid: str) -> tuple[float, float | None]:
-        """(p_next, due_s) of an active workflow: the probability that it calls again, and the expected seconds until
-        it does given the time since its last call (None while no gaps are learned for its type); (0.0, None) if it
-        is not active. For the predictive prefetch."""
-        w = self.active.get(wid)
-        if w is None:
-            return 0.0, None
-        p = survival(self.predictor.lookahead(w.wtype, w.agent, 1))[0]
-        return p, self.gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
-
-    def agent_value(self, wid: str, mask: int) -> float:
-        """The value for a block only the agents in `mask` touched (the plain PBKV score, without inheritance)."""
-        w = self.active.get(wid)
-        if w is None:
-            return 0.0
-        names = [a for a, bit in w.agents.items() if mask >> bit & 1]
-        ahead = self.predictor.lookahead(w.wtype, w.agent, self.horizon)
-        return sum(self.gamma ** k * sum(d.get(a, 0.0) for a in names) for k, d in enumerate(ahead))
-
-
-def agent_names(w: Workflow, mask: int) -> list[str]:
-    """The agents of `w` in a block's agent mask (bit min(agent index, 7): the eighth and later share a bit)."""
-    return [a for a, bit in w.agents.items() if mask >> min(bit, 7) & 1]
+def tier_policy(workflows: Workflows | None = None) -> WorkflowPolicy:
+    """The registry's entry for a lower tier with books of its own: this module's dict form."""
+    return WorkflowPolicy(workflows or Workflows())
 
 
 class WorkflowPolicy:
@@ -358,4 +230,4 @@ class WorkflowPolicy:
         return iter(self.where)
 
 
-__all__ = ["END", "Touch", "WorkflowPolicy", "Workflows"]
+__all__ = ["WorkflowPolicy"]

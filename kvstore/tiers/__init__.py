@@ -19,18 +19,27 @@ is promoted into carries the writer's CRC on; a tier never replaces it with one 
 
 A tier's disk or network access is a transfer on one of the traffic manager's paths. `LowerTiers` keeps the tiers
 below the host pool in order (fastest first): evictions go to the first, reads find a block in whichever holds it.
-A tier shared with other nodes (the remote store) is also a `SharedTier`: lookups ask it about the blocks no local
-tier holds (`probe`, without the state lock), and committed blocks are put in it at once where its placement says
-so (`write_through`). A new tier is a module implementing `LowerTier` plus one line in `registry.TIER_TYPES`.
+Optional capabilities are protocols a tier implements or not, checked with isinstance (never by looking up a
+method's name): `SharedTier` (shared with other nodes, the remote store: lookups ask it about the blocks no local
+tier holds with `probe`, without the state lock, and committed blocks are put in it at once where its placement says
+so), `DurableTier` (its blocks outlive the daemon: durable puts wait for it, a graceful stop persists the host pool
+to it), `TenantBooks` (quotas per tenant) and `PacedTier` (bulk evictions wait for its staging). A tier that sits
+above another and moves blocks down to it is listed in `registry.STACKED`. How to add a tier: kvstore.tiers.registry;
+what every tier must do: tests/tiers/test_conformance.py.
 """
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvstore.traffic import Lane, Path
+
+if TYPE_CHECKING:
+    from kvstore.traffic.manager import TrafficManager
+    from kvstore.workflows import Workflows
 
 BLOCK_ID_BYTES = 32                 # namespace digest + block hash
 Buffer = bytes | bytearray | memoryview | mmap.mmap
@@ -111,6 +120,58 @@ class SharedTier(LowerTier, Protocol):
         ...
 
 
+@runtime_checkable
+class DurableTier(LowerTier, Protocol):
+    """A lower tier whose blocks outlive the daemon (the SSD): it can say when a block is on its medium, which the
+    durable puts and flushes and the write-through wait for (kvstore.movers.writethrough), and a graceful stop
+    writes the host pool to it when `persist_on_stop` (kvstore.movers.persist)."""
+    persist_on_stop: bool
+
+    def want(self, bids: Sequence[bytes]) -> None:
+        """These blocks are to be written through (a durable put or flush named them)."""
+        ...
+
+    def unwant(self, bids: Sequence[bytes]) -> None: ...
+
+    def when_written(self, bids: Sequence[bytes], done: Callable[[bytes], None]) -> None:
+        """Call `done(bid)` once each block is synced to the medium (at once for one that is)."""
+        ...
+
+    def staged_keys(self, digests: set[bytes]) -> list[bytes]:
+        """The blocks of these namespaces waiting in staging for their write."""
+        ...
+
+    def on_disk(self, bid: bytes) -> bool: ...
+
+
+@runtime_checkable
+class TenantBooks(Protocol):
+    """A tier that keeps quotas per tenant (the SSD's, kvstore.tiers.ssd.owners): it learns which namespace is
+    whose from the daemon, shows its rows in `kvstore tenants`, and takes quota changes online."""
+    quotas_on: bool
+
+    def know_tenants(self, tenant_of: Callable[[bytes], str | None]) -> None:
+        """The daemon's map from a registered namespace digest to its tenant."""
+        ...
+
+    def tenant_rows(self, tenants: Sequence[str]) -> dict[str, dict[str, int]]: ...
+
+    def set_quota(self, tenant: str, nbytes: int) -> int:
+        """Set a tenant's quota; its quota before. ValueError where the quotas would not fit the tier."""
+        ...
+
+
+@runtime_checkable
+class PacedTier(Protocol):
+    """A tier whose demotions go through bounded staging: an operator's bulk eviction waits for room instead of
+    evicting faster than the tier writes (and dropping what staging cannot hold)."""
+
+    def wait_room(self, nbytes: int, timeout: float) -> int:
+        """(Without the daemon's state lock.) Wait until `nbytes` of staging are free, or `timeout`; the free
+        bytes."""
+        ...
+
+
 class LowerTiers:
     """The tiers below the host pool, fastest first: an evicted block goes to the first; a read finds a block in
     whichever tier holds it; a delete reaches all of them."""
@@ -155,3 +216,15 @@ class LowerTiers:
         """Fastest first: a tier that moves blocks down (the donated tier) stops before the tier it moves them to."""
         for t in self.tiers:
             t.close()
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What the daemon lends a tier at start, besides its own configuration section."""
+    traffic: TrafficManager                 # every byte a tier moves is a transfer on one of its paths
+    workflows: Workflows | None = None      # the hint books, which a workflow-aware eviction policy reads
+    socket: str = ""                        # the daemon's socket: a tier with a socket of its own puts it beside
+    quotas: Mapping[str, tuple[dict[str, int], int]] = field(default_factory=dict)   # per section: tenant → bytes
+                                            # guaranteed, and the default of a tenant not listed
+    opened: tuple[str, ...] = ()            # the names of the tiers opened before this one
+    below: LowerTier | None = None          # (stacked tiers) the tier they move blocks down to

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.daemon.config import TrafficConfig
+from kvstore.traffic.config import TrafficConfig
 from kvstore.traffic.lanes import Lane
 from kvstore.traffic.path import Path
 from kvstore.traffic.slow import from_env
@@ -24,8 +24,11 @@ class TrafficManager:
         self.cfg = cfg
         self.paths: dict[str, Path] = {}
 
-    def path(self, name: str, workers: int, nominal_bps: float = 1e9) -> Path:
-        """The path called `name`, made on first use."""
+    def path(self, name: str, workers: int | None = None, nominal_bps: float = 1e9) -> Path:
+        """The path called `name`, made on first use with `workers` transfers at once (None: traffic.ssd_in_flight,
+        the section's setting for a disk's path)."""
+        if workers is None:
+            workers = self.cfg.ssd_in_flight
         p = self.paths.get(name)
         if p is None:
             p = self.paths[name] = Path(name, workers, lane_shares(self.cfg), lane_queues(self.cfg),

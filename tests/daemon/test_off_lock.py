@@ -1,5 +1,5 @@
 """Long work leaves the state lock to others (issue 13, part 4), shown against a live daemon with pause points
-(kvstore.daemon.pauses): the daemon stops a thread at a named point where it must hold no lock, the test makes other
+(kvstore.testpoints): the daemon stops a thread at a named point where it must hold no lock, the test makes other
 clients' requests meanwhile, then lets it go on. No timing: a request that needed the lock would never complete
 while the thread is paused.
 

@@ -12,7 +12,8 @@ import pytest
 
 from kvstore.index.keytable import KeyTable
 from kvstore.policy.compact import ABSENT, CompactWorkflowPolicy
-from kvstore.policy.workflow import Touch, WorkflowPolicy, Workflows
+from kvstore.policy.workflow import WorkflowPolicy
+from kvstore.workflows import Touch, Workflows
 
 AGENTS = ["planner", "coder", "tester", "reviewer", "a4", "a5", "a6", "a7", "a8", "a9"]   # > 8: masks clamp
 

@@ -44,7 +44,7 @@ def test_unknown_policy_names_the_known_ones():
 
 def test_the_workflow_policy_shares_the_hints_books():
     """The SSD tier's workflow policy reads the Workflows it is given (the daemon's, shared with the host pool)."""
-    from kvstore.policy.workflow import Touch, Workflows
+    from kvstore.workflows import Touch, Workflows
 
     flows = Workflows()
     p = make_tier_policy("workflow", flows)

@@ -3,8 +3,9 @@ blocks first (fewest touching workflows first), then active blocks by lookahead 
 blocks never; the transition model's lookahead and accuracy."""
 from __future__ import annotations
 
-from kvstore.policy.predictor import END, Gaps, TransitionModel, survival
-from kvstore.policy.workflow import Touch, WorkflowPolicy, Workflows
+from kvstore.policy.workflow import WorkflowPolicy
+from kvstore.workflows import Touch, Workflows
+from kvstore.workflows.predictor import END, Gaps, TransitionModel, survival
 
 
 def k(i: int) -> bytes:

@@ -18,8 +18,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path as FsPath
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,6 +29,7 @@ from kvstore.client.connection import KVStoreError
 from kvstore.client.donor import Donor
 from kvstore.daemon.config import DonatedConfig, SsdConfig, TrafficConfig
 from kvstore.protocol.frames import HEADER, FrameReader, decode, encode
+from kvstore.tiers import TierContext
 from kvstore.tiers.donated.memory import MemfdMemory
 from kvstore.tiers.donated.tier import DonatedTier, open_tier
 from kvstore.tiers.ssd.record import HEADER_BYTES, padded
@@ -623,10 +624,9 @@ def test_the_tiers_odd_corners(rig: Rig, sock_dir: str) -> None:
         rig.tier.resize(1 << 30)
 
     traffic = TrafficManager(TrafficConfig())
-    server = SimpleNamespace(socket=os.path.join(sock_dir, "kvstore.sock"))
-    assert open_tier(SimpleNamespace(server=server), traffic) is None
-    cfg = SimpleNamespace(server=server, donated=DonatedConfig(enabled=True, socket=os.path.join(sock_dir, "d2")))
-    tier = open_tier(cfg, traffic, below=rig.ssd)
+    ctx = TierContext(traffic, socket=os.path.join(sock_dir, "kvstore.sock"))
+    assert open_tier(DonatedConfig(), ctx) is None
+    tier = open_tier(DonatedConfig(enabled=True, socket=os.path.join(sock_dir, "d2")), replace(ctx, below=rig.ssd))
     try:
         assert tier is not None and tier.path.name == "mem" and tier.below is rig.ssd
         with Donor(os.path.join(sock_dir, "d2")) as donor:

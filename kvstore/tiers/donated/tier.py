@@ -40,12 +40,12 @@ from functools import partial
 from typing import Any
 
 from kvstore.histogram import Histogram
-from kvstore.tiers import LowerTier, StagingBuffer, TierWrite
+from kvstore.tiers import LowerTier, PacedTier, StagingBuffer, TierContext, TierWrite
+from kvstore.tiers.donated.config import DonatedConfig
 from kvstore.tiers.donated.listener import socket_beside
 from kvstore.tiers.donated.memory import RegionMemory
 from kvstore.tiers.donated.region import Block, Handoff, Region
 from kvstore.traffic import Busy, Lane, Path
-from kvstore.traffic.manager import TrafficManager
 
 log = logging.getLogger("kvstore")
 PENDING_WAIT_S = 5.0            # the longest a read waits for a block's fill (a copy: milliseconds)
@@ -375,8 +375,8 @@ class DonatedTier:
     def wait_room(self, nbytes: int, timeout: float) -> int:
         """(An operator's eviction, without the state lock.) The tier below's staging room, waited for: blocks this
         tier has no room for go there (see SsdTier.wait_room)."""
-        wait = getattr(self.below, "wait_room", None)
-        return wait(nbytes, timeout) if wait is not None else nbytes
+        below = self.below
+        return below.wait_room(nbytes, timeout) if isinstance(below, PacedTier) else nbytes
 
     def fill(self, bid: bytes, buf: StagingBuffer, data: memoryview) -> None:
         """(Without the state lock.) Copy an evicted block into the slot `stage` booked (first moving the slot's
@@ -616,19 +616,18 @@ class DonatedTier:
                 pass
 
 
-def open_tier(config: Any, traffic: TrafficManager, workflows: Any = None,
-              below: LowerTier | None = None) -> DonatedTier | None:
-    """The donated tier `config.donated` asks for (None when off or absent), listening for donors; `below`: the
-    tier it moves blocks down to (the SSD tier, opened first). Copies take the traffic manager's "mem" path for
-    shared memory, "gpu" for CUDA memory: a link of their own, never the SSD's (whose arbiter and measured
-    bandwidth are the disk's: promotion ranks holders by it)."""
-    cfg = getattr(config, "donated", None)
-    if cfg is None or not cfg.enabled:
+def open_tier(cfg: DonatedConfig, ctx: TierContext) -> DonatedTier | None:
+    """The donated tier its section asks for (None when off), listening for donors (on `donated.socket`, else
+    donate.sock beside the daemon's socket); `ctx.below`: the tier it moves blocks down to (the SSD tier, opened
+    first). Copies take the traffic manager's "mem" path for shared memory, "gpu" for CUDA memory: a link of their
+    own, never the SSD's (whose arbiter and measured bandwidth are the disk's: promotion ranks holders by it)."""
+    if not cfg.enabled:
         return None
+    traffic = ctx.traffic
     if cfg.kind == "memfd":
         path = traffic.path("mem", cfg.in_flight, nominal_bps=10e9)
     else:
         path = traffic.path("gpu", cfg.in_flight, nominal_bps=20e9)
-    sock = cfg.socket or socket_beside(config.server.socket)
-    return DonatedTier(path, below).listen(sock, kind=cfg.kind, max_donors=cfg.max_donors,
+    sock = cfg.socket or socket_beside(ctx.socket)
+    return DonatedTier(path, ctx.below).listen(sock, kind=cfg.kind, max_donors=cfg.max_donors,
                                            max_bytes=cfg.max_bytes, max_deadline_s=cfg.max_deadline_ms / 1000)

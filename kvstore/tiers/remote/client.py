@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvstore.daemon.config import RemoteConfig
 from kvstore.tiers import TierUnavailable
 from kvstore.tiers.remote import address
+from kvstore.tiers.remote.config import RemoteConfig
 
 log = logging.getLogger("kvstore")
 Part = tuple[int, int]      # (address, length) in registered memory

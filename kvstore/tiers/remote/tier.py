@@ -43,14 +43,12 @@ from typing import Any
 import numpy as np
 
 from kvstore.checksum import crc32c
-from kvstore.daemon.config import Config, RemoteConfig
-from kvstore.policy.workflow import Workflows
-from kvstore.tiers import StagingBuffer, TierUnavailable, TierWrite
+from kvstore.tiers import StagingBuffer, TierContext, TierUnavailable, TierWrite
 from kvstore.tiers.remote import address, trailer
 from kvstore.tiers.remote.arena import Arena
 from kvstore.tiers.remote.client import NOT_FOUND, TRANSFER_FAILED, MooncakeClient, Part, StoreDown, store_key
+from kvstore.tiers.remote.config import RemoteConfig
 from kvstore.traffic import Busy, Lane, Path
-from kvstore.traffic.manager import TrafficManager
 
 log = logging.getLogger("kvstore")
 CHUNK = 1024                    # blocks per read transfer at most
@@ -719,30 +717,29 @@ def _pieces(sizes: Sequence[int], limit: int, most: int = 1 << 30) -> list[tuple
     return out
 
 
-def placement(config: Config) -> str:
-    """write_back or write_through or both, as configured; `auto`: write-back without an SSD tier, else
-    write-through (the SSD takes the evictions)."""
-    p = config.remote.placement
-    if p == "auto":
-        return "write_through" if config.ssd.dir else "write_back"
-    return p
+def placement(cfg: RemoteConfig, below_first: str = "") -> str:
+    """write_back or write_through or both, as configured; `auto`: write-back where the remote tier is the first
+    lower tier, else write-through (`below_first`, the tier opened before it, takes the evictions)."""
+    if cfg.placement == "auto":
+        return "write_through" if below_first else "write_back"
+    return cfg.placement
 
 
-def open_tier(config: Config, traffic: TrafficManager, workflows: Workflows | None = None) -> RemoteTier | None:
-    cfg = config.remote
+def open_tier(cfg: RemoteConfig, ctx: TierContext) -> RemoteTier | None:
     if not cfg.master:
         return None
-    where = placement(config)
-    if config.ssd.dir and where != "write_through":
-        raise TierUnavailable(f"remote.placement {where}: beside an SSD tier the SSD takes the host pool's "
-                              f"evictions; set remote.placement to write_through (or auto)")
+    first = ctx.opened[0] if ctx.opened else ""
+    where = placement(cfg, first)
+    if first and where != "write_through":
+        raise TierUnavailable(f"remote.placement {where}: beside an {first.upper()} tier the {first.upper()} takes "
+                              f"the host pool's evictions; set remote.placement to write_through (or auto)")
     # Mooncake's own bound on a transfer that has started (a read into host slots is never abandoned)
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(1, int(round(cfg.timeout_s)))))
     # Mooncake's own log lines go to the daemon's stderr: its warnings and errors only, unless kvstore logs debug
-    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if config.log.level == "debug" else "WARNING")
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if log.isEnabledFor(logging.DEBUG) else "WARNING")
     advertised, listen = _endpoint_addresses(cfg)
     client = MooncakeClient(cfg, advertised, listen)
-    path = traffic.path("net", cfg.in_flight, nominal_bps=1e9)
+    path = ctx.traffic.path("net", cfg.in_flight, nominal_bps=1e9)
     tier = RemoteTier(cfg, path, client, write_back=where in ("write_back", "both"), placement=where).start()
     log.info("remote: Mooncake Store at %s (metadata %s, %s), %s, %d replica(s); this node is %s to the others; "
              "linking in the background", cfg.master, cfg.metadata or "the master's", cfg.protocol, where,

@@ -50,7 +50,6 @@ log = logging.getLogger("kvstore")
 FILE_RE = re.compile(r"^blocks-(\d+)\.kvs$")
 MAP_RE = re.compile(r"^blocks-(\d+)\.map$")
 LOCK_NAME = "LOCK"
-IO_MODES = ("auto", "io_uring", "threads")      # the values of ssd.io
 
 
 class StoreLocked(RuntimeError):

@@ -46,18 +46,19 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
-from kvstore.daemon.crash import crash_point
 from kvstore.policy import make_tier_policy
-from kvstore.policy.workflow import Workflows
+from kvstore.testpoints import crash_point
 from kvstore.tiers.ssd import diskio
+from kvstore.tiers.ssd.config import SYNC_POLICIES
 from kvstore.tiers.ssd.files import ClassFile, StoreLocked, choose_io, lock_directory, open_class_file, punch
 from kvstore.tiers.ssd.owners import Owners, SsdQuotas
 from kvstore.tiers.ssd.reads import Reader
 from kvstore.tiers.ssd.recmap import ENTRY_BYTES, FILE_HEADER
 from kvstore.tiers.ssd.scan import RestartScan, Scan
-from kvstore.tiers.ssd.writes import SYNC_POLICIES, Item, Writer
+from kvstore.tiers.ssd.writes import Item, Writer
 from kvstore.tiers.ssd.zeroing import Zeroing, run_unlocked
 from kvstore.traffic import Lane, Path
+from kvstore.workflows import Workflows
 
 __all__ = ["SYNC_POLICIES", "ClassFile", "SsdStore", "StoreLocked"]
 log = logging.getLogger("kvstore")

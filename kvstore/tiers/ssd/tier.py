@@ -39,15 +39,14 @@ from typing import Any
 import numpy as np
 
 from kvstore.checksum import crc32c
-from kvstore.daemon.config import Config, SsdConfig
-from kvstore.daemon.crash import fault_point
-from kvstore.policy.workflow import Workflows
-from kvstore.tiers import StagingBuffer, TierUnavailable, TierWrite
+from kvstore.testpoints import fault_point
+from kvstore.tiers import StagingBuffer, TierContext, TierUnavailable, TierWrite
+from kvstore.tiers.ssd.config import SsdConfig
 from kvstore.tiers.ssd.owners import SsdQuotas
 from kvstore.tiers.ssd.store import SsdStore, StoreLocked
 from kvstore.traffic import Lane, Path
-from kvstore.traffic.manager import TrafficManager
 from kvstore.workers import Worker
+from kvstore.workflows import Workflows
 
 log = logging.getLogger("kvstore")
 WRITE_BATCH = 32
@@ -72,6 +71,7 @@ class SsdTier:
     def __init__(self, cfg: SsdConfig, path: Path | None = None, workflows: Workflows | None = None,
                  quotas: SsdQuotas | None = None) -> None:
         self.cfg = cfg
+        self.persist_on_stop = cfg.persist_on_stop       # (DurableTier) a graceful stop writes the host pool here
         self.store = SsdStore(cfg.dir, cfg.capacity, cfg.sync, path, cfg.io, cfg.eviction, workflows, quotas)
         self.path = self.store.path
         self.staging: dict[bytes, bytes | bytearray | mmap.mmap | Pending] = {}
@@ -477,16 +477,15 @@ def _call(gone: list[tuple[bytes, list[Callable[[bytes], None]]]]) -> None:
             done(key)
 
 
-def open_tier(config: Config, traffic: TrafficManager, workflows: Workflows | None = None) -> SsdTier | None:
-    """The SSD tier `ssd.dir` asks for (None when empty), open and scanning; TierUnavailable says why not.
-    `workflows`: the daemon's hint books, which `ssd.eviction: workflow` reads."""
-    cfg = config.ssd
+def open_tier(cfg: SsdConfig, ctx: TierContext) -> SsdTier | None:
+    """The SSD tier `ssd.dir` asks for (None when empty), open and scanning; TierUnavailable says why not. The
+    context's hint books are what `ssd.eviction: workflow` reads; its quotas["ssd"] the tenants' SSD quotas."""
     if not cfg.dir:
         return None
-    path = traffic.path("ssd", config.traffic.ssd_in_flight)
-    quotas = SsdQuotas({t.name: t.ssd for t in config.tenants if t.ssd}, config.tenancy.default_ssd)
+    path = ctx.traffic.path("ssd")
+    quotas = SsdQuotas(*ctx.quotas.get("ssd", ({}, 0)))
     try:
-        return SsdTier(cfg, path, workflows, quotas).open()
+        return SsdTier(cfg, path, ctx.workflows, quotas).open()
     except StoreLocked as e:
         raise TierUnavailable(str(e)) from None
     except OSError as e:

@@ -35,7 +35,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvstore.checksum import crc32c
-from kvstore.daemon.crash import crash_point
+from kvstore.testpoints import crash_point
 from kvstore.tiers.ssd import diskio
 from kvstore.tiers.ssd.files import ZERO_BUF, ClassFile, add_records, aligned, aligned_for_io, allocate, refill
 from kvstore.tiers.ssd.recmap import entry_of
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from kvstore.tiers.ssd.store import SsdStore
 
 log = logging.getLogger("kvstore")
-SYNC_POLICIES = ("always", "batch", "never")     # the values of ssd.sync
 GROW_RECORDS = 64
 ZERO = bytes(HEADER_BYTES)
 Item = tuple[bytes, bytes, Any] | tuple[bytes, bytes, Any, int | None]   # ns, hash, payload[, the writer's CRC]

@@ -3,7 +3,7 @@ model over (workflow type, agent), learned online from the hints.
 
 PBKV's own predictor is a GraphSAGE network trained offline on traces; what the eviction policy needs from any
 predictor is K distributions over the next agents of a workflow (and its end), from which it computes each
-workflow's lookahead reuse value (policy/workflow.py). The transition model counts, per workflow type, how often
+workflow's lookahead reuse value (kvstore.workflows.books). The transition model counts, per workflow type, how often
 agent b followed agent a (START before the first, END after the last), and propagates those counts K steps as a
 Markov chain with END absorbing. With no counts yet for a (type, agent) it falls back to the type-agnostic counts of
 that agent, then to "continues" (so a workflow nobody has seen end yet is treated as live, never as retired).

@@ -1,0 +1,163 @@
+"""The hints' books (PBKV §4.1): which workflows and chat sessions are active, which agent each called last, how
+long each waits between calls, and — from the predictor — each one's lookahead reuse value. The daemon's hint ops
+write them (kvstore.daemon.hints); the eviction policies (kvstore.policy.workflow, kvstore.policy.compact), the
+predictive prefetch (kvstore.movers.predictive) and the tiers read them. No bytes and no eviction here.
+
+The engine (or an agent framework) says which workflow, agent and session each request belongs to (`begin`,
+`call`, `end`); a workflow whose end never comes is retired when idle past `idle_s` (`expire`) or when there are too
+many (`retire`). `value(wid)` is the workflow's K-step lookahead Σ γ^(k-1)·P(running at step k), timed by how soon
+its next call is expected (predictor.Gaps); `expect(wid)` the probability and due time of its next call. Policies
+register `retire_hooks` and `change_hooks` to re-group their blocks when a workflow ends or is called.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvstore.workflows.predictor import START, Gaps, TransitionModel, survival
+
+
+@dataclass(frozen=True, slots=True)
+class Touch:
+    """The hint context of a request: the workflow (or chat session) and agent it belongs to."""
+    workflow: str
+    agent: str = ""
+
+
+@dataclass
+class Workflow:
+    wid: str
+    wtype: str
+    agent: str = START
+    steps: int = 0
+    seen: float = 0.0
+    agents: dict[str, int] = field(default_factory=dict)    # agent → its bit in a block's agent mask
+    num: int = 0                                             # its number (1..2**32-1) in the compact books' tags
+
+
+class Workflows:
+    """The hints' books: which workflows are active, what each called last, and its lookahead value."""
+
+    def __init__(self, predictor: TransitionModel | None = None, horizon: int = 3, gamma: float = 0.7,
+                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic, timed: bool = True) -> None:
+        self.predictor = predictor or TransitionModel(horizon)
+        self.horizon = horizon
+        self.gamma = gamma
+        self.idle_s = idle_s
+        self.clock = clock
+        self.active: dict[str, Workflow] = {}
+        self.ignored = 0                        # hints about unknown workflows, counted and dropped
+        self._value: dict[str, float] = {}
+        self.gaps = Gaps()                      # seconds between a workflow's calls, per (type, agent)
+        self.timed = timed                      # weigh each value by how soon the workflow is expected back
+        self.nums: dict[int, Workflow] = {}                   # the active workflows by number
+        self.version = 0                                        # bumps with every hint that may change a value
+        self.retire_hooks: list[Callable[[Workflow], None]] = []   # each policy's: a workflow ended (already out
+        self._next_num = 0                                      # of `active` and `nums`)
+        self.change_hooks: list[Callable[[Workflow], None]] = []   # each policy's: the workflow's value may change
+
+    def begin(self, wid: str, wtype: str = "") -> Workflow:
+        w = self.active.get(wid)
+        if w is None:
+            self._next_num = self._next_num % 0xFFFFFFFF + 1      # 32-bit, never 0 (an empty tag)
+            w = self.active[wid] = self.nums[self._next_num] = Workflow(wid, wtype, seen=self.clock(),
+                                                                          num=self._next_num)
+            self._value.pop(wid, None)
+            self.version += 1
+        return w
+
+    def call(self, wid: str, agent: str, wtype: str = "") -> Workflow:
+        """Agent `agent` of workflow `wid` is invoked (a workflow not begun yet begins here)."""
+        w = self.begin(wid, wtype)
+        self.predictor.called(wid, w.wtype, w.agent, agent)
+        now = self.clock()
+        if w.steps:
+            self.gaps.observe(w.wtype, w.agent, now - w.seen)
+        w.agent = agent
+        w.steps += 1
+        w.seen = now
+        w.agents.setdefault(agent, len(w.agents))
+        self._value.pop(wid, None)
+        self.version += 1
+        for hook in self.change_hooks:
+            hook(w)
+        return w
+
+    def end(self, wid: str) -> None:
+        w = self.active.pop(wid, None)
+        if w is None:
+            self.ignored += 1
+            return
+        self.predictor.ended(wid, w.wtype, w.agent)
+        self._retire(w)
+
+    def retire(self, wid: str) -> bool:
+        """Retire one workflow whose end never came (idle, or one too many): its blocks become retired blocks, and
+        the predictor learns no end. False if it was not active."""
+        w = self.active.pop(wid, None)
+        if w is None:
+            return False
+        self._retire(w)
+        return True
+
+    def expire(self) -> list[str]:
+        """Retire workflows idle for longer than idle_s (their end never came); their ids."""
+        now = self.clock()
+        idle = [wid for wid, w in self.active.items() if now - w.seen > self.idle_s]
+        for wid in idle:
+            self._retire(self.active.pop(wid))
+        return idle
+
+    def _retire(self, w: Workflow) -> None:
+        self.nums.pop(w.num, None)
+        self._value.pop(w.wid, None)
+        self.version += 1
+        for hook in self.retire_hooks:
+            hook(w)
+
+    def value(self, wid: str) -> float:
+        """The workflow's reuse value for a block every later agent reuses (0 when not active): its K-step lookahead
+        Σ γ^(k-1)·P(running at step k); timed (the default), scaled by how soon its next call is expected — the
+        mean gap over the expected residual wait (`Gaps`), so Belady's farthest next use is what goes first. A
+        workflow whose type has no gaps learned yet counts as due within one mean gap."""
+        got = self._value.get(wid)
+        if got is None:
+            w = self.active.get(wid)
+            if w is None:
+                return 0.0
+            ahead = self.predictor.lookahead(w.wtype, w.agent, self.horizon)
+            alive = survival(ahead)
+            got = self._value[wid] = sum(self.gamma ** k * alive[k] for k in range(len(alive)))
+        if not self.timed:
+            return got
+        mean = self.gaps.mean
+        if mean is None:
+            return got
+        w = self.active[wid]
+        due = self.gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
+        return got if due is None else got * mean / (due + 0.05 * mean)
+
+    def expect(self, wid: str) -> tuple[float, float | None]:
+        """(p_next, due_s) of an active workflow: the probability that it calls again, and the expected seconds until
+        it does given the time since its last call (None while no gaps are learned for its type); (0.0, None) if it
+        is not active. For the predictive prefetch."""
+        w = self.active.get(wid)
+        if w is None:
+            return 0.0, None
+        p = survival(self.predictor.lookahead(w.wtype, w.agent, 1))[0]
+        return p, self.gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
+
+    def agent_value(self, wid: str, mask: int) -> float:
+        """The value for a block only the agents in `mask` touched (the plain PBKV score, without inheritance)."""
+        w = self.active.get(wid)
+        if w is None:
+            return 0.0
+        names = [a for a, bit in w.agents.items() if mask >> bit & 1]
+        ahead = self.predictor.lookahead(w.wtype, w.agent, self.horizon)
+        return sum(self.gamma ** k * sum(d.get(a, 0.0) for a in names) for k, d in enumerate(ahead))
+
+
+def agent_names(w: Workflow, mask: int) -> list[str]:
+    """The agents of `w` in a block's agent mask (bit min(agent index, 7): the eighth and later share a bit)."""
+    return [a for a, bit in w.agents.items() if mask >> min(bit, 7) & 1]
