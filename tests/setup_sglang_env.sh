@@ -21,7 +21,8 @@ KVSTORE_STAMP="$VENV/.kvstore"
 KVSTORE_DIGEST="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
 
 install_kvstore() {   # kvstore (editable, from this checkout) and the test tools
-    "$VENV/bin/pip" install -q -e "$ROOT" pytest pytest-timeout pytest-asyncio
+    # one build of this tree at a time (the Makefile's venvs and wheel build it too, under make -j)
+    flock "$ROOT/.kvstore-build.lock" "$VENV/bin/pip" install -q -e "$ROOT" pytest pytest-timeout pytest-asyncio
     echo "$KVSTORE_DIGEST" > "$KVSTORE_STAMP"
 }
 
