@@ -20,7 +20,9 @@ MiB = 1 << 20
 
 
 class DaemonProc:
-    def __init__(self, capacity: str = "16MiB", segment: str = "1MiB", env: dict[str, str] | None = None) -> None:
+    def __init__(self, capacity: str = "16MiB", segment: str = "1MiB", env: dict[str, str] | None = None,
+                 argv: list[str] | None = None) -> None:
+        self.argv = argv or [sys.executable, "-m", "kvstore", "serve"]
         self.dir = tempfile.mkdtemp(prefix="kvs-")
         self.socket = os.path.join(self.dir, "run", "kvstore.sock")
         self.env = {**os.environ, "KVSTORE_SERVER_SOCKET": self.socket, "KVSTORE_POOL_CAPACITY": capacity,
@@ -30,7 +32,7 @@ class DaemonProc:
 
     def start(self, wait: bool = True) -> DaemonProc:
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", "serve"], env=self.env,
+        self.proc = subprocess.Popen(self.argv, env=self.env,
                                      stdout=self.log, stderr=subprocess.STDOUT)
         if wait:
             self.wait_ready()

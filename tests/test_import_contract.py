@@ -117,8 +117,9 @@ def test_a_tier_sees_its_own_section_only() -> None:
     """Each tier's open_tier takes its section and the TierContext; no tier module reads the daemon's Config."""
     from kvstore.tiers.registry import STACKED, TIER_TYPES
 
-    for section, module in {**TIER_TYPES, **STACKED}.items():
-        package = PACKAGE / Path(*module.split(".")[1:-1])
+    for section, entry in {**TIER_TYPES, **STACKED}.items():
+        package = PACKAGE / Path(*entry.module.split(".")[1:-1])
+        assert entry.config.startswith(f"kvstore.{'.'.join(package.relative_to(PACKAGE).parts)}.config:")
         assert (package / "config.py").exists(), f"{section}: its section's dataclass belongs in its package"
         for path in package.glob("*.py"):
             assert "kvstore.daemon.config" not in runtime_imports(path), path

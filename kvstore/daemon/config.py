@@ -15,8 +15,9 @@ from typing import Any
 import yaml
 
 from kvstore.movers.config import PrefetchConfig
-from kvstore.policy import POLICIES
+from kvstore.policy import REGISTRY as POLICIES
 from kvstore.protocol.paths import default_socket_path
+from kvstore.tiers import registry as tier_registry
 from kvstore.tiers.donated.config import DonatedConfig
 from kvstore.tiers.remote.config import PLACEMENTS, RemoteConfig
 from kvstore.tiers.ssd.config import SsdConfig
@@ -117,6 +118,11 @@ class Config:
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)
     donated: DonatedConfig = field(default_factory=DonatedConfig)
     tenants: list[TenantConfig] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)    # the sections of tiers registered at run time
+
+    def section(self, name: str) -> Any:
+        """A section by name: a field of this class, or a registered tier's (kvstore.tiers.registry)."""
+        return getattr(self, name) if name in _FIELDS else self.extra[name]
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -125,15 +131,23 @@ class Config:
         return d
 
 
-SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "ssd": SsdConfig, "remote": RemoteConfig,
-            "traffic": TrafficConfig,
-            "metrics": MetricsConfig, "hints": HintsConfig, "prefetch": PrefetchConfig,
-            "log": LogConfig, "tenancy": TenancyConfig, "donated": DonatedConfig}
+_FIELDS = frozenset(f.name for f in dataclasses.fields(Config))
+# The daemon's own sections; each tier's section comes from the tier registry (its own package's dataclass, whose
+# SIZES class attribute names its size fields), so that a registered tier needs no line here.
+CORE_SECTIONS = {"server": ServerConfig, "pool": PoolConfig, "traffic": TrafficConfig, "metrics": MetricsConfig,
+                 "hints": HintsConfig, "prefetch": PrefetchConfig, "log": LogConfig, "tenancy": TenancyConfig}
 SIZE_FIELDS = {("server", "max_frame_bytes"), ("server", "min_block_bytes"), ("pool", "capacity"),
-               ("pool", "segment_bytes"), ("ssd", "capacity"), ("ssd", "staging_bytes"),
-               ("remote", "segment_bytes"), ("remote", "buffer_bytes"), ("remote", "staging_bytes"),
-               ("tenancy", "default_host"), ("tenancy", "default_ssd"), ("tenancy", "compact_bytes"),
-               ("donated", "max_bytes")}
+               ("pool", "segment_bytes"), ("tenancy", "default_host"), ("tenancy", "default_ssd"),
+               ("tenancy", "compact_bytes")}
+
+
+def sections() -> dict[str, Any]:
+    """Every section a configuration may have: the daemon's, then each registered tier's."""
+    return {**CORE_SECTIONS, **tier_registry.sections()}
+
+
+def _is_size(section: str, key: str) -> bool:
+    return (section, key) in SIZE_FIELDS or key in getattr(sections().get(section), "SIZES", ())
 LISTS = ("tenants",)    # top-level lists, not sections: set by file only (a secret does not belong in the env)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -171,7 +185,7 @@ def load_config(path: str | None = None, env: dict[str, str] | None = None) -> C
 
 def _merge(base: dict[str, Any], user: Any, where: str) -> list[str]:
     if not isinstance(user, dict):
-        raise ConfigError(f"{where}: the top level must be a mapping of sections {sorted(SECTIONS)}")
+        raise ConfigError(f"{where}: the top level must be a mapping of sections {sorted(sections())}")
     errors = []
     for section, values in user.items():
         if section in LISTS:
@@ -179,8 +193,8 @@ def _merge(base: dict[str, Any], user: Any, where: str) -> list[str]:
                 base[section] = values
             else:
                 errors.append(f"{section}: must be a list" + (" (or empty)" if values is None else ""))
-        elif section not in SECTIONS:
-            errors.append(f"{section}: unknown section (known: {', '.join([*SECTIONS, *LISTS])})")
+        elif section not in sections():
+            errors.append(f"{section}: unknown section (known: {', '.join([*sections(), *LISTS])})")
         elif not isinstance(values, dict):
             errors.append(f"{section}: must be a mapping")
         else:
@@ -195,9 +209,10 @@ def _apply_env(raw: dict[str, Any], env: Any) -> list[str]:
             continue
         rest = name[len("KVSTORE_"):].lower()
         section, _, key = rest.partition("_")
-        if section not in SECTIONS:
+        cls = sections().get(section)
+        if cls is None:
             continue
-        types = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])}
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
         if types.get(key) in ("str", str) or not value:   # as written: YAML would make "::" a map, "off" false
             raw.setdefault(section, {})[key] = value
             continue
@@ -210,7 +225,7 @@ def _apply_env(raw: dict[str, Any], env: Any) -> list[str]:
 
 def _build(raw: dict[str, Any], errors: list[str]) -> Config:
     built: dict[str, Any] = {}
-    for section, cls in SECTIONS.items():
+    for section, cls in sections().items():
         known = {f.name: f for f in dataclasses.fields(cls)}
         values = {}
         for key, value in raw.get(section, {}).items():
@@ -223,7 +238,8 @@ def _build(raw: dict[str, Any], errors: list[str]) -> Config:
             except ValueError as e:
                 errors.append(f"{where}: {e}")
         built[section] = cls(**values)
-    cfg = Config(**built, tenants=_tenants(raw.get("tenants") or [], errors))
+    extra = {name: built.pop(name) for name in list(built) if name not in _FIELDS}
+    cfg = Config(**built, tenants=_tenants(raw.get("tenants") or [], errors), extra=extra)
     errors += _check(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
@@ -278,7 +294,7 @@ def _uid_list(v: Any) -> bool:
 
 
 def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
-    if (section, key) in SIZE_FIELDS:
+    if _is_size(section, key):
         return 0 if value == "auto" else parse_size(value)
     if (section, key) == ("server", "admin_uids"):
         if value == "auto":
@@ -336,8 +352,8 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"metrics.host: not an IP address: {m.host!r}")
     if not 1 <= m.port <= 65535:
         errors.append(f"metrics.port: must be 1..65535, got {m.port}")
-    for section in (cfg.ssd, cfg.remote, cfg.traffic, cfg.prefetch, cfg.donated):   # each checks itself
-        errors += section.check()
+    for name in ("traffic", "prefetch", *tier_registry.sections()):      # each checks itself
+        errors += cfg.section(name).check()
     errors += _check_hints(cfg.hints)
     errors += _check_tenancy(cfg)
     if cfg.log.level not in LOG_LEVELS:

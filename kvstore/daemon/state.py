@@ -39,8 +39,7 @@ from kvstore.movers.reserve import Reserve
 from kvstore.movers.writethrough import WriteThrough
 from kvstore.tiers import DurableTier, LowerTiers, SharedTier, TenantBooks, TierContext
 from kvstore.tiers.host import HostPool
-from kvstore.tiers.registry import SECTIONS as TIER_SECTIONS
-from kvstore.tiers.registry import open_lower_tiers
+from kvstore.tiers.registry import STACKED, TIER_TYPES, open_lower_tiers
 from kvstore.traffic.manager import TrafficManager
 from kvstore.workflows import Workflows
 
@@ -99,7 +98,7 @@ def build_state(config: Config) -> State:
     workflows = Workflows(idle_s=config.hints.idle_s)
     ssd_quotas = ({t.name: t.ssd for t in config.tenants if t.ssd}, config.tenancy.default_ssd)
     context = TierContext(traffic, workflows, socket=config.server.socket, quotas={"ssd": ssd_quotas})
-    lower = open_lower_tiers({name: getattr(config, name) for name in TIER_SECTIONS}, context)
+    lower = open_lower_tiers({name: config.section(name) for name in (*TIER_TYPES, *STACKED)}, context)
     pool = HostPool(config.pool.capacity, config.pool.segment_bytes, config.pool.small_segment_slots)
     demotion = Demotion(lower.first, pool, counters) if lower else None
     t = config.tenancy

@@ -45,7 +45,14 @@ REGISTRY: dict[str, str] = {
     "lru": "kvstore.policy.lru",
     "workflow": "kvstore.policy.workflow",
 }
-POLICIES = tuple(REGISTRY)
+POLICIES = tuple(REGISTRY)      # the built-in ones (REGISTRY also has those registered at run time)
+
+
+def register(name: str, module: str) -> None:
+    """Add a policy by name (before the configuration that names it is loaded)."""
+    if name in REGISTRY:
+        raise ValueError(f"an eviction policy named {name!r} is registered already")
+    REGISTRY[name] = module
 
 
 class TierPolicy(Protocol):

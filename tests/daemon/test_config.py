@@ -187,7 +187,7 @@ def test_file_and_environment_errors_are_reported_together(tmp_path):
         load_config(path, env={"KVSTORE_METRICS_PORT": "[9100", "KVSTORE_SERVER_MAX_CONNECTIONS": "0"})
     errs = errors_of(e)
     assert len(errs) == 5, errs
-    known = "server, pool, ssd, remote, traffic, metrics, hints, prefetch, log, tenancy, donated, tenants"
+    known = "server, pool, traffic, metrics, hints, prefetch, log, tenancy, ssd, remote, donated, tenants"
     assert any(x.startswith(f"cache: unknown section (known: {known})") for x in errs)
     assert any(x.startswith("pool.colour: unknown field (known: capacity") for x in errs)
     assert any(x.startswith("pool.capacity: expected a size") for x in errs)

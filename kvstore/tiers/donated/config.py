@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(slots=True)
@@ -11,6 +12,7 @@ class DonatedConfig:
     """The donated tier (kvstore.tiers.donated, SwiftCache §3.2): memory an engine lends the daemon while it does not
     need it (shared memory, or GPU memory by CUDA IPC handle), a tier between the host pool and the SSD, handed back
     on the donor's demand within its deadline. Donors connect to their own socket (kvstore.client.donor)."""
+    SIZES: ClassVar[tuple[str, ...]] = ("max_bytes",)     # fields given as sizes ("64GiB")
     enabled: bool = False               # off: no donated tier, no donors' socket
     socket: str = ""                    # empty: donate.sock beside server.socket
     kind: str = "memfd"                 # memfd (shared memory, any machine) | cuda (GPU memory by CUDA IPC handle)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from typing import ClassVar
 
 PLACEMENTS = ("auto", "write_back", "write_through", "both")
+
 
 @dataclass(slots=True)
 class RemoteConfig:
     """The remote tier (kvstore.tiers.remote): blocks shared by the daemons of several nodes through Mooncake Store
     (the `kvstore[mooncake]` extra). Off while `master` is empty."""
+    SIZES: ClassVar[tuple[str, ...]] = ("segment_bytes", "buffer_bytes", "staging_bytes")   # given as sizes
     master: str = ""                    # the mooncake_master's RPC address, host:port; empty: no remote tier
     metadata: str = ""                  # the transfer engine's metadata server; empty: the master's own (port 8080)
     protocol: str = "tcp"               # tcp | rdma

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
-from kvstore.policy import POLICIES
+from kvstore.policy import REGISTRY as POLICIES
 
 IO_MODES = ("auto", "io_uring", "threads")      # the values of ssd.io
 SYNC_POLICIES = ("always", "batch", "never")     # the values of ssd.sync
 
+
 @dataclass(slots=True)
 class SsdConfig:
+    SIZES: ClassVar[tuple[str, ...]] = ("capacity", "staging_bytes")     # fields given as sizes ("64GiB")
     dir: str = ""                       # empty: no SSD tier
     capacity: int = 16 << 30
     sync: str = "batch"
