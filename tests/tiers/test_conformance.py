@@ -284,14 +284,7 @@ def ssd_case(tmp_path: FsPath, request: pytest.FixtureRequest) -> Case:
         return SsdTier(cfg, path).open(wait=True), path
     tier, path = open_ssd()
     return Case(tier, path, reopen=open_ssd, delete_waits_for_write=True,
-                resize={"too_small": Expect(ValueError, "needs at least 1 MiB"), "roomy": OK},
-                known_bugs={
-                    "test_busy_a_block_staged_while_busy_is_kept":
-                        "SsdTier drops a staged block (stage gave a buffer, `has` said yes) when its background "
-                        "write is refused with Busy: writes.Writer._submit_payloads unplaces it as a write error "
-                        "and SsdTier._run takes it out of staging anyway; it should stay staged (the remote tier "
-                        "puts such a batch back in line) or `stage` answer False",
-                })
+                resize={"too_small": Expect(ValueError, "needs at least 1 MiB"), "roomy": OK})
 
 
 def donated_case(tmp_path: FsPath, request: pytest.FixtureRequest) -> Case:

@@ -165,12 +165,13 @@ class SsdStore:
             self._lock_fd = -1
 
     # ----- writes and reads (writes.py, reads.py) -----
-    def put_many(self, items: Sequence[Item],
-                 lane: Lane = Lane.BACKGROUND, cancelled: Collection[bytes] = ()) -> int:
+    def put_many(self, items: Sequence[Item], lane: Lane = Lane.BACKGROUND, cancelled: Collection[bytes] = (),
+                 busy: set[bytes] | None = None) -> int:
         """Store (namespace digest, block hash, payload) records; returns how many were stored (the rest found
         no room, or were deleted while being written). Durable on return unless the sync policy is never. A key
-        that appears in `cancelled` by the time its record is published (deleted upstream) is not published."""
-        return self.writer.put_many(items, lane, cancelled)
+        that appears in `cancelled` by the time its record is published (deleted upstream) is not published.
+        `busy` receives the keys not stored only because the lane's queue was full (worth trying again)."""
+        return self.writer.put_many(items, lane, cancelled, busy)
 
     def has(self, key: bytes) -> bool:
         return key in self.index

@@ -51,6 +51,7 @@ from kvstore.workflows import Workflows
 log = logging.getLogger("kvstore")
 WRITE_BATCH = 32
 PENDING_WAIT_S = 5.0          # the longest a read waits for a block's staging copy to complete
+BUSY_RETRY_S = 0.05           # a demotion batch the lane refused (its queue full) is tried again after this
 MIN_CAPACITY = 1 << 20
 
 
@@ -78,6 +79,7 @@ class SsdTier:
         self.staged_crcs: dict[bytes, int | None] = {}  # the writer's CRC-32C of each staged block (None: none)
         self.staged_bytes = 0
         self.dropped = 0
+        self.counters_busy_retries = 0                 # demotion batches the lane refused, kept staged to retry
         self.rewrites_saved = 0
         self.crc_mismatch = 0                            # staged copies that failed their writer's CRC when read
         self.lock = threading.Condition()
@@ -194,12 +196,15 @@ class SsdTier:
                 fault_point("demote_loop")
                 self._begin([k for k, _ in batch])
                 items = [(k, v, self.staged_crcs.get(k)) for k, v in batch]
+            busy: set[bytes] = set()
             try:
-                self.write(items, lane)
+                self._write(items, lane, busy)
             except Exception:
                 log.exception("ssd: a demotion batch of %d blocks failed; they are dropped", len(batch))
             with self.lock:
                 for k, v in batch:
+                    if k in busy and self.staging.get(k) is v and not self._stop:
+                        continue                           # the lane was full: staged still, written next time
                     if self.staging.get(k) is v:           # not deleted or staged again meanwhile
                         del self.staging[k]
                         self.staged_crcs.pop(k, None)
@@ -208,6 +213,9 @@ class SsdTier:
                             self._spare.setdefault(len(v), []).append(v)
                 gone = self._unstaged_locked([k for k, _ in batch])
                 self.lock.notify_all()                     # an operator's eviction waiting for staging room
+                if busy:
+                    self.counters_busy_retries += 1
+                    self.lock.wait(BUSY_RETRY_S)           # the lane drains meanwhile
             _call(gone)
 
     def _next_batch(self) -> tuple[list[tuple[bytes, bytes | bytearray | mmap.mmap]], Lane]:
@@ -288,9 +296,13 @@ class SsdTier:
     def write(self, items: Sequence[TierWrite], lane: Lane) -> int:
         """Write announced blocks (block id, bytes, writer's CRC-32C or None) to the store in `lane`; a key
         deleted since `announce`, or whose bytes fail its CRC, is not published."""
+        return self._write(items, lane, None)
+
+    def _write(self, items: Sequence[TierWrite], lane: Lane, busy: set[bytes] | None) -> int:
+        """`write`, with `busy` receiving the keys not stored only because the lane's queue was full."""
         try:
             return self.store.put_many([(k[:16], k[16:], v, crc) for k, v, crc in items], lane,
-                                       cancelled=self._killed)
+                                       cancelled=self._killed, busy=busy)
         finally:
             with self.lock:
                 for k, _, _ in items:
@@ -456,6 +468,7 @@ class SsdTier:
                 "resident_bytes": allocated, "hole_bytes": files - allocated, "blocks": blocks,
                 "segments": len(s.files), "staged_blocks": staged_blocks,
                 "staged_bytes": staged_bytes, "staged_urgent": urgent, "dropped": self.dropped,
+                "busy_retries": self.counters_busy_retries,
                 "rewrites_saved": self.rewrites_saved,
                 "staged_crc_mismatch": self.crc_mismatch, "writer_restarts": self._writer.restarts,
                 "counters": counters, "scan": s.scan_status(), "io": s.io,

@@ -72,22 +72,23 @@ class Writer:
         """(Under store.lock.) The key was deleted: its write in flight, if any, is not published."""
         return self.writing.pop(key, None) is not None
 
-    def put_many(self, items: Sequence[Item], lane: Lane, cancelled: Collection[bytes]) -> int:
+    def put_many(self, items: Sequence[Item], lane: Lane, cancelled: Collection[bytes],
+                 busy: set[bytes] | None = None) -> int:
         """Store (namespace digest, block hash, payload[, writer's CRC-32C]) records; returns how many were
-        published."""
+        published. `busy` receives the keys not stored because the lane's queue was full (nothing else failed)."""
         with self.batch:
             try:
-                return self._write_batch(items, lane, cancelled)
+                return self._write_batch(items, lane, cancelled, busy if busy is not None else set())
             finally:
                 with self.store.lock:
                     self.store.quotas.placing.clear()     # published (now in `used`) or not stored
 
-    def _write_batch(self, items: Sequence[Item], lane: Lane, cancelled: Collection[bytes]) -> int:
+    def _write_batch(self, items: Sequence[Item], lane: Lane, cancelled: Collection[bytes], busy: set[bytes]) -> int:
         """The batch: place, write the payloads, make them durable, publish (see the module docstring)."""
         placed = self._place(items)
         headers: list[Written] = []
         try:
-            for cf, rec, key, seq, job, writer in self._submit_payloads(placed, lane):
+            for cf, rec, key, seq, job, writer in self._submit_payloads(placed, lane, busy):
                 try:
                     headers.append((cf, rec, Header(key[:16], key[16:], cf.payload, job.result(), seq, writer)))
                 except CrcMismatch:
@@ -99,7 +100,9 @@ class Writer:
             self._make_durable(headers, lane)
         except (OSError, Busy, RuntimeError) as e:      # a failed sync or header write: nothing is published
             for cf, rec, header in headers:
-                self._unplace(cf, rec, header.ns + header.hash, f"batch failed: {e}")
+                self._unplace(cf, rec, header.ns + header.hash, f"batch failed: {e}", isinstance(e, Busy))
+                if isinstance(e, Busy):
+                    busy.add(header.ns + header.hash)
             return 0
         return self._publish(headers, cancelled)
 
@@ -168,14 +171,16 @@ class Writer:
                       os.strerror(refused.errno or 0), s.file_bytes())
         return False
 
-    def _unplace(self, cf: ClassFile, rec: int, key: bytes, why: str) -> None:
+    def _unplace(self, cf: ClassFile, rec: int, key: bytes, why: str, busy: bool = False) -> None:
+        """A placed record not written after all: given back (zeroed later). `busy`: only the lane's queue was
+        full, which the caller may try again (counted, not logged as a failure)."""
         if why == "crc_mismatch":
             log.warning("ssd: a block's bytes no longer match the CRC-32C its writer committed (its shared slot was "
                         "written after commit): not stored; a reader gets a miss")
-        else:
+        elif not busy:
             log.error("ssd: writing a record to %s failed (%s); the block is not stored", cf.path, why)
         with self.store.lock:
-            self.store.counters["crc_mismatch" if why == "crc_mismatch" else "write_errors"] += 1
+            self.store.counters["crc_mismatch" if why == "crc_mismatch" else "busy" if busy else "write_errors"] += 1
             self.writing.pop(key, None)
             self.store.zero_later_locked(cf, rec)   # it may still hold an evicted block's header
 
@@ -212,15 +217,16 @@ class Writer:
         return stored
 
     # ----- the disk -----
-    def _submit_payloads(self, placed: list[Placed], lane: Lane) -> list[Writing]:
-        """Queue every payload write in `lane`; a block whose lane is full is unplaced (Busy)."""
+    def _submit_payloads(self, placed: list[Placed], lane: Lane, busy: set[bytes]) -> list[Writing]:
+        """Queue every payload write in `lane`; a block whose lane is full is unplaced (and put in `busy`)."""
         writes = []
         for cf, rec, key, seq, payload, crc in placed:
             try:
                 writes.append((cf, rec, key, seq, self.store.path.submit(
                     lane, cf.record, partial(self._write_payload, cf, rec, payload, crc)), crc is not None))
             except Busy as e:
-                self._unplace(cf, rec, key, str(e))
+                self._unplace(cf, rec, key, str(e), busy=True)
+                busy.add(key)
         return writes
 
     def _make_durable(self, headers: list[Written], lane: Lane) -> None:
