@@ -297,13 +297,7 @@ def donated_case(tmp_path: FsPath, request: pytest.FixtureRequest) -> Case:
     tier.add_region("conformance", MemfdMemory(fd, region), owner=1)
     refused = Expect(ValueError, "what donors lend it")
     return Case(tier, path, resize={"too_small": refused, "roomy": refused},
-                restart="the donated tier holds lent memory: its blocks do not outlive the daemon",
-                known_bugs={
-                    "test_busy_a_read_is_a_miss_for_now":
-                        "DonatedTier.read raises traffic.Busy when its path refuses the read (path.run), where "
-                        "LowerTier.read returns the verified prefix's length (the SSD and remote tiers return a "
-                        "shorter prefix); only read_async is documented to raise Busy",
-                })
+                restart="the donated tier holds lent memory: its blocks do not outlive the daemon")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""The books of the donated tier: regions carved into slots, and the blocks in them. Plain data: every field is read
-and written under the tier's lock (kvstore.tiers.donated.tier), never elsewhere.
+"""The records in the donated tier's books: regions carved into slots, and the blocks in them. Plain data: every
+field is read and written under the tier's lock (kvstore.tiers.donated.books), never elsewhere.
 
 A region serves one block size at a time: it is carved into slots of the first size booked in it, and may be
 carved again for another size once it holds nothing (no block, no copy in flight). A slot is free when no block
