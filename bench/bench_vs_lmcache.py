@@ -31,7 +31,8 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any
+import traceback
+from typing import Any, Callable
 
 import numpy as np
 
@@ -58,6 +59,36 @@ def keys(tag: int, n: int) -> list[bytes]:
     return [(tag << 32 | i).to_bytes(16, "big") for i in range(n)]
 
 
+class Phases:
+    """Runs the benchmark's phases one after the other. A phase that raises is recorded (`failed`: phase, error;
+    also as a line in its part's `errors`) with its traceback on stderr, and the next phase runs: one phase's
+    failure loses neither the figures the others took nor those it took itself before it failed (they are filled
+    into the results as they are measured)."""
+
+    def __init__(self) -> None:
+        self.failed: list[dict[str, str]] = []
+
+    def run(self, name: str, fn: Callable[[], Any], errors: list[str] | None = None) -> Any:
+        try:
+            return fn()
+        except Exception as e:             # noqa: BLE001 (recorded, and the run exits non-zero at the end)
+            msg = f"{type(e).__name__}: {e}".strip()
+            lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+            short = lines[0] if len(lines) == 1 else f"{lines[0]} … {lines[-1]}"   # e.g. a daemon's log
+            self.failed.append({"phase": name, "error": msg})
+            if errors is not None:
+                errors.append(f"phase {name} failed: {short}")
+            progress(f"{name}: FAILED: {short}")
+            traceback.print_exc()
+            return None
+
+
+def close_all(phases: Phases, errors: list[str], *sides: Any) -> None:
+    for side in sides:
+        if side is not None:
+            phases.run(f"close {type(side).__name__}", side.close, errors)
+
+
 class KV:
     """kvstore's side: a daemon, one client (one copy thread), the same 32 source blocks for every batch."""
 
@@ -74,6 +105,11 @@ class KV:
 
     def lookup(self, tag: int) -> int:
         return self.ns.lookup(keys(tag, BATCH))
+
+    def timed_lookup(self, tag: int) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        hit = self.ns.lookup(keys(tag, BATCH))
+        return hit, time.perf_counter() - t0
 
     def retrieve(self, tag: int) -> int:
         return self.ns.get(keys(tag, BATCH), self.dst)
@@ -135,6 +171,15 @@ class LM:
     def lookup(self, tag: int) -> int:
         return self.c.lookup(self.tokens(tag))[0]
 
+    def timed_lookup(self, tag: int) -> tuple[int, float]:
+        """(chunks hit, seconds of LOOKUP + QUERY_PREFETCH_STATUS); the lookup's read locks are freed and its
+        session ended after the clock stops (an engine's connector does that later, off its lookup's path)."""
+        t0 = time.perf_counter()
+        hit, req = self.c.lookup(self.tokens(tag), end_session=False)
+        dt = time.perf_counter() - t0
+        self.c.release(req, hit)
+        return hit, dt
+
     def retrieve(self, tag: int) -> int:
         return self.c.lookup_retrieve(self.tokens(tag), DST)
 
@@ -181,63 +226,78 @@ def run_pass(side: Any, tags: list[int], check: bool = True) -> dict[str, Any]:
 
 
 # ----- DRAM -----
-def dram(reps: int, warm: int, batches: int) -> dict[str, Any]:
-    kv, lmc = KV("1GiB"), LM(2.0)
+VISIBLE_DEADLINE_S = 10.0       # how long the lookup-latency phase waits for its probe batch to become visible
+
+
+def dram(reps: int, warm: int, batches: int, out: dict[str, Any], phases: Phases) -> None:
+    """Fills `out` as it measures: the timed repetitions, then visibility, then lookup latency, each a phase."""
+    out.update({"memcpy": [], "memcpy_batch_s": [], "gather": [],
+                "kvstore": {"store": [], "retrieve": [], "store_batch_s": [], "retrieve_batch_s": []},
+                "lmcache": {"store": [], "retrieve": [], "store_batch_s": [], "retrieve_batch_s": []}})
+    errors = out.setdefault("errors", [])
+    kv: KV | None = None
+    lmc: LM | None = None
+    try:
+        kv, lmc = KV("1GiB"), LM(2.0)
+        phases.run("DRAM store/retrieve", lambda: dram_reps(kv, lmc, reps, warm, batches, out), errors)
+        v = phases.run("visibility", lambda: visibility(kv, lmc, 20 if reps < 5 else 40), errors)
+        if v is not None:
+            out["visibility"] = v
+        lk = phases.run("lookup latency", lambda: lookups(kv, lmc, 3 if reps < 5 else 8, 100), errors)
+        if lk is not None:
+            out.update(lk)
+    finally:
+        close_all(phases, errors, kv, lmc)
+
+
+def dram_reps(kv: KV, lmc: LM, reps: int, warm: int, batches: int, out: dict[str, Any]) -> None:
     mem = Memcpy(BATCH)
     gb = batches * BATCH * BLOCK / 1e9
-    out: dict[str, Any] = {"memcpy": [], "memcpy_batch_s": [],
-                           "gather": [], "kvstore": {"store": [], "retrieve": [], "store_batch_s": [],
-                           "retrieve_batch_s": []}, "lmcache": {"store": [], "retrieve": [], "store_batch_s": [],
-                                                                "retrieve_batch_s": []}, "errors": []}
-    try:
-        for rep in range(warm + reps):
-            tags = [(rep + 1) * 1000 + b for b in range(batches)]
-            mc = sum(mem.contiguous() for _ in range(batches))
-            mg = sum(mem.gather() for _ in range(batches))
-            lmc.fill(rep % 90 + 1)
-            res = {}
-            for name, side in ((("kvstore", kv), ("lmcache", lmc)) if rep % 2 else
-                               (("lmcache", lmc), ("kvstore", kv))):
-                before = kv.daemon_seconds() if side is kv else {}
-                res[name] = run_pass(side, tags)
-                if side is kv:
-                    after = kv.daemon_seconds()
-                    res[name]["daemon_s"] = {op: after[op] - before[op] for op in after}
-                side.drop(tags)
-            if rep < warm:
-                continue
-            out["memcpy"].append(gb / mc)
-            out["gather"].append(gb / mg)
-            for name, r in res.items():
-                o = out[name]
-                if r["retrieved"] != batches * BATCH or not r["ok"]:
-                    out["errors"].append(f"rep {rep} {name}: retrieved {r['retrieved']}, bytes ok {r['ok']}")
-                o["store"].append(gb / sum(r["store_s"]))
-                o["retrieve"].append(gb / sum(r["retrieve_s"]))
-                o["store_batch_s"] += r["store_s"]
-                o["retrieve_batch_s"] += r["retrieve_s"]
-                for op, spent in r.get("daemon_s", {}).items():      # the daemon's own time, per batch
-                    o.setdefault(f"daemon_{op}_batch_s", []).append(spent / batches)
-            out["memcpy_batch_s"].append(mc / batches)
-        out["visibility"] = visibility(kv, lmc, 20 if reps < 5 else 40)
-        out["lookup_us"] = lookups(kv, lmc, 3 if reps < 5 else 8, 100)
-    finally:
-        kv.close()
-        lmc.close()
-    return out
+    for rep in range(warm + reps):
+        tags = [(rep + 1) * 1000 + b for b in range(batches)]
+        mc = sum(mem.contiguous() for _ in range(batches))
+        mg = sum(mem.gather() for _ in range(batches))
+        lmc.fill(rep % 90 + 1)
+        res = {}
+        for name, side in ((("kvstore", kv), ("lmcache", lmc)) if rep % 2 else
+                           (("lmcache", lmc), ("kvstore", kv))):
+            before = kv.daemon_seconds() if side is kv else {}
+            res[name] = run_pass(side, tags)
+            if side is kv:
+                after = kv.daemon_seconds()
+                res[name]["daemon_s"] = {op: after[op] - before[op] for op in after}
+            side.drop(tags)
+        if rep < warm:
+            continue
+        out["memcpy"].append(gb / mc)
+        out["gather"].append(gb / mg)
+        for name, r in res.items():
+            o = out[name]
+            if r["retrieved"] != batches * BATCH or not r["ok"]:
+                out["errors"].append(f"rep {rep} {name}: retrieved {r['retrieved']}, bytes ok {r['ok']}")
+            o["store"].append(gb / sum(r["store_s"]))
+            o["retrieve"].append(gb / sum(r["retrieve_s"]))
+            o["store_batch_s"] += r["store_s"]
+            o["retrieve_batch_s"] += r["retrieve_s"]
+            for op, spent in r.get("daemon_s", {}).items():      # the daemon's own time, per batch
+                o.setdefault(f"daemon_{op}_batch_s", []).append(spent / batches)
+        out["memcpy_batch_s"].append(mc / batches)
 
 
 def visibility(kv: KV, lmc: LM, n: int) -> dict[str, Any]:
-    """A lookup right after each completed store of 32 blocks, systems taking turns."""
+    """A lookup right after each completed store of 32 blocks, systems taking turns. A store that answers failure
+    is counted (`failed_stores`) and not looked up."""
     progress(f"visibility: {n} stores of 32 blocks per system, each followed at once by a lookup")
-    out = {s: {"lookups": 0, "missed_lookups": 0, "missed_blocks": 0} for s in ("kvstore", "lmcache")}
+    out = {s: {"lookups": 0, "missed_lookups": 0, "missed_blocks": 0, "failed_stores": 0}
+           for s in ("kvstore", "lmcache")}
     for i in range(n):
         for name, side in (("kvstore", kv), ("lmcache", lmc)):
             tag = 900_000 + i
-            if not side.store(tag):
-                raise RuntimeError(f"{name}: store failed")
-            hit = side.lookup(tag)
             o = out[name]
+            if not side.store(tag):
+                o["failed_stores"] += 1
+                continue
+            hit = side.lookup(tag)
             o["lookups"] += 1
             o["missed_lookups"] += hit < BATCH
             o["missed_blocks"] += BATCH - hit
@@ -249,53 +309,92 @@ def visibility(kv: KV, lmc: LM, n: int) -> dict[str, Any]:
     return out
 
 
-def lookups(kv: KV, lmc: LM, rounds: int, per_round: int) -> dict[str, list[float]]:
-    """Seconds per lookup of 32 present blocks, per system, and per raw Unix-socket round trip of its sizes."""
+def lookups(kv: KV, lmc: LM, rounds: int, per_round: int) -> dict[str, Any]:
+    """Seconds per lookup of 32 present blocks, per system, and per raw Unix-socket round trip of its sizes
+    (`lookup_us`, in seconds). The probe batch is stored, then looked up until each system answers the whole batch
+    (LMCache commits a STORE after its reply), up to VISIBLE_DEADLINE_S (`lookup_probe`: whether the store
+    answered success, when the batch became visible, what was found at the deadline). A system that never shows
+    the whole batch is timed anyway; every lookup that found less is counted (`lookup_misses`)."""
     from bench_pool import EchoServer
 
     progress(f"lookup latency: {rounds} rounds × {per_round} per system and raw socket")
+    sides: dict[str, Any] = {"kvstore": kv, "lmcache": lmc}
+    probe: dict[str, dict[str, Any]] = {name: {"store_ok": bool(side.store(777))} for name, side in sides.items()}
+    t0, pending, found = time.perf_counter(), dict(sides), {}
+    while pending:
+        for name, side in list(pending.items()):
+            found[name] = side.lookup(777)
+            if found[name] == BATCH:
+                probe[name]["visible_after_s"] = time.perf_counter() - t0
+                del pending[name]
+        if pending and time.perf_counter() - t0 > VISIBLE_DEADLINE_S:
+            break
+        if pending:
+            time.sleep(0.005)
+    for name in pending:
+        probe[name]["visible_after_s"] = None
+        probe[name]["found_at_deadline"] = found[name]
+        progress(f"lookup latency: {name} found {found[name]} of {BATCH} blocks {VISIBLE_DEADLINE_S:.0f} s after "
+                 f"its store (store answered {'success' if probe[name]['store_ok'] else 'failure'}); its lookups "
+                 "are timed anyway and their misses counted")
+
     echo = EchoServer(os.path.join(kv.d.dir, "echo"))
-    kv.store(777)
-    lmc.store(777)
-    time.sleep(0.5)                     # LMCache commits asynchronously: let the store land first
+
+    def raw() -> tuple[int, float]:
+        t1 = time.perf_counter()
+        echo.roundtrip()
+        return BATCH, time.perf_counter() - t1
+
     out: dict[str, list[float]] = {"raw_socket": [], "kvstore": [], "lmcache": []}
-    fns = {"raw_socket": echo.roundtrip, "kvstore": lambda: kv.lookup(777), "lmcache": lambda: lmc.lookup(777)}
+    misses = {name: {"lookups": 0, "missed_lookups": 0, "missed_blocks": 0} for name in sides}
+    fns = {"raw_socket": raw, "kvstore": lambda: kv.timed_lookup(777), "lmcache": lambda: lmc.timed_lookup(777)}
     try:
         for _ in range(rounds):
             for name, fn in fns.items():
                 for i in range(per_round + 10):
-                    t0 = time.perf_counter()
-                    v = fn()
-                    dt = time.perf_counter() - t0
-                    if name != "raw_socket" and v != BATCH:
-                        raise RuntimeError(f"{name}: lookup found {v} of {BATCH}")
-                    if i >= 10:                               # 10 untimed calls after each switch
-                        out[name].append(dt)
+                    v, dt = fn()
+                    if i < 10:                                # 10 untimed calls after each switch
+                        continue
+                    out[name].append(dt)
+                    if name in misses:
+                        m = misses[name]
+                        m["lookups"] += 1
+                        m["missed_lookups"] += v < BATCH
+                        m["missed_blocks"] += BATCH - v
     finally:
         echo.close()
-    return out
+    return {"lookup_us": out, "lookup_probe": probe, "lookup_misses": misses}
 
 
 # ----- disk -----
-def disk(reps: int, nblocks: int, base: str) -> dict[str, Any]:
+def disk(reps: int, nblocks: int, base: str, out: dict[str, Any], phases: Phases) -> None:
     """Per repetition and system (in turns): store `nblocks` batch by batch, each batch followed by a wait until the
     system's disk writes have caught up (so nothing is dropped), then read them back in store order (every block
     then comes from disk). Last, one burst: the same amount stored as fast as the client can, with the blocks that
-    never reached the disk counted."""
+    never reached the disk counted. Fills `out` as it measures (a failure keeps the repetitions done)."""
     batches = nblocks // BATCH
     ssd_env = {"KVSTORE_SSD_DIR": os.path.join(base, "kvstore-ssd"), "KVSTORE_SSD_CAPACITY": "8GiB"}
-    systems: dict[str, Any] = {
-        "kvstore": KV("256MiB", ssd_env),
-        "lmcache_fs": LM(1.0, os.path.join(base, "lmcache-fs"), watermark=0.25),
-        "lmcache_fs_odirect": LM(1.0, os.path.join(base, "lmcache-fs-odirect"), odirect=True,
-                                 watermark=0.25),
-    }
-    raw = ODirect(base, nblocks)
-    out: dict[str, Any] = {"odirect_write": [], "odirect_read": [], "odirect_write_depth1": [],
-                           "odirect_read_depth1": [], "errors": [], "blocks": nblocks}
-    for s in systems:
+    names = ("kvstore", "lmcache_fs", "lmcache_fs_odirect")
+    out.update({"odirect_write": [], "odirect_read": [], "odirect_write_depth1": [], "odirect_read_depth1": [],
+                "blocks": nblocks})
+    errors = out.setdefault("errors", [])
+    for s in names:
         out[s] = {"store": [], "store_to_disk": [], "retrieve": [], "missed_blocks": [], "store_batch_s": [],
                   "retrieve_batch_s": [], "burst_store": None, "burst_not_on_disk": None}
+    systems: dict[str, Any] = {}
+    raw = None
+    try:
+        systems["kvstore"] = KV("256MiB", ssd_env)
+        systems["lmcache_fs"] = LM(1.0, os.path.join(base, "lmcache-fs"), watermark=0.25)
+        systems["lmcache_fs_odirect"] = LM(1.0, os.path.join(base, "lmcache-fs-odirect"), odirect=True,
+                                           watermark=0.25)
+        raw = ODirect(base, nblocks)
+        disk_reps(systems, raw, reps, batches, out)
+    finally:
+        close_all(phases, errors, raw, *systems.values())
+
+
+def disk_reps(systems: dict[str, Any], raw: ODirect, reps: int, batches: int, out: dict[str, Any]) -> None:
     files = {s: 0 for s in systems}
 
     def settle(name: str, side: Any) -> tuple[float, int]:
@@ -308,77 +407,71 @@ def disk(reps: int, nblocks: int, base: str) -> dict[str, Any]:
         d0 = side.dropped()
         return side.drain(), side.dropped() - d0
 
-    try:
-        for rep in range(reps + 2):                    # 0: warm-up of 4 batches, untimed; last: the burst
-            burst = rep == reps + 1
-            n = 4 if rep == 0 else batches
-            tags = [(rep + 1) * 10_000 + b for b in range(n)]
-            gb = n * BATCH * BLOCK / 1e9
-            if not burst:
-                w1, r1 = raw.write(0, n * BATCH), raw.read(0, n * BATCH)
-                w = raw.write(0, n * BATCH, depth=4)
-                r = raw.read(0, n * BATCH, depth=4)
-            order = list(systems.items())
-            order = order[rep % len(order):] + order[:rep % len(order)]
-            for name, side in order:
-                progress(f"  disk {'burst' if burst else f'rep {rep}'}: {name}, {n * BATCH} blocks")
+    for rep in range(reps + 2):                    # 0: warm-up of 4 batches, untimed; last: the burst
+        burst = rep == reps + 1
+        n = 4 if rep == 0 else batches
+        tags = [(rep + 1) * 10_000 + b for b in range(n)]
+        gb = n * BATCH * BLOCK / 1e9
+        if not burst:
+            w1, r1 = raw.write(0, n * BATCH), raw.read(0, n * BATCH)
+            w = raw.write(0, n * BATCH, depth=4)
+            r = raw.read(0, n * BATCH, depth=4)
+        order = list(systems.items())
+        order = order[rep % len(order):] + order[:rep % len(order)]
+        for name, side in order:
+            progress(f"  disk {'burst' if burst else f'rep {rep}'}: {name}, {n * BATCH} blocks")
+            if isinstance(side, LM):
+                side.fill(rep + 1)
+            st, lost, busy = [], 0, 0.0
+            d0 = side.dropped() if isinstance(side, KV) else 0
+            t0 = time.perf_counter()
+            done = t0
+            for t in tags:
+                t1 = time.perf_counter()
+                if not side.store(t):
+                    raise RuntimeError(f"{name}: store failed")
+                st.append(time.perf_counter() - t1)
+                if not burst:
+                    done, k = settle(name, side)
+                    busy += done - t1                      # a lost batch's quiet wait is not counted
+                    lost += k
+            if burst:
+                stored = time.perf_counter() - t0
                 if isinstance(side, LM):
-                    side.fill(rep + 1)
-                st, lost, busy = [], 0, 0.0
-                d0 = side.dropped() if isinstance(side, KV) else 0
-                t0 = time.perf_counter()
-                done = t0
-                for t in tags:
-                    t1 = time.perf_counter()
-                    if not side.store(t):
-                        raise RuntimeError(f"{name}: store failed")
-                    st.append(time.perf_counter() - t1)
-                    if not burst:
-                        done, k = settle(name, side)
-                        busy += done - t1                      # a lost batch's quiet wait is not counted
-                        lost += k
-                if burst:
-                    stored = time.perf_counter() - t0
-                    if isinstance(side, LM):
-                        expect = files[name] + n * BATCH
-                        side.drain(expect, quiet=3.0)
-                        files[name] = side.files()
-                        lost = expect - files[name]
-                    else:
-                        side.drain()
-                        lost = side.dropped() - d0
-                    out[name]["burst_store"] = gb / stored
-                    out[name]["burst_not_on_disk"] = lost
-                    continue
-                rt, got = [], 0
-                for t in tags:
-                    t1 = time.perf_counter()
-                    got += side.retrieve(t)
-                    rt.append(time.perf_counter() - t1)
-                ok = side.check()
-                if rep == 0:
-                    continue
-                o = out[name]
-                o["store"].append(gb / sum(st))
-                o["store_to_disk"].append(gb / busy)
-                o["retrieve"].append(got * BLOCK / 1e9 / sum(rt))
-                o["missed_blocks"].append(n * BATCH - got)
-                o["store_batch_s"] += st
-                o["retrieve_batch_s"] += rt
-                if lost:
-                    out["errors"].append(f"rep {rep} {name}: {lost} blocks never reached the disk (paced store)")
-                if not ok:
-                    out["errors"].append(f"rep {rep} {name}: retrieved bytes differ")
-            if rep and not burst:
-                out["odirect_write"].append(gb / w)
-                out["odirect_read"].append(gb / r)
-                out["odirect_write_depth1"].append(gb / w1)
-                out["odirect_read_depth1"].append(gb / r1)
-    finally:
-        raw.close()
-        for side in systems.values():
-            side.close()
-    return out
+                    expect = files[name] + n * BATCH
+                    side.drain(expect, quiet=3.0)
+                    files[name] = side.files()
+                    lost = expect - files[name]
+                else:
+                    side.drain()
+                    lost = side.dropped() - d0
+                out[name]["burst_store"] = gb / stored
+                out[name]["burst_not_on_disk"] = lost
+                continue
+            rt, got = [], 0
+            for t in tags:
+                t1 = time.perf_counter()
+                got += side.retrieve(t)
+                rt.append(time.perf_counter() - t1)
+            ok = side.check()
+            if rep == 0:
+                continue
+            o = out[name]
+            o["store"].append(gb / sum(st))
+            o["store_to_disk"].append(gb / busy)
+            o["retrieve"].append(got * BLOCK / 1e9 / sum(rt))
+            o["missed_blocks"].append(n * BATCH - got)
+            o["store_batch_s"] += st
+            o["retrieve_batch_s"] += rt
+            if lost:
+                out["errors"].append(f"rep {rep} {name}: {lost} blocks never reached the disk (paced store)")
+            if not ok:
+                out["errors"].append(f"rep {rep} {name}: retrieved bytes differ")
+        if rep and not burst:
+            out["odirect_write"].append(gb / w)
+            out["odirect_read"].append(gb / r)
+            out["odirect_write_depth1"].append(gb / w1)
+            out["odirect_read_depth1"].append(gb / r1)
 
 
 # ----- report -----
@@ -397,6 +490,12 @@ def report(res: dict[str, Any]) -> dict[str, Any]:
 
     def row(name: str, ours: list[float], theirs: list[float], limit: list[float], unit: str, target: float | None,
             higher_better: bool = True) -> None:
+        if not ours or not theirs:                     # a failed phase: no figures for one side or both
+            t.add([name, "–" if not ours else f"{fmt(summary(ours))} {unit}",
+                   "–" if not theirs else f"{fmt(summary(theirs))} {unit}", "", "", "", "", "no figures"])
+            verdicts[name] = {"pass": None, "missing": [s for s, x in (("kvstore", ours), ("lmcache", theirs))
+                                                         if not x]}
+            return
         so, st, sl = summary(ours), summary(theirs), summary(limit) if limit else None
         ratio = per_rep_ratio(ours, theirs)
         ok = None if target is None else ratio["median"] >= target
@@ -411,6 +510,8 @@ def report(res: dict[str, Any]) -> dict[str, Any]:
         row("DRAM store", dr["kvstore"]["store"], dr["lmcache"]["store"], dr["memcpy"], "GB/s", 4)
         row("DRAM retrieve", dr["kvstore"]["retrieve"], dr["lmcache"]["retrieve"], dr["memcpy"], "GB/s", 4)
         for what, limit_target in (("store", None), ("retrieve", 0.95)):
+            if not dr["kvstore"][what] or not dr["memcpy"]:
+                continue
             vs = per_rep_ratio(dr["kvstore"][what], dr["memcpy"])
             ok = None if limit_target is None else vs["median"] >= limit_target
             verdict = "" if ok is None else ("PASS" if ok else "FAIL")
@@ -419,26 +520,44 @@ def report(res: dict[str, Any]) -> dict[str, Any]:
                    f"≥ {limit_target}× limit" if limit_target else "", verdict])
             verdicts[f"DRAM {what} vs memcpy"] = {"ratio": vs, "target": limit_target, "pass": ok}
         kv = dr["kvstore"]
-        if "daemon_acquire_batch_s" in kv:
+        if kv.get("daemon_acquire_batch_s") and dr["memcpy_batch_s"]:
             spent = summary([a + b for a, b in zip(kv["daemon_acquire_batch_s"], kv["daemon_release_batch_s"])], 1e6)
             copy = summary(dr["memcpy_batch_s"], 1e6)
             t.add(["daemon time per retrieve batch (acquire+release) vs memcpy of the batch, µs",
                    fmt(spent, 0), "", fmt(copy, 0), "", f"{spent['median'] / copy['median']:.3f}", "", ""])
             verdicts["daemon time per retrieve batch"] = {"daemon_us": spent, "memcpy_us": copy}
-        v = dr["visibility"]
-        for s in ("kvstore", "lmcache"):
-            verdicts[f"misses after store, {s}"] = v[s]
-        k, m = v["kvstore"], v["lmcache"]
-        t.add(["lookups right after a store that missed", f"{k['missed_lookups']}/{k['lookups']}",
-               f"{m['missed_lookups']}/{m['lookups']}", "", "", "", "0",
-               "PASS" if v["kvstore"]["missed_lookups"] == 0 else "FAIL"])
-        lk = {k: summary(x, 1e6) for k, x in dr["lookup_us"].items()}
-        verdicts["lookup 32 blocks"] = lk
-        kvl, lml, raw = lk["kvstore"]["median"], lk["lmcache"]["median"], lk["raw_socket"]["median"]
-        t.add(["lookup of 32 present blocks, p50 µs", f"{kvl:.0f}", f"{lml:.0f}", f"{raw:.0f} (socket)",
-               f"{lml / kvl:.1f}× faster", "", "", ""])
-        t.add(["lookup of 32 present blocks, p99 µs", f"{lk['kvstore']['p99']:.0f}", f"{lk['lmcache']['p99']:.0f}",
-               f"{lk['raw_socket']['p99']:.0f} (socket)", "", "", "", ""])
+        v = dr.get("visibility")
+        if v:
+            for s in ("kvstore", "lmcache"):
+                verdicts[f"misses after store, {s}"] = v[s]
+            k, m = v["kvstore"], v["lmcache"]
+
+            def seen(o: dict[str, int]) -> str:
+                failed = f" ({o['failed_stores']} stores failed)" if o.get("failed_stores") else ""
+                return f"{o['missed_lookups']}/{o['lookups']}{failed}"
+
+            t.add(["lookups right after a store that missed", seen(k), seen(m), "", "", "", "0",
+                   "PASS" if k["missed_lookups"] == 0 and not k.get("failed_stores") else "FAIL"])
+        raw_lk = dr.get("lookup_us")
+        if raw_lk and all(raw_lk.get(n) for n in ("kvstore", "lmcache", "raw_socket")):
+            lk = {k: summary(x, 1e6) for k, x in raw_lk.items()}
+            miss = dr.get("lookup_misses", {})
+            verdicts["lookup 32 blocks"] = {**lk, "misses": miss, "probe": dr.get("lookup_probe")}
+
+            def missed(s: str) -> str:
+                m = miss.get(s, {})
+                return f" ({m['missed_lookups']}/{m['lookups']} missed)" if m.get("missed_lookups") else ""
+
+            kvl, lml, raw = lk["kvstore"]["median"], lk["lmcache"]["median"], lk["raw_socket"]["median"]
+            t.add(["lookup of 32 present blocks, p50 µs", f"{kvl:.0f}{missed('kvstore')}",
+                   f"{lml:.0f}{missed('lmcache')}", f"{raw:.0f} (socket)", f"{lml / kvl:.1f}× faster", "", "", ""])
+            t.add(["lookup of 32 present blocks, p99 µs", f"{lk['kvstore']['p99']:.0f}",
+                   f"{lk['lmcache']['p99']:.0f}", f"{lk['raw_socket']['p99']:.0f} (socket)", "", "", "", ""])
+            probe = dr.get("lookup_probe", {})
+            vis = {s: probe.get(s, {}).get("visible_after_s") for s in ("kvstore", "lmcache")}
+            t.add(["lookup probe (32 blocks) whole after its store, ms",
+                   *("never" if vis[s] is None else f"{vis[s] * 1e3:.1f}" for s in ("kvstore", "lmcache")),
+                   "", "", "", f"≤ {VISIBLE_DEADLINE_S:.0f} s", ""])
     dk = res.get("disk")
     if dk:
         for lmname, label in (("lmcache_fs", "fs"), ("lmcache_fs_odirect", "fs O_DIRECT")):
@@ -449,9 +568,10 @@ def report(res: dict[str, Any]) -> dict[str, Any]:
                 dk[lmname]["store_to_disk"], dk["odirect_write"], "GB/s", target)
             row(f"disk retrieve vs LMCache {label}", dk["kvstore"]["retrieve"], dk[lmname]["retrieve"],
                 dk["odirect_read"], "GB/s", target)
-        t.add(["disk: blocks missing on read-back (per rep)", str(dk["kvstore"]["missed_blocks"]),
-               f"fs {dk['lmcache_fs']['missed_blocks']}, O_DIRECT {dk['lmcache_fs_odirect']['missed_blocks']}",
-               "", "", "", "0", "PASS" if not any(dk["kvstore"]["missed_blocks"]) else "FAIL"])
+        if dk["kvstore"]["missed_blocks"] or dk["lmcache_fs"]["missed_blocks"]:
+            t.add(["disk: blocks missing on read-back (per rep)", str(dk["kvstore"]["missed_blocks"]),
+                   f"fs {dk['lmcache_fs']['missed_blocks']}, O_DIRECT {dk['lmcache_fs_odirect']['missed_blocks']}",
+                   "", "", "", "0", "PASS" if not any(dk["kvstore"]["missed_blocks"]) else "FAIL"])
     print(t)
     return verdicts
 
@@ -469,27 +589,35 @@ def main() -> None:
     res: dict[str, Any] = {"block_bytes": BLOCK, "batch": BATCH, "reps": reps, "quick": args.quick,
                            "versions": {"lmcache": lm.version(), "torch": _v("torch"), "kvstore": _v("kvstore")},
                            "lmcache_transfer_mode": "lmcache_driven"}
+    phases = Phases()
+    res["phase_errors"] = phases.failed       # every phase that raised: {"phase", "error"}; the run then exits 1
     batches = 4
     progress(f"DRAM: {batches} batches of 32 × 2 MiB per repetition, 2 warm-up + {reps} reps, systems in turns")
-    res["dram"] = dram(reps, 2, batches)
+    res["dram"] = {"errors": []}
+    phases.run("DRAM", lambda: dram(reps, 2, batches, res["dram"], phases), res["dram"]["errors"])
     if not args.skip_disk:
         tmp = "/var/tmp" if os.path.isdir("/var/tmp") else None
         base = args.dir or tempfile.mkdtemp(prefix="kvs-vs-lmc-", dir=tmp)
         nblocks = 256 if args.quick else 512
         dreps = 1 if args.quick else max(2, min(3, reps))
         progress(f"disk: {nblocks} blocks through a 256 MiB DRAM tier, 1 warm-up + {dreps} reps, systems in turns")
+        res["disk"] = {"errors": []}
         try:
-            res["disk"] = disk(dreps, nblocks, base)
+            phases.run("disk", lambda: disk(dreps, nblocks, base, res["disk"], phases), res["disk"]["errors"])
         finally:
             if not args.dir:
                 shutil.rmtree(base, ignore_errors=True)
-    res["verdicts"] = report(res)
+    res["verdicts"] = phases.run("report", lambda: report(res))
     for part in ("dram", "disk"):
         for e in res.get(part, {}).get("errors", []):
             print("ERROR:", e)
     res["load_average"] = {"before": load_before, "after": busy_cpus()}
     res["seconds"] = time.perf_counter() - started
     print(f"\nwrote {write_json('vs_lmcache', res)}  ({res['seconds']:.0f} s)")
+    if phases.failed:
+        print(f"{len(phases.failed)} phase(s) failed: " + "; ".join(f["phase"] for f in phases.failed)
+              + " (the figures of the others are above and in the JSON)")
+        sys.exit(1)
 
 
 def _v(pkg: str) -> str:

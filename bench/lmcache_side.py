@@ -170,14 +170,23 @@ class LMCacheClient:
         with urllib.request.urlopen(req, timeout=30) as r:
             r.read()
 
+    @staticmethod
+    def _key(req: Any) -> Any:
+        from lmcache.cli.commands.bench.server_bench.helpers import _make_key
+
+        return _make_key(req.token_ids, req.request_id, start=0, end=req.num_full_tokens, world_size=1)
+
     def lookup(self, tokens: tuple[int, ...], end_session: bool = True) -> tuple[int, Any]:
         """Longest stored prefix in chunks (LOOKUP, then QUERY_PREFETCH_STATUS until it answers). The daemon holds a
-        read lock per hit chunk (and prefetches L2 hits into L1) until a RETRIEVE or the end of the session."""
-        from lmcache.cli.commands.bench.server_bench.helpers import _make_key, _send_lookup, _wait_for_result
+        read lock per hit chunk (and prefetches L2 hits into L1) until a RETRIEVE or FREE_LOOKUP_LOCKS: END_SESSION
+        does not release them (they expire after the L1 read TTL, 300 s). With `end_session` (no RETRIEVE follows)
+        the locks are freed and the session ended here, as an engine's connector does (`release`); without it the
+        caller must RETRIEVE or `release`."""
+        from lmcache.cli.commands.bench.server_bench.helpers import _send_lookup, _wait_for_result
 
         req = self._request(tokens, 0)
         rc = self.bc._req_client
-        key = _make_key(req.token_ids, req.request_id, start=0, end=req.num_full_tokens, world_size=1)
+        key = self._key(req)
         if not _send_lookup(rc, key):
             raise TimeoutError("LMCache LOOKUP timed out")
         deadline = time.monotonic() + 30
@@ -189,8 +198,18 @@ class LMCacheClient:
                 raise TimeoutError("LMCache prefetch status never answered")
             time.sleep(0.0002)
         if end_session:
-            self.bc.end_session(req)
+            self.release(req, hit)
         return hit, req
+
+    def release(self, req: Any, hit: int) -> None:
+        """What an engine does with a looked-up prefix it will not retrieve: FREE_LOOKUP_LOCKS, then END_SESSION.
+        A read-locked chunk is neither evicted nor removed by /cache/clear, so locks left behind fill L1 until
+        stores fail to allocate (and are dropped, the STORE still answering success)."""
+        from lmcache.cli.commands.bench.server_bench.helpers import _wait_for_result
+
+        if hit:
+            _wait_for_result(self.bc._req_client.free_lookup_locks(self._key(req), 1))
+        self.bc.end_session(req)
 
     def retrieve(self, req: Any, base: int, nchunks: int) -> bool:
         """RETRIEVE the first `nchunks` chunks of a looked-up request into pages starting at `base`."""

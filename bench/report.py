@@ -77,6 +77,9 @@ def vs_lmcache_md(r: dict[str, Any]) -> list[str]:
     dr, dk = r.get("dram"), r.get("disk")
 
     def row(name: str, a: list[float], b: list[float], lim: list[float], lim_name: str, target: float | None) -> None:
+        if not a or not b:                              # a phase that failed (its error is listed below)
+            out.append(f"| {name} | {spread(a)} | {spread(b)} | | | | no figures |")
+            return
         q = ratio(a, b)
         res = "" if target is None else ("PASS" if q >= target else "FAIL")
         out.append(f"| {name} | {spread(a)} | {spread(b)} | {med(lim):.2f} ({lim_name}) | {q:.2f}× | "
@@ -116,8 +119,17 @@ def vs_lmcache_md(r: dict[str, Any]) -> list[str]:
                     str(dk[s]["missed_blocks"]) for s in ("kvstore", "lmcache_fs", "lmcache_fs_odirect")) + " |",
                 f"| burst: {dk['blocks']} blocks stored as fast as the client can, never written to disk | "
                 + " | ".join(
+                    "– (not run)" if dk[s]["burst_store"] is None else
                     f"{dk[s]['burst_not_on_disk']} (store reply {dk[s]['burst_store']:.2f} GB/s)"
                     for s in ("kvstore", "lmcache_fs", "lmcache_fs_odirect")) + " |", ""]
+    if dr and dr.get("lookup_probe"):
+        never = [s for s, p in dr["lookup_probe"].items() if p.get("visible_after_s") is None]
+        miss = {s: m for s, m in (dr.get("lookup_misses") or {}).items() if m.get("missed_lookups")}
+        out += [f"- lookup latency: {s} never showed the whole probe batch (32 blocks) within the deadline"
+                for s in never]
+        out += [f"- lookup latency: {s} missed {m['missed_lookups']} of {m['lookups']} timed lookups "
+                f"({m['missed_blocks']} blocks)" for s, m in miss.items()]
+        out += [""] if never or miss else []
     errors = [e for part in ("dram", "disk") for e in (r.get(part) or {}).get("errors", [])]
     out += [f"- error: {e}" for e in errors] + ([""] if errors else [])
     return out

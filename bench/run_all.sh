@@ -68,7 +68,9 @@ quick_args() {
     esac
 }
 
-failed=0
+# a benchmark that fails does not stop the run: the others still run, the page is still written (with what the
+# failed one wrote, if anything), the failures are listed at the end, and the script then exits 1
+failed=()
 for n in $ALL; do
     script=bench/bench_$n.py
     [[ -f $script ]] || { echo "$n: no $script" >>"$OUT/skipped.txt"; continue; }
@@ -96,9 +98,16 @@ for n in $ALL; do
         echo "$n: skipped: $(tail -n 1 "$OUT/$n.log")" | tee -a "$OUT/skipped.txt"
     elif [[ $rc != 0 ]]; then
         echo "$n: failed with exit status $rc, see $OUT/$n.log" | tee -a "$OUT/skipped.txt"
-        failed=1
+        failed+=("$n (exit status $rc)")
     fi
 done
 
-"$VENV/bin/python" bench/report.py "$OUT"
-exit $failed
+if ! "$VENV/bin/python" bench/report.py "$OUT"; then
+    failed+=("report.py (the results page)")
+fi
+if (( ${#failed[@]} )); then
+    echo "FAILED (${#failed[@]}; logs in $OUT):"
+    printf '  %s\n' "${failed[@]}"
+    exit 1
+fi
+echo "all benchmarks done: $OUT"
