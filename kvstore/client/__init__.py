@@ -6,6 +6,8 @@ slot; `Reservation` and `Lease` are the two-phase pieces under them (layer by la
 (`kvstore.client.aio`) is the same for asyncio. A refusal raises `KVStoreError` with the protocol's code. Hints
 (`Client.workflow`, `Client.session`, a request's `Context`) are in `kvstore.client.hints`. A `Pair` (`Client.pair`,
 `kvstore.client.pairs`) is a base namespace and an adapter's residual one (ForkKV), looked up and acquired together.
+Inside: `Client` is one object built in layers (`wire`, `segments`, `admin`, then `connection`: its docstring says
+which owns what); a namespace's blocks are `blocks` (Namespace), `reservation` (writes) and `lease` (reads).
 """
 from kvstore.client.blocks import Lease, Namespace, PutResult, Reservation, StreamLease
 from kvstore.client.connection import Client, KVStoreError
