@@ -1,0 +1,388 @@
+"""The worker side of kvstore's vLLM connector (`KVStoreConnectorWorker`), built by `KVStoreConnector` in each of
+vLLM's workers. It owns the engine's KV pages and every byte that moves: what to move comes from the scheduler, in
+the metadata bound to each step (`vllm_common.KVStoreConnectorMetadata`); it decides nothing about requests itself.
+
+Worker side: loads are acquired (pinned) in `start_load_kv` and copied layer by layer in `wait_for_layer_load`;
+saves are reserved at the first `save_kv_layer` of a step, written layer by layer, and committed when the last
+layer is in, with each block's CRC-32C. A load first checks every block against its CRC-32C; a block that is missing,
+altered or could not be loaded is reported by `get_block_ids_with_load_errors`, so vLLM recomputes it (with
+`kv_load_failure_policy: recompute`) instead of using bad KV. A save the scheduler marked durable is committed
+durable, and waits for the disk at most `durable_wait_s` (see "Durability" in `vllm_connector.py`).
+
+The GPU path: the pool's segments are registered as pinned memory once, loads of every layer are queued on the
+connector's stream at `start_load_kv` (each attention layer waits only for its own layer's event), saves are queued
+after the layer's compute, and the blocks are committed in `wait_for_save` after one stream sync, so the last layer
+never stalls the forward pass. On CPU the same movers copy at once (`kv_pages.py`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvstore.client import KVStoreError, Lease, Reservation
+from kvstore.connectors.daemon_link import DaemonLink
+from kvstore.connectors.hints import with_context
+from kvstore.connectors.kv_pages import CpuMover, CudaMover, LayerPages
+from kvstore.connectors.vllm_common import (
+    CHAIN_KEYS,
+    ConnectorConfig,
+    ConnectorSide,
+    KVStoreConnectorMetadata,
+    RequestBlocks,
+    log,
+)
+from kvstore.connectors.vllm_layout import layer_order, layout_of_pages
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclass
+class _Move:
+    """One request's load (a lease) or save (a reservation) on the worker in this step: the layers moved so far and,
+    where the mover checksums as it copies, each block's CRC-32C continued layer by layer. The chain holds only if
+    the layers come in order 0, 1, ...; `in_order` says whether they did."""
+    part: RequestBlocks
+    ids: list[int]                # the engine's blocks moved, in slot order
+    done: set[int] = field(default_factory=set)
+    crcs: np.ndarray | None = None
+    in_order: bool = True
+    checked: bool = False         # a load's blocks were checked once after the forward pass
+
+    def moved(self, layer: int) -> None:
+        self.in_order = self.in_order and layer == len(self.done)
+        self.done.add(layer)
+
+
+@dataclass
+class MoveStats:
+    """The worker's copies since start: blocks and bytes moved, and seconds spent in the copies themselves (CPU
+    movers; a GPU mover's queued copies are not timed). Benchmarks read them (bench_vllm_ttft: load GB/s)."""
+    load_blocks: int = 0
+    load_bytes: int = 0
+    load_s: float = 0.0
+    save_blocks: int = 0
+    save_bytes: int = 0
+    save_s: float = 0.0
+
+    def count(self, load: bool, blocks: int, nbytes: int, layer: int, seconds: float) -> None:
+        """One layer's copy of `blocks` blocks (`nbytes` in all); blocks are counted at layer 0 only."""
+        if load:
+            self.load_bytes += nbytes
+            self.load_s += seconds
+            self.load_blocks += blocks if layer == 0 else 0
+        else:
+            self.save_bytes += nbytes
+            self.save_s += seconds
+            self.save_blocks += blocks if layer == 0 else 0
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, RuntimeError):
+        return 0
+
+
+class KVStoreConnectorWorker(ConnectorSide):
+    link: DaemonLink | None       # ConnectorSide's; None once `_disable` has closed it
+
+    def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+        self.verify = config.verify
+        self.durable_wait_s = config.durable_wait_s
+        self.copy_engine = config.copy_engine
+        self._kv_cache_config = kv_cache_config
+        self._layers: dict[str, int] = {}
+        self._pages: dict[int, LayerPages] = {}
+        self._mover: CpuMover | CudaMover = CpuMover()
+        self._cuda = False
+        self._leases: list[tuple[_Move, Lease]] = []
+        self._reservations: list[tuple[_Move, Reservation]] | None = None
+        self._reserved_at = 0.0                   # when this step's reservations were made or last renewed
+        self._to_commit: list[tuple[_Move, Reservation]] = []
+        self._load_errors: set[int] = set()
+        self.stats = MoveStats()
+        super().__init__(config, vllm_config, kv_cache_config, "worker", _tp_rank())
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.link is None:
+            return
+        names = layer_order(list(kv_caches))
+        if len(names) != self.geometry.layers:
+            self._disable(f"{len(names)} KV tensors for {self.geometry.layers} attention layers")
+            return
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        for i, name in enumerate(names):
+            kv = kv_caches[name]
+            self._layers[name] = i
+            try:
+                pages = LayerPages(kv, num_blocks)
+            except ValueError as e:
+                self._disable(f"layer {name}: {e}")
+                return
+            if pages.page_bytes != self.geometry.layer_bytes:
+                self._disable(f"layer {name}: a page is {pages.page_bytes} bytes (shape {tuple(kv.shape)}), the "
+                              f"namespace's geometry expects {self.geometry.layer_bytes}")
+                return
+            found = layout_of_pages(kv.device.type, pages.page_order)
+            if found != self.geometry.layout:     # the scheduler's namespace would name other bytes: never mix
+                self._disable(f"layer {name}: pages in the order {found}, the namespace says {self.geometry.layout}")
+                return
+            self._pages[i] = pages
+        device = kv_caches[names[0]].device
+        if device.type == "cuda":
+            try:
+                self._mover = CudaMover(device, engine=self.copy_engine)
+            except Exception as e:  # noqa: BLE001 - e.g. copy_engine: kernel without Triton: no cache, no crash
+                self._disable(f"the GPU copier could not start: {type(e).__name__}: {e}")
+                return
+            self._cuda = True
+        log.info("kvstore connector: %d layers, %d run(s) of %d bytes per page, %s copies", len(names),
+                 self._pages[0].chunks, self._pages[0].chunk_bytes, device.type)
+
+    def _disable(self, why: str) -> None:
+        log.warning("kvstore connector disabled: %s", why)
+        self.disabled = why
+        if self.link is not None:
+            self.link.close()
+        self.link = None
+
+    def _io_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, KVStoreError):
+            log.warning("kvstore: request refused: %s", exc)
+        elif self.link is not None:
+            self.link.failed(exc)
+
+    def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
+        if self.link is None or not isinstance(meta, KVStoreConnectorMetadata):
+            return
+        for t in meta.loads:
+            ns = self.link.namespace(t.adapter)
+            if ns is None:
+                self._load_errors.update(t.block_ids)
+                continue
+            try:
+                lease = ns.acquire(t.hashes, **with_context(t.context))
+            except Exception as e:  # noqa: BLE001 - any failure here means: recompute these blocks
+                self._io_failed(e)
+                self._load_errors.update(t.block_ids)
+                continue
+            n = len(lease)
+            if self.verify:           # a block committed without a CRC cannot be proven: it ends the load
+                n = next((i for i, c in enumerate(lease.crcs) if c is None), n)
+                if not self._mover.checksums:      # the device copies: check the slots before it reads them
+                    n = self._checked_slots(lease, n, t.req_id)
+            if n < len(t.hashes):     # evicted since the scheduler's lookup, or altered: the rest is recomputed
+                self._load_errors.update(t.block_ids[n:])
+            part = RequestBlocks(t.req_id, t.adapter, t.hashes[:n], t.block_ids[:n], context=t.context)
+            move = _Move(part, part.block_ids, crcs=np.zeros(n, np.uint32) if self.verify and self._mover.checksums
+                         else None)
+            if self._cuda and part.block_ids:
+                try:
+                    self._enqueue_loads(part, lease)
+                    move.done.update(range(self.geometry.layers))
+                except Exception as e:  # noqa: BLE001 - a load not queued is a load error, never a crash
+                    self._io_failed(e)
+                    self._load_errors.update(part.block_ids)
+                    part.block_ids = []
+            self._leases.append((move, lease))
+
+    def _checked_slots(self, lease: Lease, n: int, req_id: str) -> int:
+        """How many of the first n blocks match their CRC-32C in their slots now (the GPU path's check)."""
+        m = lease.verified_prefix()
+        if m < n:
+            log.warning("kvstore: block %d of request %s does not match its checksum: recomputed", m, req_id)
+        return min(m, n)
+
+    def _enqueue_loads(self, part: RequestBlocks, lease: Lease) -> None:
+        """GPU: every layer's copies queued now on the mover's stream; each attention layer waits for its own."""
+        assert self.link is not None and self.link.client is not None
+        self._mover.pin(self.link.client)
+        for li in range(self.geometry.layers):
+            self._mover.load_layer(li, self._pages[li], part.block_ids, lease.views, self.geometry.layer_range(li)[0])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        li = self._layers.get(layer_name)
+        if li is None or not self._leases:
+            return
+        if self._cuda:
+            self._mover.wait_layer(li)
+            return
+        a = self.geometry.layer_range(li)[0]
+        for move, lease in self._leases:
+            t = move.part
+            if li in move.done or not t.block_ids:
+                continue
+            try:
+                t0 = time.perf_counter()
+                self._mover.load_layer(li, self._pages[li], t.block_ids, lease.views, a, move.crcs)
+                self._count(load=True, blocks=len(t.block_ids), layer=li, seconds=time.perf_counter() - t0)
+                move.moved(li)
+            except Exception as e:  # noqa: BLE001
+                self._io_failed(e)
+                self._load_errors.update(t.block_ids)
+                t.block_ids = []
+
+    def _count(self, load: bool, blocks: int, layer: int, seconds: float) -> None:
+        self.stats.count(load, blocks, blocks * self._pages[layer].page_bytes, layer, seconds)
+
+    def _check_loads(self) -> None:
+        """After the forward pass: every block loaded in full, and (CPU) its copy equal to its writer's CRC-32C,
+        checked on the bytes the engine read, not on the slot. A block that fails, and those after it, are load
+        errors: vLLM drops this step's output for the request and recomputes from there. Run by `wait_for_save`, and
+        by `get_block_ids_with_load_errors` where vLLM defers the first (a draft model's pass), once per load."""
+        for move, lease in self._leases:
+            t = move.part
+            if not t.block_ids or move.checked:
+                continue
+            move.checked = True
+            if len(move.done) < self.geometry.layers:
+                self._load_errors.update(t.block_ids)     # a layer was never loaded
+                continue
+            if move.crcs is None:
+                continue
+            if move.in_order:
+                bad = next((i for i, (got, want) in enumerate(zip(move.crcs.tolist(), lease.crcs)) if got != want),
+                           None)
+            else:                     # layers came out of order: the chain is not the slot's CRC; check the slots
+                m = lease.verified_prefix()
+                bad = m if m < len(t.block_ids) else None
+            if bad is not None:
+                log.warning("kvstore: block %d of request %s does not match its checksum: recomputed", bad, t.req_id)
+                self._load_errors.update(t.block_ids[bad:])
+
+    def save_kv_layer(self, layer_name: str, meta: KVConnectorMetadata | None) -> None:
+        li = self._layers.get(layer_name)
+        if li is None or self.link is None or not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
+            return
+        if self._reservations is None:
+            self._reservations = self._reserve(meta.saves)
+            self._reserved_at = time.monotonic()
+        elif self._reservations and time.monotonic() - self._reserved_at > self._lease_s() / 3:
+            self._renew()
+        a = self.geometry.layer_range(li)[0]
+        for move, res in self._reservations:
+            if res.done or not move.ids:
+                continue
+            try:
+                if self._cuda and self.link.client is not None:
+                    self._mover.pin(self.link.client)
+                t0 = time.perf_counter()
+                self._mover.save_layer(self._pages[li], move.ids, res.views, a, move.crcs)
+                self._count(load=False, blocks=len(move.ids), layer=li, seconds=time.perf_counter() - t0)
+                move.moved(li)
+                if len(move.done) == self.geometry.layers:
+                    if self._cuda:
+                        self._to_commit.append((move, res))       # committed in wait_for_save, after a sync
+                    else:
+                        self._commit(move, res)
+            except Exception as e:  # noqa: BLE001
+                self._io_failed(e)
+                res.done = True
+
+    def _lease_s(self) -> float:
+        return self.link.client.lease_s if self.link is not None and self.link.client is not None else 60.0
+
+    def _renew(self) -> None:
+        """A forward pass that outlasts a third of the daemon's reservation lease (a long prompt on a slow machine):
+        the reservations of this step are extended, else the daemon would abort them mid-pass (and give their
+        slots to other writers while this one still copies into them)."""
+        self._reserved_at = time.monotonic()
+        try:
+            assert self.link is not None and self.link.client is not None
+            self.link.client.renew()
+        except Exception as e:  # noqa: BLE001 - a lease not renewed is a later commit refused, nothing worse
+            self._io_failed(e)
+
+    def _reserve(self, saves: list[RequestBlocks]) -> list[tuple[_Move, Reservation]]:
+        """This step's reservations, one per request with blocks to save (at the first layer saved)."""
+        out: list[tuple[_Move, Reservation]] = []
+        assert self.link is not None
+        for t in saves:
+            ns = self.link.namespace(t.adapter)
+            if ns is None:
+                continue
+            keep = self.link.client.max_keys if self.link.client is not None else CHAIN_KEYS
+            if len(t.hashes) > keep:          # a daemon configured for fewer keys a request: the chain's end
+                t = replace(t, hashes=t.hashes[-keep:], block_ids=t.block_ids[-keep:])
+            try:
+                res = ns.reserve(t.hashes, **with_context(t.context))
+            except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
+                self._io_failed(e)
+                continue
+            ids = [t.block_ids[p] for p in res.reserved]     # res.views are the reserved slots, in order
+            checked = self.verify and self._mover.checksums
+            out.append((_Move(t, ids, crcs=np.zeros(len(ids), np.uint32) if checked else None), res))
+        return out
+
+    def _commit(self, move: _Move, res: Reservation) -> None:
+        """Publish a save with each block's CRC-32C (readers verify): the one computed while copying where the
+        layers came in order, else read from the slots."""
+        durable = move.part.durable
+        crcs: list[int] | None = None
+        if self.verify:
+            crcs = move.crcs.tolist() if move.crcs is not None and move.in_order else res.checksums()
+        try:
+            res.commit(crcs=crcs, durable=durable, durable_timeout_s=self.durable_wait_s if durable else None)
+        except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
+            self._io_failed(e)
+            res.done = True
+            return
+        answer = res.durability
+        if durable and self.durable_wait_s > 0 and answer is not None and answer["durability"] != "durable":
+            log.info("kvstore: a durable save got %s (%d of %d block(s) pending, %d failed)", answer["durability"],
+                     answer["pending"], answer["blocks"], answer["failed"])
+
+    def wait_for_save(self) -> None:
+        if self._cuda and self._reservations:
+            self._mover.sync()                # every queued copy into a slot is done before it is published or
+        if self._to_commit:                   # aborted (an aborted slot goes to another writer at once)
+            for move, res in self._to_commit:
+                self._commit(move, res)
+            self._to_commit = []
+        for _, res in self._reservations or []:
+            if not res.done:          # some layer never came: publish nothing half-written
+                try:
+                    res.abort()
+                except Exception as e:  # noqa: BLE001
+                    self._io_failed(e)
+        self._reservations = None
+        self._check_loads()
+        self._release_leases()
+
+    def _release_leases(self) -> None:
+        leases, self._leases = self._leases, []
+        if leases:
+            self._mover.sync()                # no copy may still read a slot once it is unpinned
+        for _, lease in leases:
+            try:
+                lease.release()
+            except Exception as e:  # noqa: BLE001
+                self._io_failed(e)
+        if leases and self.link is not None and self.link.client is not None:
+            try:
+                self.link.client.flush()
+            except Exception as e:  # noqa: BLE001
+                self._io_failed(e)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._check_loads()
+        errors, self._load_errors = self._load_errors, set()
+        if errors:
+            log.warning("kvstore: %d block(s) could not be loaded; vLLM recomputes them", len(errors))
+        return errors
+
+    def shutdown(self) -> None:
+        if self.link is not None:
+            self._release_leases()
+            try:
+                self._mover.close()
+            except Exception as e:  # noqa: BLE001 - unpinning at exit must not raise into vLLM's shutdown
+                log.debug("kvstore: closing the mover: %s", e)
+            self.link.close()
