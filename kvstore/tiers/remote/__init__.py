@@ -8,6 +8,9 @@ followed by a 16-byte trailer carrying the writer's CRC-32C (trailer.py), checke
 
 - `client`: the Mooncake calls, with plain return values and one exception (StoreDown).
 - `arena`: registered memory handed out as a ring (write-back staging; the trailers of transfers in flight).
-- `tier`: the `LowerTier` — placement, the books of what the store is known to hold, reads into host slots with
-  no bounce copy, faults (a store that does not answer is a miss, and the tier reconnects by itself).
+- `tier`: the `LowerTier` (and `SharedTier`), a facade over its parts: `wire` (what they share: one lock, the
+  registered memory, the counters), `link` (faults: a store that does not answer is a miss, and the tier
+  reconnects by itself), `books` (what the store is known to hold), `writeback` (staged evictions and their
+  writer), `puts` (write-through, and puts in pieces), `reads` (into host slots with no bounce copy, each block
+  verified) and `admin` (deletes, stats, the stop).
 """
