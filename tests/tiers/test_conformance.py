@@ -322,21 +322,7 @@ def remote_case(tmp_path: FsPath, request: pytest.FixtureRequest) -> Case:
     case = Case(tier, path, resize={"too_small": Expect(RuntimeError, "not resized from here"),
                                     "roomy": Expect(RuntimeError, "not resized from here")},
                 restart="the remote store is shared, not this node's to keep: a restart is the master's matter "
-                        "(tests/tiers/test_remote_tier.py)",
-                known_bugs={
-                    "test_blocks_read_back_byte_exact_while_staged":
-                        "RemoteTier.read serves staged blocks only as the leading run (_read_staged), then asks "
-                        "the store for the rest: a block staged but not put yet, after a stored one, is a miss "
-                        "although `has` says yes (stage: 'present for has and reads from here on')",
-                    "test_a_late_fill_never_touches_the_block_that_took_its_room":
-                        "RemoteTier.delete_many gives a staged block's arena room back (_unstage) before its "
-                        "fill; the next stage takes the same offset, and the late fill writes the deleted "
-                        "block's bytes over the new one (a miss with a writer's CRC, wrong bytes served without)",
-                    "test_busy_a_delete_still_deletes":
-                        "RemoteTier.delete_many skips the store's removal when the path refuses it "
-                        "(_remove_later: Busy, counted remove_skipped): the deleted block is still in the store "
-                        "and a read serves it (on every node)",
-                })
+                        "(tests/tiers/test_remote_tier.py)")
     wait_until(lambda: tier.up, "the remote tier links to the master", path.cond)
     return case
 

@@ -54,8 +54,10 @@ class Admin(TierPart):
                 s = b.staged.get(bid)
                 if s is not None:
                     s.deleted = True
-                    if not s.putting and self.staging is not None:
-                        self.writeback.unstage(bid, s)
+                    if s.filled and not s.putting and self.staging is not None:   # else its fill or put gives
+                        self.writeback.unstage(bid, s)                            # its room back
+                    elif b.staged.get(bid) is s:
+                        del b.staged[bid]                    # out of the books now: a new stage books anew
                 b.announced.discard(bid)
                 b.bad.pop(bid, None)
                 b.forgot_locked([bid])

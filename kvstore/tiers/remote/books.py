@@ -44,6 +44,7 @@ class Books(TierPart):
         self.known: dict[bytes, float] = {}         # blocks the store said it held, until when believed
         self.announced: set[bytes] = set()          # write-through blocks on their way (a delete cancels)
         self.bad: dict[bytes, float] = {}           # values that failed their check, until when (removed too)
+        self.removing: dict[bytes, None] = {}       # deleted here, their removal from the store not done yet
 
     def has(self, bid: bytes) -> bool:
         with self.lock:
@@ -53,9 +54,14 @@ class Books(TierPart):
         s = self.staged.get(bid)
         if s is not None:
             return not s.deleted
-        if not self.link.up or self.bad and self.bad.get(bid, 0.0) > now:
+        if not self.link.up or self.bad and self.bad.get(bid, 0.0) > now or bid in self.removing:
             return False
         return self.known.get(bid, 0.0) > now
+
+    def absent_locked(self, bid: bytes, now: float) -> bool:
+        """(Under the tier lock.) Whether the store's copy of `bid` must not be served, whatever the store says:
+        quarantined (`bad`) or deleted here and not removed from the store yet (`removing`)."""
+        return self.bad.get(bid, 0.0) > now or bid in self.removing
 
     def learned_locked(self, bids: Sequence[bytes]) -> None:
         """(Under the tier lock.) The store holds these now."""
@@ -73,6 +79,7 @@ class Books(TierPart):
         store said it held (the store evicts by itself; kept below Mooncake's lease, 10 s after a put or a read,
         the books never promise a block it has evicted). `mine` only counts them, per namespace."""
         self.learned_locked([bid])
+        self.stored_again_locked(bid)
         self.mine_bytes += nbytes - self.mine.get(bid, 0)
         self.mine[bid] = nbytes
         if len(self.mine) > KNOWN_MAX:
@@ -110,16 +117,44 @@ class Books(TierPart):
         self.counters["probes"] += 1
         run = 0
         with self.lock:
-            while run < len(found) and found[run] and not self.bad.get(rest[run], 0.0) > now:
+            while run < len(found) and found[run] and not self.absent_locked(rest[run], now):
                 run += 1
             self.learned_locked(rest[:run])
         return n + run
 
     def remove_later(self, bids: list[bytes]) -> None:
-        """Remove blocks from the store, as a transfer in the background lane (skipped, and counted, when the path
-        refuses it)."""
+        """Remove blocks from the store, as a transfer in the background lane. Until it is done they are absent
+        here (`has`, `probe` and reads answer a miss, whatever the store says), and a removal the path refuses
+        (its queue full) or the store does not answer is tried again (`retry_removals`, every remote.retry_s)."""
+        with self.lock:
+            for b in bids:
+                self.removing[b] = None
+            while len(self.removing) > KNOWN_MAX:
+                self.removing.pop(next(iter(self.removing)))
+                self.counters["remove_skipped"] += 1
+        self._submit_removal(bids)
+
+    def _submit_removal(self, bids: list[bytes]) -> None:
         keys = [store_key(b) for b in bids]
+
+        def remove() -> None:
+            self.client.remove(keys)
+            with self.lock:
+                for b in bids:
+                    self.removing.pop(b, None)
         try:
-            self.path.submit(Lane.BACKGROUND, 0, lambda: self.client.remove(keys))
+            self.path.submit(Lane.BACKGROUND, 0, remove)
         except (Busy, RuntimeError):
-            self.counters["remove_skipped"] += len(keys)
+            self.counters["remove_deferred"] += len(keys)
+
+    def retry_removals(self) -> None:
+        """(The link thread, while the store answers.) Ask again for the removals not done yet."""
+        with self.lock:
+            pending = list(self.removing)[:EXISTS_MAX]
+        if pending:
+            self._submit_removal(pending)
+
+    def stored_again_locked(self, bid: bytes) -> None:
+        """(Under the tier lock.) A block deleted here is put again (the same bytes: a key names its contents):
+        its pending removal would take the new copy too."""
+        self.removing.pop(bid, None)

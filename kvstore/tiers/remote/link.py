@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from kvstore.tiers.remote import address
 from kvstore.tiers.remote.client import StoreDown
@@ -34,6 +35,7 @@ class Link(TierPart):
         self.down_since = time.monotonic()
         self.last_error = "not connected yet"
         self.stopping = False
+        self.on_tick: Callable[[], None] | None = None     # every remote.retry_s while up (the books' removals)
         self.thread = threading.Thread(target=self._keep_linked, name="kvstore-remote-link", daemon=True)
 
     def _keep_linked(self) -> None:
@@ -51,6 +53,8 @@ class Link(TierPart):
             if up:
                 if not self.client.healthy():
                     self.record_down(StoreDown(f"the master at {self.cfg.master} does not answer"))
+                elif self.on_tick is not None:
+                    self.on_tick()                  # the books' removals not done yet
                 continue
             if not self._try_link():
                 with self.cond:

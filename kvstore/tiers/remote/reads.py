@@ -99,19 +99,26 @@ class Reads(TierPart):
         n = 0
         with self.lock:
             while n < len(bids):
-                s = self.staged.get(bids[n])
-                if s is None or s.deleted or not s.filled or self.staging is None:
-                    break
-                out = outs[n]
-                out[:s.nbytes] = self.staging.view(s.off, s.nbytes)
-                if s.crc is not None and crc32c(out[:s.nbytes]) != s.crc:
-                    self.counters["crc_mismatch"] += 1
+                got = self._copy_staged_locked(bids[n], outs[n])
+                if got is False:
                     break
                 if crcs is not None:
-                    crcs.append(s.crc)
+                    crcs.append(got)
                 n += 1
-        self.counters["staged_reads"] += n
         return n
+
+    def _copy_staged_locked(self, bid: bytes, out: memoryview) -> int | None | bool:
+        """(Under the tier lock.) A staged block's bytes into `out`, checked: its writer's CRC-32C (None if none),
+        or False where it is not staged (filled) or fails its check."""
+        s = self.staged.get(bid)
+        if s is None or s.deleted or not s.filled or self.staging is None:
+            return False
+        out[:s.nbytes] = self.staging.view(s.off, s.nbytes)
+        if s.crc is not None and crc32c(out[:s.nbytes]) != s.crc:
+            self.counters["crc_mismatch"] += 1
+            return False
+        self.counters["staged_reads"] += 1
+        return s.crc
 
     def _get_chunk(self, bids: Sequence[bytes], outs: Sequence[memoryview]) -> list[int | None]:
         """(A transfer on the network path.) Get blocks with their trailers; the writers' CRCs of the leading
@@ -125,9 +132,20 @@ class Reads(TierPart):
             self.pad.mm[poff:poff + len(bids) * trailer.SIZE] = bytes(len(bids) * trailer.SIZE)   # no stale one
             codes = self.client.get([store_key(b) for b in bids], parts)
             got: list[int | None] = []
+            from_store = 0
+            now = time.monotonic()
             for i, (bid, out, code) in enumerate(zip(bids, outs, codes)):
                 t = poff + i * trailer.SIZE
                 ok, crc = trailer.unpack(self.pad.mm[t:t + trailer.SIZE], out.nbytes) if code >= 0 else (False, None)
+                with self.lock:
+                    staged = self._copy_staged_locked(bid, out)     # staged, not put yet: its bytes are here
+                    gone = staged is False and self.books.absent_locked(bid, now)
+                if staged is not False:
+                    got.append(staged)
+                    continue
+                if gone:                                    # deleted here (its removal pending), or quarantined
+                    self.counters["absent"] += 1
+                    break
                 if not ok or code != out.nbytes + trailer.SIZE:
                     self._miss(bid, _why_missed(code))
                     break
@@ -137,7 +155,8 @@ class Reads(TierPart):
                                 bid.hex()[:16])
                     break
                 got.append(crc)
-            self.counters["gets"] += len(got)
+                from_store += 1
+            self.counters["gets"] += from_store
             self.counters["get_bytes"] += sum(o.nbytes for o in outs[:len(got)])
             return got
         finally:

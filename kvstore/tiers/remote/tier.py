@@ -61,6 +61,7 @@ class RemoteTier:
         self.wire = Wire(self.name, cfg, path, client, Arena(cfg.staging_bytes) if write_back else None)
         self.link = Link(self.wire)
         self.books = Books(self.wire, self.link)
+        self.link.on_tick = self.books.retry_removals
         self.puts = Puts(self.wire, self.link, self.books)
         self.writeback = WriteBack(self.wire, self.link, self.books, self.puts)
         self.reads = Reads(self.wire, self.link, self.books)

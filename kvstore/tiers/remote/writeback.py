@@ -56,6 +56,7 @@ class WriteBack(TierPart):
         self.puts = puts
         self.staged = books.staged
         self.queue: deque[bytes] = deque()          # staged blocks in the order they came, for the writer
+        self.filling: dict[int, tuple[bytes, Staged]] = {}   # id of the view `stage` handed out → its booking
         self.thread = threading.Thread(target=self._write_back, name="kvstore-remote-writer", daemon=True)
 
     def stage(self, bid: bytes, nbytes: int, crc: int | None = None) -> StagingBuffer | bool:
@@ -68,17 +69,27 @@ class WriteBack(TierPart):
             if off is None:
                 self.counters["dropped"] += 1
                 return False
-            self.staged[bid] = Staged(off, nbytes, crc)
-            return self.staging.view(off, nbytes)
+            s = self.staged[bid] = Staged(off, nbytes, crc)
+            view = self.staging.view(off, nbytes)
+            self.filling[id(view)] = (bid, s)
+            return view
 
     def fill(self, bid: bytes, buf: StagingBuffer, data: memoryview) -> None:
+        """Copy the block in and queue it for the writer; a block deleted since its `stage` gives its room back
+        here, not before (its room is written by this copy: handed to another block sooner, the copy would land
+        on that block)."""
         buf[:] = data
         with self.cond:
-            s = self.staged.get(bid)
-            if s is not None:
-                s.filled = True
-                self.queue.append(bid)
-                self.cond.notify_all()
+            booked = self.filling.pop(id(buf), None)
+            if booked is None:
+                return
+            _, s = booked
+            if s.deleted or self.staged.get(bid) is not s:
+                self.unstage(bid, s)
+                return
+            s.filled = True
+            self.queue.append(bid)
+            self.cond.notify_all()
 
     def _write_back(self) -> None:
         """Put staged blocks, PUT_BATCH at a time, in the background lane; wait while the store is down."""
