@@ -1,7 +1,9 @@
 """The index: the daemon's books. Which key lives in which host slot, who pins or reserves it, which namespaces
 exist, and — as decisions handed to movers — which blocks leave the host pool. It moves no byte.
 
-- `books.Index`: reads, two-phase stores, promotion books, pins; `capacity`: allocation, eviction, resize.
+- `books.Index`: the face of the books, composing its parts over the shared books (`state`): the request side
+  (`stores`: two-phase stores, promotions, deletes; `reads`: lookups, pins, walks) and the capacity side
+  (`capacity`: its types and overview; `allocation`, `removal`: eviction, frees, drain steps; `trim`: resize).
 - `namespaces`: the registry (index keys are namespace id + block hash, 20 bytes) and each connection's holdings.
 - `sharing`: share groups (one geometry per declared group), base/residual pairs and forks (ForkKV).
 - `keytable`: the key → slot table with intrusive LRU lists (native, with a pure-Python fallback).

@@ -16,7 +16,7 @@ draining). Memory moves between tenants a whole segment at a time: the segment i
 - **What the owner loses** when a segment of it goes is decided by its own policy, not by which blocks happen to
   share the segment (sessions interleave: one request's chain spans most of a tenant's segments, so retiring any
   segment as it stands cut every hot chain — measured, bench_tenants): the books first move the segment's blocks
-  into the owner's other segments, evicting the owner's coldest blocks for room (kvstore.index.capacity,
+  into the owner's other segments, evicting the owner's coldest blocks for room (kvstore.index.allocation,
   `_compact`; its most recently used `compact_bytes` of them, copied under the state lock: the bound on that
   stall). The rest leave with the segment as before.
 - **Static partitions (lending off).** A tenant never holds more than its quota.
