@@ -125,7 +125,8 @@ stress: $(STAMP)
 	bash tests/setup_sglang_env.sh .venv-sglang
 	TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q -m sglang tests/connectors/test_salts_sglang.py
 
-lint: $(STAMP)
+# mypy checks the connectors against torch and vLLM: .venv with its engines.
+lint: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check kvstore connectors tests bench
 	$(BIN)/mypy
 
