@@ -13,6 +13,8 @@
 - Reads check every header field against the key asked and the payload's checksum against its bytes: a record that
   fails is a miss, quarantined (its header zeroed, its space reused) and counted by reason. No wrong byte is served
   (reads.py).
+- Deletes are durable before they return (unless the sync policy is never), and a resize that shrinks the cap cuts
+  the files down to it, synced (removal.py).
 - `open` books what each record file's map (recmap.py) names before it returns, so every block on disk is a hit
   from the first request, then validates those records' headers in the background; a file without a trusted map
   has every header scanned while the daemon already serves (a block not scanned yet is a miss), and its map
@@ -21,18 +23,17 @@
 
 This module keeps the books, under `lock`: `index` (namespace digest + block hash → (payload bytes, record, seq));
 `policy` (a kvstore.policy TierPolicy: the order in which the cap evicts, per block size, or per tenant and block
-size where tenants have SSD quotas); `files` (payload bytes → ClassFile, whose free records are booked there too);
-bytes used and blocks per namespace, kept as the index changes; `owners` and `quotas` (owners.py: whose each
-digest is, on disk, and each tenant's bytes and quota); `counters`. The `*_locked` methods are the books'
-primitives for the other parts; they expect `lock` held.
+size where tenants have SSD quotas: `eviction_class`); `files` (payload bytes → ClassFile, whose free records are
+booked there too); bytes used and blocks per namespace, kept as the index changes; `owners` and `quotas`
+(owners.py: whose each digest is, on disk, and each tenant's bytes and quota; `class_records` per tenant and block
+size); `counters`. The `*_locked` methods are the books' primitives for the other parts; they expect `lock` held.
+`SsdStore` is also what tools, tests and the tier call: its operations are those of its parts, each handed the
+store at construction — `writer` (writes.py), `reader` (reads.py), `scanner` (scan.py), `zeroing` (zeroing.py),
+`room` (room.py: eviction and punching at the cap, under SSD quotas too) and `removal` (removal.py: durable
+deletes, and the cut of a resize).
 
-Deletes are durable before they return: the record leaves the books at once and `delete` returns only once its
-header is zeroed on disk and synced (zeroing.py; concurrent deletes share the writes and syncs), after any write of
-the key in flight has finished (it publishes nothing) and, during a full restart scan (no trusted map), after the
-scan (a copy it had not reached yet is zeroed too); with a map every copy is in the books from the start. Under
-sync policy never nothing is durable, deletes included: they return at once.
-A record that leaves the books otherwise (superseded by a newer copy, quarantined) is zeroed before its space is
-reused, so no block comes back after a crash, and no key comes back with an older copy's bytes.
+A record that leaves the books otherwise than by a delete (superseded by a newer copy, quarantined) is zeroed before
+its space is reused, so no block comes back after a crash, and no key comes back with an older copy's bytes.
 """
 from __future__ import annotations
 
@@ -43,17 +44,16 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
-from functools import partial
 from typing import Any
 
 from kvstore.policy import make_tier_policy
-from kvstore.testpoints import crash_point
-from kvstore.tiers.ssd import diskio
 from kvstore.tiers.ssd.config import SYNC_POLICIES
-from kvstore.tiers.ssd.files import ClassFile, StoreLocked, choose_io, lock_directory, open_class_file, punch
+from kvstore.tiers.ssd.files import ClassFile, StoreLocked, choose_io, lock_directory, open_class_file
 from kvstore.tiers.ssd.owners import Owners, SsdQuotas
 from kvstore.tiers.ssd.reads import Reader
 from kvstore.tiers.ssd.recmap import ENTRY_BYTES, FILE_HEADER
+from kvstore.tiers.ssd.removal import Removal
+from kvstore.tiers.ssd.room import Room
 from kvstore.tiers.ssd.scan import RestartScan, Scan
 from kvstore.tiers.ssd.writes import Item, Writer
 from kvstore.tiers.ssd.zeroing import Zeroing, run_unlocked
@@ -66,8 +66,9 @@ Out = memoryview | bytearray
 
 
 class SsdStore:
-    """The books (this module), with the parts that move bytes: `writer` (writes.py), `reader` (reads.py) and
-    `scanner` (scan.py), over the record files (files.py)."""
+    """The books (this module), with the parts that move bytes: `writer` (writes.py), `reader` (reads.py),
+    `scanner` (scan.py), `zeroing` (zeroing.py), `room` (room.py) and `removal` (removal.py), over the record files
+    (files.py)."""
 
     def __init__(self, directory: str, capacity: int, sync: str = "batch", path: Path | None = None,
                  io: str = "threads", eviction: str = "lru", workflows: Workflows | None = None,
@@ -93,13 +94,15 @@ class SsdStore:
         self.split = quotas is not None and quotas.total() > 0      # eviction classes per (tenant, block size)
         self.tenant_of: Callable[[bytes], str | None] = _nobody    # the daemon's: a registered digest's tenant
         self._classes: dict[tuple[str, int], int] = {}            # (tenant, payload bytes) → policy class
-        self._class_records: Counter[tuple[str, int]] = Counter()  # records per (tenant, payload bytes)
+        self.class_records: Counter[tuple[str, int]] = Counter()   # records per (tenant, payload bytes)
         self.writer = Writer(self, sync, pwritev)
         self.reader = Reader(self, preadv)
         self.scanner = RestartScan(self)
         self.zeroing = Zeroing(self, pwritev)       # records out of the books, wiped before they are reused
         self.evicted: set[bytes] = set()            # keys evicted for the write batch in flight (their records
         #                                             are wiped by its payload writes, not by zeroing)
+        self.room = Room(self)                      # eviction and punching at the cap
+        self.removal = Removal(self)                # deletes and resize
         self._seq = 0
         self._lock_fd = -1
 
@@ -123,26 +126,9 @@ class SsdStore:
         return self
 
     def punch_forgotten_holes(self) -> None:
-        """Files over the cap at start held holes (records punched out for another block size's file: the holes
-        are not on record, and a restart books them as free records). Reusing one would take disk space beyond
-        the cap, so every free record booked now is punched (a no-op for a hole, its space back for any other:
-        it holds nothing) and booked as a hole: the books count what the disk holds again. Run at open, and again
-        when a full scan ends (a file without a trusted map books its free records as the scan finds them: until
-        it ends, a write may fill one that is a hole, and the disk go over the cap by those holes)."""
-        with self.lock:
-            if self.file_bytes() <= self.capacity:
-                return
-            taken = [(cf, cf.free) for cf in self.files.values()]
-            for cf in self.files.values():
-                cf.free = []
-        punched = [(cf, [r for r in recs if self._punch(cf, r) is None]) for cf, recs in taken]
-        with self.lock:
-            for (cf, recs), (_, holes) in zip(taken, punched):
-                cf.holes.extend(holes)
-                gone = set(holes)
-                cf.free.extend(r for r in recs if r not in gone)
-        log.info("ssd: %s: the record files hold holes (another block size took their space); %d free records "
-                 "punched so that the tier stays within ssd.capacity", self.dir, sum(len(h) for _, h in punched))
+        """Free records of files over the cap are punched and booked as holes (room.py): at open, and when a full
+        scan ends."""
+        self.room.punch_forgotten_holes()
 
     def close(self) -> None:
         self.scanner.stop()              # a scan in progress stops submitting and finishes what it queued
@@ -217,73 +203,16 @@ class SsdStore:
         it. Durable on return (unless the sync policy is never: then nothing is): every header is zeroed on disk
         and synced, in `lane` and in one flush, after the write batch in flight (if it writes one of them, or
         reuses the record of one it evicted: that write publishes nothing) and, during the restart scan, after the
-        scan (a copy not scanned yet is wiped too). Blocks on disk calls, never under the store's lock."""
-        found = []
-        with self.lock:
-            wait_batch = False
-            for key in keys:
-                writing = self.writer.cancel_locked(key)
-                wait_batch = wait_batch or writing or key in self.evicted
-                where = self.index.get(key)
-                if where is not None:
-                    self.drop_locked(key)
-                    self.zeroing.add_locked(self.files[where[0]], where[1])
-                found.append(where is not None or writing)
-            scanning = self.scanner.unsure_locked()
-            if scanning:
-                for key in keys:
-                    self.scanner.note_deleted_locked(key)     # an older copy the scan finds later is stale
-            if self.sync == "never":
-                self.zeroing.soon_locked()
-                return found
-        if wait_batch:
-            with self.writer.batch:        # that batch ends: its records are queued for zeroing, or overwritten
-                pass
-        if scanning:
-            self.scanner.wait()            # the scan has queued every copy it found
-        self.zeroing.barrier(lane)
-        return found
+        scan (a copy not scanned yet is wiped too). Blocks on disk calls, never under the store's lock
+        (removal.py)."""
+        return self.removal.delete_many(keys, lane)
 
     def resize(self, capacity: int) -> int:
         """Set the cap. Shrinking below the files' allocated bytes cuts records from the ends of the largest files
         (those holding blocks are evicted) and truncates them: the files never stay over the cap. Returns the
         evictions. Waits for a write batch in flight and a zeroing flush (neither may touch a record being cut); the
-        files are cut and synced outside the store's lock. Refused while the restart scan runs."""
-        with self.writer.batch, self.zeroing.mutex:
-            with self.lock:
-                if self.scan.state == "scanning":
-                    raise RuntimeError(f"the SSD tier is still scanning ({self.scan.done} of {self.scan.total} "
-                                       "records); resize it when the scan is done")
-                self.capacity = capacity
-                evicted = 0
-                cut: set[ClassFile] = set()
-                while self.allocated_bytes() > capacity:
-                    evicted += self._cut_largest_locked(capacity, cut)
-                self.counters["evictions"] += evicted
-                sizes = [(cf, cf.size()) for cf in cut]
-            for cf, size in sizes:
-                diskio.ftruncate(cf.fd, size)
-                if self.sync != "never":
-                    diskio.fsync(cf.fd)          # the cut survives a power cut: the files stay under the cap
-                if cf.map is not None:
-                    cf.map.cut(cf.nrecords)
-            return evicted
-
-    def _cut_largest_locked(self, capacity: int, cut: set[ClassFile]) -> int:
-        """Cut the largest file's books by what the files are over `capacity` (at most all of it), adding it to
-        `cut` (the caller truncates it); the evictions."""
-        cf = max(self.files.values(), key=lambda f: f.size())
-        n = min(cf.nrecords, -(-(self.allocated_bytes() - capacity) // cf.record))
-        first = cf.nrecords - n
-        victims = [key for key in cf.keys[first:] if key is not None]     # the cut records only, not the index
-        for key in victims:
-            self.drop_locked(key)
-        del cf.keys[first:]
-        cf.free = [r for r in cf.free if r < first]
-        cf.holes = [r for r in cf.holes if r < first]
-        cf.nrecords = first
-        cut.add(cf)
-        return len(victims)
+        files are cut and synced outside the store's lock. Refused while the restart scan runs (removal.py)."""
+        return self.removal.resize(capacity)
 
     # ----- accounting -----
     def by_namespace(self) -> dict[bytes, int]:
@@ -293,6 +222,10 @@ class SsdStore:
 
     def file_bytes(self) -> int:
         return sum(cf.size() for cf in self.files.values())
+
+    def allocated_bytes(self) -> int:
+        """The record files' bytes on the disk (their sizes less their holes): what the capacity bounds."""
+        return sum(cf.allocated() for cf in self.files.values())
 
     def map_bytes(self) -> int:
         """The record maps' size on disk (outside the capacity: 128 bytes a record, 1/64 of the smallest)."""
@@ -306,7 +239,7 @@ class SsdStore:
         return {"state": s.state, "records": s.total, "scanned": s.done, "from_maps": s.from_maps,
                 "seconds": s.seconds if s.state == "ready" else time.monotonic() - s.started}
 
-    # ----- the books' primitives, for scan.py, writes.py and reads.py -----
+    # ----- the books' primitives, for the parts (writes.py, reads.py, scan.py, room.py, removal.py) -----
     def class_file(self, payload: int, path: str | None = None) -> ClassFile:
         """(Under the lock.) The record file for `payload`-byte blocks, opened (created empty, and the directory
         synced) on first use, with the lock let go for the disk calls. Only one thread opens files at a time: the
@@ -326,11 +259,11 @@ class SsdStore:
             cf.keys.extend([None] * (rec + 1 - len(cf.keys)))
         cf.keys[rec] = key
         tenant = self.owners.tenant(key[:16])
-        self.policy.added(key, self._class(tenant, cf.payload))
+        self.policy.added(key, self.eviction_class(tenant, cf.payload))
         self.used += cf.record
         self.per_ns[key[:16]] += 1
         self.quotas.used[tenant] += cf.record
-        self._class_records[(tenant, cf.payload)] += 1
+        self.class_records[(tenant, cf.payload)] += 1
 
     def drop_locked(self, key: bytes) -> tuple[int, int, int]:
         """Take `key` out of the books; its record is the caller's to free or zero."""
@@ -343,10 +276,10 @@ class SsdStore:
         self.per_ns[key[:16]] -= 1
         tenant = self.owners.tenant(key[:16])
         self.quotas.used[tenant] -= cf.record
-        self._class_records[(tenant, cf.payload)] -= 1
+        self.class_records[(tenant, cf.payload)] -= 1
         return where
 
-    def _class(self, tenant: str, payload: int) -> int:
+    def eviction_class(self, tenant: str, payload: int) -> int:
         """The policy's eviction class of a tenant's records of one size: the size itself without SSD quotas (one
         order per block size, shared by every tenant), else one per (tenant, size)."""
         if not self.split:
@@ -385,110 +318,6 @@ class SsdStore:
         """A copy with sequence number `seq` was found on disk: new writes outrank it."""
         self._seq = max(self._seq, seq)
 
-    def evict_locked(self, cf: ClassFile, writer: str = "",
-                     grow: Callable[[ClassFile], int | None] | None = None) -> int | None:
-        """Make room at the cap for a record of tenant `writer`: the policy's victim among the records of this
-        block size (of the tenant whose quota allows it: owners.py) is handed to the writer, which zeroes its
-        header. Under SSD quotas, a writer within its quota that finds no borrower's record of this size has
-        borrowers' records of other sizes punched out first (`_punch_borrowed_locked`), then takes the room with
-        `grow` (the writer's free-record path). None if there is no record to take."""
-        victim_tenant = writer
-        if self.split:
-            t = self.quotas.victim_tenant(writer, cf.record, lambda: self._holders(cf.payload),
-                                          self._age(lambda tenant: (tenant, cf.payload)))
-            if grow is not None and t in (None, writer) and self.quotas.within(writer, cf.record) \
-                    and self._punch_borrowed_locked(cf, writer):
-                return grow(cf)
-            if t is None:
-                self.quotas.counters["quota_blocked"] += 1
-                return None
-            victim_tenant = t
-        key = self.policy.victim(self._class(victim_tenant, cf.payload))
-        if key is None:
-            return None
-        self.quotas.evicted(self.owners.tenant(key[:16]), writer, cf.record)
-        _, rec, _ = self.drop_locked(key)
-        self.evicted.add(key)
-        crash_point("mid_eviction")
-        self.counters["evictions"] += 1
-        return rec
-
-    def _punch_borrowed_locked(self, cf: ClassFile, writer: str) -> bool:
-        """Room for one record of `cf` within the cap, made by evicting borrowers' records of other block sizes
-        (owners.py's rule: the least recently used first, none below its quota) and punching them out of their
-        files (files.punch): a block size's file never shrinks, so a tenant's quota would otherwise hold only
-        within the sizes it already has. False when no borrower is left to give (what was punched stays punched:
-        room for the next write)."""
-        while self.capacity - self.allocated_bytes() < cf.record:
-            pick = self.quotas.borrower(writer, self._class_records, exclude=cf.payload,
-                                        record=lambda p: self.files[p].record, age=self._age(lambda c: c))
-            if pick is None:
-                return False
-            tenant, payload = pick
-            key = self.policy.victim(self._class(tenant, payload))
-            if key is None:
-                return False
-            other = self.files[payload]
-            self.quotas.evicted(tenant, writer, other.record)
-            _, rec, _ = self.drop_locked(key)
-            self.counters["evictions"] += 1
-            refused = run_unlocked(self.lock, partial(self._punch, other, rec))
-            if refused is not None:
-                log.warning("ssd: %s; the evicted record is reused in its own file instead", refused)
-                self.zero_later_locked(other, rec)
-                return False
-            other.holes.append(rec)
-            self.counters["punched"] += 1
-        return True
-
-    def punch_free_locked(self, cf: ClassFile) -> bool:
-        """Room for one record of `cf` within the cap, made from the unused (free) records of other block sizes'
-        files, punched out (a file never shrinks but by resize: without this, records freed by deletes in one
-        size could never serve another). False if they do not make enough."""
-        while self.capacity - self.allocated_bytes() < cf.record:
-            other = next((f for f in self.files.values() if f is not cf and f.free), None)
-            if other is None:
-                return False
-            rec = other.free.pop(0)                  # the end of the list the writer takes last
-            refused = run_unlocked(self.lock, partial(self._punch, other, rec))
-            if refused is not None:
-                other.free.append(rec)
-                return False
-            other.holes.append(rec)
-            self.counters["punched"] += 1
-        return True
-
-    @staticmethod
-    def _punch(cf: ClassFile, rec: int) -> OSError | None:
-        """(Without the lock.) The record's space back to the disk, and its map entry cleared."""
-        refused = punch(cf, rec)
-        if refused is None and cf.map is not None:
-            cf.map.clear([rec])
-        return refused
-
-    def allocated_bytes(self) -> int:
-        """The record files' bytes on the disk (their sizes less their holes): what the capacity bounds."""
-        return sum(cf.allocated() for cf in self.files.values())
-
-    def no_room_reason_locked(self, cf: ClassFile, tenant: str) -> str:
-        """Why a write found no record: what an operator reads in the log, and what to do."""
-        if not self.split:
-            return "the tier is at its capacity and holds no block of this size to evict; grow ssd.capacity"
-        q = self.quotas
-        return (f"the tier is full and every tenant holding blocks of this size is at or below its SSD quota (tenant "
-                f"{tenant!r} uses {q.used[tenant]} of {q.quota(tenant)} bytes); raise its quota (kvstore tenants set "
-                "NAME --ssd SIZE) or grow ssd.capacity")
-
-    def _age(self, cls_of: Callable[[Any], tuple[str, int]]) -> Callable[[Any], int | None] | None:
-        """When a candidate's victim was last used, where the policy keeps a clock (LRU); None otherwise."""
-        oldest = getattr(self.policy, "oldest_tick", None)
-        if oldest is None:
-            return None
-        return lambda c: oldest(self._class(*cls_of(c)))
-
-    def _holders(self, payload: int) -> list[str]:
-        return [t for (t, p), n in self._class_records.items() if n > 0 and p == payload]
-
     def quarantine_locked(self, cf: ClassFile, rec: int, reason: str) -> None:
         """A bad record (already out of the index) is never read again: its header is zeroed (in the background)
         before its space is reused; counted as bad.<reason>."""
@@ -502,6 +331,21 @@ class SsdStore:
         freed (zeroing.py)."""
         self.zeroing.add_locked(cf, rec)
         self.zeroing.soon_locked()
+
+    # ----- room at the cap (room.py), for writes.py -----
+    def evict_locked(self, cf: ClassFile, writer: str = "",
+                     grow: Callable[[ClassFile], int | None] | None = None) -> int | None:
+        """Make room at the cap for a record of tenant `writer` (room.py): the record taken, out of the books; None
+        if there is none to take."""
+        return self.room.evict_locked(cf, writer, grow)
+
+    def punch_free_locked(self, cf: ClassFile) -> bool:
+        """Room for one record of `cf` within the cap, made from other block sizes' free records (room.py)."""
+        return self.room.punch_free_locked(cf)
+
+    def no_room_reason_locked(self, cf: ClassFile, tenant: str) -> str:
+        """Why a write found no record: what an operator reads in the log, and what to do (room.py)."""
+        return self.room.no_room_reason_locked(cf, tenant)
 
 
 def _nobody(digest: bytes) -> str | None:
