@@ -20,6 +20,7 @@ from kvstore.daemon import process
 from kvstore.daemon.hints import unscoped
 from kvstore.daemon.tenants import Conn, forbidden, tenant_of
 from kvstore.index import NamespaceEntry
+from kvstore.policy import Explaining
 from kvstore.protocol import HASH_BYTES, Code, ProtocolError
 from kvstore.testpoints import pause_point
 from kvstore.tiers import PacedTier, TenantBooks
@@ -129,8 +130,8 @@ def _tags(st: State, ns: NamespaceEntry, block_hash: bytes, tenant: str | None) 
     """A listed block's standing and tags under the workflow policy (None under LRU, or gone since the listing):
     the workflows by their own ids — of the connection's tenant only; the admin sees every tenant's, as
     "tenant/id" where tenants are configured."""
-    describe = getattr(st.index.policy, "describe", None)
-    got = describe(ns.key(block_hash)) if describe is not None else None
+    policy = st.index.policy
+    got = policy.describe(ns.key(block_hash)) if isinstance(policy, Explaining) else None
     if got is None:
         return None
     mine = [(w, unscoped(w)) for w in got["workflows"] if tenant is None or unscoped(w)[0] == tenant]
@@ -355,8 +356,7 @@ def workflow_stats(st: State) -> dict[str, Any]:
     out = st.hints.stats()
     hll = st.looked_up
     out["ceiling"] = {"looked_up": hll.added, "distinct": round(hll.distinct()), "hit_rate": hll.ceiling()}
-    counts = getattr(st.index.policy, "counts", None)
-    if counts is not None:
-        blocks = counts()
-        out["blocks"] = {"retired": blocks["retired"], "active": blocks["active"]}
+    blocks = st.index.policy.counts() if isinstance(st.index.policy, Explaining) else {}
+    if blocks:
+        out["blocks"] = {"retired": blocks.get("retired", 0), "active": blocks.get("active", 0)}
     return out

@@ -19,7 +19,7 @@ from kvstore.index.capacity import STALE_SAMPLE
 from kvstore.index.namespaces import SlotKey
 from kvstore.index.removal import Removal
 from kvstore.index.state import Books, seg_slot
-from kvstore.policy import EvictionPolicy
+from kvstore.policy import Admitting, EvictionPolicy, Routing
 from kvstore.tiers.host import Segment, gid_of
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ class Allocation:
         self.pool = books.pool
         self.table = books.table
         self.policy = books.policy
+        self._admits = books.policy.admits if isinstance(books.policy, Admitting) else None   # checked once
         self.namespaces = books.namespaces
         self.quotas = books.quotas
         self.counters = books.counters
@@ -87,8 +88,7 @@ class Allocation:
     def _admitted(self, victim: bytes, touch: Touch | None) -> bool:
         """Whether the policy would evict `victim` for a block of the request `touch` (always without a context
         or under a policy that cannot tell: LRU admits everything)."""
-        admits = getattr(self.policy, "admits", None)
-        return touch is None or admits is None or admits(victim, touch)
+        return touch is None or self._admits is None or self._admits(victim, touch)
 
     def _staler_segment(self, slot: SlotKey, victim: bytes | None) -> Segment | None:
         """An idle segment of another class (block size or tenant) whose next victim was used before ours: the
@@ -161,15 +161,14 @@ class Allocation:
         """Retire `seg` for an allocation of `taker`; a segment of another tenant is compacted first, so that its
         owner loses its coldest blocks, not the ones that shared the segment. (Under a policy that follows a block
         to its new slot, `moved`: both do — LRU's books are by key, the workflow policy carries its row along.)"""
-        if seg.tenant != taker and getattr(self._policy_of(seg), "moved", None) is not None:
+        if seg.tenant != taker:
             self._compact(seg)
         self._retire(seg, for_room=True)
 
     def _policy_of(self, seg: Segment) -> EvictionPolicy:
         """The policy of the segment's class (its tenant's, where tenants chose their own: kvstore.policy.tenants)."""
-        route = getattr(self.policy, "for_class", None)
         cls = self.namespaces.classes.get(seg.slot_key)
-        return route(cls) if route is not None and cls is not None else self.policy
+        return self.policy.for_class(cls) if isinstance(self.policy, Routing) and cls is not None else self.policy
 
     def _compact(self, seg: Segment) -> int:
         """Move the segment's most recently used unpinned blocks, up to `quotas.compact_bytes`, into free slots of

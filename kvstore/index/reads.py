@@ -20,6 +20,7 @@ from kvstore.index.namespaces import Holdings, NamespaceEntry
 from kvstore.index.removal import Removal
 from kvstore.index.state import Books, seg_slot
 from kvstore.index.sweep import SlotCursor
+from kvstore.policy import Explaining
 
 if TYPE_CHECKING:
     from kvstore.workflows import Touch
@@ -110,10 +111,10 @@ class Reads:
         out = {"blocks": len(self.table), "reserved": len(self.pending), "pinned": len(self.pins),
                "zombies": len(self.zombies), "namespaces": len(self.namespaces),
                "namespaces_forgotten": self.namespaces.forgotten}
-        counts = getattr(self.policy, "counts", None)
-        if counts is not None:                      # the workflow policy: retired and active blocks
-            c = counts()
-            out.update(retired_blocks=c["retired"], active_blocks=c["active"])
+        if isinstance(self.policy, Explaining):     # the workflow policy: retired and active blocks
+            c = self.policy.counts()
+            if c:
+                out.update(retired_blocks=c.get("retired", 0), active_blocks=c.get("active", 0))
         return out
 
     def blocks(self) -> Iterator[tuple[NamespaceEntry, bytes, int]]:

@@ -41,6 +41,7 @@ from typing import Any
 from kvstore.index import Index, NamespaceEntry
 from kvstore.movers.config import PrefetchConfig
 from kvstore.movers.prefetch import LaneFull, Prefetcher
+from kvstore.policy import Retiring
 from kvstore.protocol import HASH_BYTES
 from kvstore.tiers import LowerTiers
 from kvstore.tiers.host import HostPool
@@ -236,7 +237,8 @@ class PredictivePrefetch:
         """The head of `want` that free host space, plus space of retired blocks evicted now, can take."""
         free = free_slots(self.pool, ns.slot_bytes, ns.tenant)
         evicted = 0
-        victim = getattr(self.index.policy, "retired_victim", None)    # LRU has no retired blocks
+        policy = self.index.policy
+        victim = policy.retired_victim if isinstance(policy, Retiring) else None     # LRU has no retired blocks
         while free + evicted < len(want) and victim is not None:
             key = victim(ns.cls)
             if key is None:

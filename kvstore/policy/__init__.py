@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
@@ -68,6 +68,40 @@ class EvictionPolicy(TierPolicy, Protocol):
     def pinned(self, key: bytes) -> None: ...
     def unpinned(self, key: bytes) -> None: ...
     def moved(self, key: bytes, src: int, dst: int) -> None: ...
+
+
+# Optional capabilities, checked with isinstance (never by looking a method up by name):
+@runtime_checkable
+class Admitting(Protocol):
+    """A policy that may value a block coming below the victim it would evict for it (Belady's bypass, estimated:
+    kvstore.policy.workflow): the index stops the put rather than evict a block worth more."""
+
+    def admits(self, victim: bytes, touch: Touch) -> bool: ...
+
+
+@runtime_checkable
+class Retiring(Protocol):
+    """A policy that knows blocks no workflow will ask for again (retired): the predictive prefetch makes room for
+    what is coming back by evicting those, and only those (None: none of this class)."""
+
+    def retired_victim(self, cls: int) -> bytes | None: ...
+
+
+@runtime_checkable
+class Explaining(Protocol):
+    """A policy that can say where a block stands and why (`kvstore ls --tags`) and count its blocks by standing
+    (`retired`, `active`: `kvstore stats`, `kvstore workflows`); None / {} where it keeps no such books."""
+
+    def describe(self, key: bytes) -> dict[str, Any] | None: ...
+
+    def counts(self) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class Routing(Protocol):
+    """A policy that is several, one per tenant (kvstore.policy.tenants): the one deciding for a class."""
+
+    def for_class(self, cls: int) -> EvictionPolicy: ...
 
 
 def _module(name: str) -> object:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvstore.policy import Admitting, Explaining, Retiring
+
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
     from kvstore.policy import EvictionPolicy
@@ -68,21 +70,20 @@ class PerTenantPolicy:
 
     def retired_victim(self, cls: int) -> bytes | None:
         """The class's retired block to evict first (the workflow policy's; None under LRU)."""
-        pick = getattr(self.for_class(cls), "retired_victim", None)
-        return pick(cls) if pick is not None else None
+        p = self.for_class(cls)
+        return p.retired_victim(cls) if isinstance(p, Retiring) else None
 
     def admits(self, victim: bytes, touch: Touch) -> bool:
-        admits = getattr(self._for_key(victim), "admits", None)
-        return admits is None or bool(admits(victim, touch))
+        p = self._for_key(victim)
+        return not isinstance(p, Admitting) or bool(p.admits(victim, touch))
 
     def describe(self, key: bytes) -> dict[str, Any] | None:
-        describe = getattr(self._for_key(key), "describe", None)
-        return describe(key) if describe is not None else None
+        p = self._for_key(key)
+        return p.describe(key) if isinstance(p, Explaining) else None
 
     def counts(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for p in self.policies.values():
-            counts = getattr(p, "counts", None)
-            for k, v in (counts() if counts is not None else {}).items():
+            for k, v in (p.counts() if isinstance(p, Explaining) else {}).items():
                 total[k] = total.get(k, 0) + v
         return total
