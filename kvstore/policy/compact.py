@@ -4,19 +4,13 @@
 
 Why a second form: the host pool is where the 10-million-block budget applies (issue 14: ≤ 150 B a block with the
 key table's ~74). Per block the reference keeps a dict of tags, an OrderedDict node and a tuple in dicts; here
-every host slot has a fixed row in per-segment arrays (`array`, no Python object per block), found from the key
-through the key table (key → gid = segment << 32 | slot) and back through `key_at(gid)` (the pool's reverse map):
-
-    group    int32   the slot's group id (>= 0: linked), PINNED (-1: a candidate again at its unpin) or ABSENT (-2)
-    prev/next int64  the gids of its neighbours in its group's LRU list (NIL = -1)
-    tags     uint32 × budget   the workflow numbers (`Workflow.num`) that touched it, least recent first, 0 = none
-    masks    uint8 × budget    per tag, the agents of that workflow that touched it (bit min(agent index, 7))
-    touched  uint8             how many workflows ever touched it (saturating at 255)
+every host slot has a fixed row in per-segment arrays: kvstore.policy.rows owns them (their layout, a segment's
+rows made and dropped, tags written, a row's signature read, a row copied on a move). This module owns the order
+over them: the groups, the lists threaded through the rows' prev/next, the scores, the heap, the victims and the
+hooks on a workflow's end or hint.
 
 A group is one (class, signature): the set of active workflows among the tags, or, for retired blocks, how many
-workflows touched them (0..budget); its record holds the list's head (least recent), tail and size. Arrays of a
-segment are dropped with its last block. Workflow numbers are 32-bit and wrap after 2**32 workflows: a stale tag
-may then alias a new workflow, which only makes one old block look touched by it (hints are advice).
+workflows touched them (0..budget); its record holds the list's head (least recent), tail and size.
 
 A block moved to another slot (compaction: kvstore.index.capacity) takes its row along (`moved`, O(budget)): the
 new slot's row replaces the old one in its group's list, where it stood.
@@ -27,52 +21,27 @@ heap by (score, age); a group's score changes only when one of its workflows get
 `Workflows` until then), so a victim costs O(log groups) plus, once per hint, re-scoring the hinted workflow's
 groups. (The variants whose scores move with every hint, `inherit=False` and `Workflows.timed`, take the minimum
 over the class's active groups, as the reference does, kept for `pick_s` while nothing changes: `_pick`.)
+
+Speed (this runs under the daemon's lock on every put and get): the hot paths call the rows' methods as
+`self.rows.m(...)` — as cheap as a method of this class on CPython 3.11 (a bound method kept in the instance dict
+is ~10 ns a call dearer: its call site stays unspecialized) — and read and write the arrays of `chunks`, the rows'
+own dict, directly (the lists' links, the group field).
 """
 from __future__ import annotations
 
 import heapq
 import math
 import sys
-from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstore.workflows import Touch, Workflow, Workflows, agent_names
+from kvstore.policy.rows import ABSENT, MAX_BUDGET, NIL, PINNED, SLOT_MASK, Chunk, Rows
+from kvstore.workflows import Touch, Workflow, Workflows
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
 
-ABSENT, PINNED, NIL = -2, -1, -1
-SLOT_MASK = 0xFFFFFFFF
-MAX_BUDGET = 8
-ROW_BYTES_PER_TAG = 5          # a uint32 tag and a uint8 mask
-
-
-class _Chunk:
-    """The rows of one segment's slots."""
-    __slots__ = ("group", "prev", "next", "tags", "masks", "touched", "live")
-
-    def __init__(self, n: int, budget: int) -> None:
-        self.group = array("i", [ABSENT]) * n
-        self.prev = array("q", [NIL]) * n
-        self.next = array("q", [NIL]) * n
-        self.tags = array("I", [0]) * (n * budget)
-        self.masks = array("B", [0]) * (n * budget)
-        self.touched = array("B", [0]) * n
-        self.live = 0
-
-    def grow(self, n: int, budget: int) -> None:
-        more = n - len(self.group)
-        self.group.extend(array("i", [ABSENT]) * more)
-        self.prev.extend(array("q", [NIL]) * more)
-        self.next.extend(array("q", [NIL]) * more)
-        self.tags.extend(array("I", [0]) * (more * budget))
-        self.masks.extend(array("B", [0]) * (more * budget))
-        self.touched.extend(array("B", [0]) * more)
-
-    def nbytes(self) -> int:
-        return sum(a.buffer_info()[1] * a.itemsize
-                   for a in (self.group, self.prev, self.next, self.tags, self.masks, self.touched))
+__all__ = ["ABSENT", "NIL", "PINNED", "CompactWorkflowPolicy"]
 
 
 class _Group:
@@ -104,15 +73,14 @@ class CompactWorkflowPolicy:
         self.slots_of = slots_of
         self.budget = tag_budget
         self.inherit = inherit
-        self.chunks: dict[int, _Chunk] = {}
+        self.rows = rows = Rows(workflows, tag_budget, slots_of)
+        self.chunks: dict[int, Chunk] = rows.chunks                # the rows' own dict (module docstring)
         self.groups: dict[int, _Group] = {}
         self._by_sig: dict[tuple[int, frozenset[int] | int], _Group] = {}
         self._active: dict[int, dict[int, _Group]] = {}          # class → its active groups, in creation order
         self._retired_of: dict[int, list[_Group | None]] = {}    # class → retired group per touch count
         self._with: dict[int, set[int]] = {}                     # workflow number → group ids with it
         self._free_ids: list[int] = []
-        self._no_tags, self._no_masks = array("I", [0]) * tag_budget, array("B", [0]) * tag_budget
-        self._single: dict[int, frozenset[int]] = {}               # one workflow's signature, made once
         self._seq = 0
         self._heap: dict[int, list[tuple[float, int, int, _Group]]] = {}   # class → (score, seq, ver, group)
         self._unscored: dict[int, set[_Group]] = {}                # class → groups made or hinted since
@@ -125,26 +93,21 @@ class CompactWorkflowPolicy:
         gid = self.table.get(key)
         if gid is None:
             return
-        ch, i = self._new_row(gid)
+        ch, i = self.rows.occupy(gid)
         if ch.group[i] != ABSENT:                # a row left behind (a missed `removed`): it goes first ...
             self._drop(ch, i, gid)
-            ch, i = self._new_row(gid)           # ... and may have taken the segment's chunk with it
-        b = self.budget
-        ch.tags[i * b:i * b + b] = self._no_tags
-        ch.masks[i * b:i * b + b] = self._no_masks
-        ch.touched[i] = 0
-        ch.live += 1
-        self._tag(ch, i, touch)
+            ch, i = self.rows.occupy(gid)       # ... and may have taken the segment's chunk with it
+        self.rows.tag(ch, i, touch)
         self._link(ch, i, gid, cls)
 
     def accessed(self, key: bytes, touch: Touch | None = None) -> None:
         gid = self.table.get(key)
         if gid is None:
             return
-        ch, i = self._row(gid)
+        ch, i = self.rows.row(gid)
         if ch is None or ch.group[i] == ABSENT:
             return
-        self._tag(ch, i, touch)
+        self.rows.tag(ch, i, touch)
         g = ch.group[i]
         if g >= 0:
             cls = self.groups[g].cls
@@ -156,7 +119,7 @@ class CompactWorkflowPolicy:
         gid = self.table.get(key)
         if gid is None:
             return
-        ch, i = self._row(gid)
+        ch, i = self.rows.row(gid)
         if ch is not None and ch.group[i] != ABSENT:
             self._drop(ch, i, gid)
 
@@ -164,7 +127,7 @@ class CompactWorkflowPolicy:
         gid = self.table.get(key)
         if gid is None:
             return
-        ch, i = self._row(gid)
+        ch, i = self.rows.row(gid)
         if ch is not None and ch.group[i] >= 0:
             self._unlink(ch, i, gid)
             ch.group[i] = PINNED
@@ -173,7 +136,7 @@ class CompactWorkflowPolicy:
         gid = self.table.get(key)
         if gid is None:
             return
-        ch, i = self._row(gid)
+        ch, i = self.rows.row(gid)
         if ch is not None and ch.group[i] == PINNED:
             self._link(ch, i, gid, self.table.cls_of(key))
 
@@ -181,22 +144,17 @@ class CompactWorkflowPolicy:
         """A block moved from slot `src` to the free slot `dst` (compaction, kvstore.index.capacity): its row goes
         with it — group (or pinned), tags, masks, touch count — and takes src's place in its group's list, so that
         its order is kept. O(budget)."""
-        sch, s = self._row(src)
+        sch, s = self.rows.row(src)
         if sch is None or sch.group[s] == ABSENT:
             return
-        dch, d = self._row(dst)
-        if dch is not None and dch.group[d] != ABSENT:
+        dch, d = self.rows.occupy(dst)
+        if dch.group[d] != ABSENT:
             self._drop(dch, d, dst)              # (a free slot has no row; one left behind goes first)
-        dch, d = self._new_row(dst)
-        b = self.budget
-        dch.tags[d * b:d * b + b] = sch.tags[s * b:s * b + b]
-        dch.masks[d * b:d * b + b] = sch.masks[s * b:s * b + b]
-        dch.touched[d] = sch.touched[s]
-        dch.group[d] = sch.group[s]
-        dch.live += 1
+            dch, d = self.rows.occupy(dst)
+        self.rows.copy(sch, s, dch, d)
         if sch.group[s] >= 0:
             self._splice(sch, s, dch, d, dst)
-        self._vacate(sch, s, src)                # last: it may drop src's chunk
+        self.rows.vacate(sch, s, src)                # last: it may drop src's chunk
 
     def victim(self, cls: int) -> bytes | None:
         retired = self.retired_victim(cls)
@@ -217,7 +175,7 @@ class CompactWorkflowPolicy:
         gid = self.table.get(victim)
         if touch.workflow not in self.flows.active or gid is None:
             return True
-        ch, i = self._row(gid)
+        ch, i = self.rows.row(gid)
         if ch is None or ch.group[i] < 0:
             return True
         g = self.groups[ch.group[i]]
@@ -226,98 +184,15 @@ class CompactWorkflowPolicy:
     def describe(self, key: bytes) -> dict[str, Any] | None:
         """A block's standing and tags (`kvstore ls --tags`), or None if the policy has no row for it."""
         gid = self.table.get(key)
-        ch, i = self._row(gid) if gid is not None else (None, 0)
-        if ch is None or ch.group[i] == ABSENT:
-            return None
-        b = self.budget
-        live = self.flows.nums
-        tags = [(live[t], ch.masks[i * b + j]) for j, t in enumerate(ch.tags[i * b:i * b + b]) if t and t in live]
-        standing = "pinned" if ch.group[i] == PINNED else "active" if tags else "retired"
-        return {"standing": standing, "workflows": [w.wid for w, _ in tags],
-                "agents": {w.wid: agent_names(w, m) for w, m in tags}, "touched": ch.touched[i]}
-
-    # ----- rows -----
-    def _row(self, gid: int) -> tuple[_Chunk | None, int]:
-        """The chunk and row of a slot; no chunk when none was made for it (a slot never added)."""
-        seg, i = gid >> 32, gid & SLOT_MASK
-        ch = self.chunks.get(seg)
-        return (ch, i) if ch is not None and i < len(ch.group) else (None, i)
-
-    def _new_row(self, gid: int) -> tuple[_Chunk, int]:
-        """The chunk and row of a slot being added, made (or grown) on first use."""
-        seg, i = gid >> 32, gid & SLOT_MASK
-        ch = self.chunks.get(seg)
-        if ch is None:
-            n = self.slots_of(seg) if self.slots_of is not None else 0
-            ch = self.chunks[seg] = _Chunk(max(n, i + 1), self.budget)
-        elif i >= len(ch.group):
-            ch.grow(max(i + 1, 2 * len(ch.group)), self.budget)
-        return ch, i
-
-    def _linked_row(self, gid: int) -> tuple[_Chunk, int]:
-        """The row of a slot in a group (a group's head: its row exists)."""
-        ch, i = self._row(gid)
-        assert ch is not None, f"slot {gid:#x} heads a group but has no row"
-        return ch, i
-
-    def _drop(self, ch: _Chunk, i: int, gid: int) -> None:
-        if ch.group[i] >= 0:
-            self._unlink(ch, i, gid)
-        self._vacate(ch, i, gid)
-
-    def _vacate(self, ch: _Chunk, i: int, gid: int) -> None:
-        """The slot's row is no one's (unlinked already)."""
-        ch.group[i] = ABSENT
-        ch.prev[i] = ch.next[i] = NIL
-        ch.live -= 1
-        if ch.live == 0:
-            del self.chunks[gid >> 32]           # the segment's rows go with its last block
-
-    def _tag(self, ch: _Chunk, i: int, touch: Touch | None) -> None:
-        if touch is None or not touch.workflow:
-            return
-        w = self.flows.active.get(touch.workflow)
-        if w is None:
-            return
-        num, bit = w.num, 1 << min(w.agents.get(touch.agent, 0), 7)
-        b = self.budget
-        base = i * b
-        tags, masks = ch.tags, ch.masks
-        n, j = 0, -1                             # tags in the row; where `num` is among them
-        while n < b and tags[base + n]:
-            if tags[base + n] == num:
-                j = n
-            n += 1
-        if j < 0:
-            ch.touched[i] = min(255, ch.touched[i] + 1)
-            if n < b:
-                tags[base + n] = num
-                masks[base + n] = bit
-                return
-            j, mask = 0, bit                     # the budget: the least recent tag goes
-        else:
-            mask = masks[base + j] | bit
-        last = base + n - 1
-        for x in range(base + j, last):          # the tags after it move up: it becomes the most recent
-            tags[x] = tags[x + 1]
-            masks[x] = masks[x + 1]
-        tags[last] = num
-        masks[last] = mask
-
-    def _sig(self, ch: _Chunk, i: int) -> frozenset[int] | int:
-        b = self.budget
-        live = self.flows.nums
-        act = [t for t in ch.tags[i * b:i * b + b] if t and t in live]
-        if not act:
-            return min(ch.touched[i], b)
-        if len(act) > 1:
-            return frozenset(act)
-        sig = self._single.get(act[0])
-        if sig is None:
-            sig = self._single[act[0]] = frozenset(act)
-        return sig
+        ch, i = self.rows.row(gid) if gid is not None else (None, 0)
+        return None if ch is None or ch.group[i] == ABSENT else self.rows.describe(ch, i)
 
     # ----- groups -----
+    def _drop(self, ch: Chunk, i: int, gid: int) -> None:
+        if ch.group[i] >= 0:
+            self._unlink(ch, i, gid)
+        self.rows.vacate(ch, i, gid)
+
     def _group(self, cls: int, sig: frozenset[int] | int) -> _Group:
         g = self._by_sig.get((cls, sig))
         if g is not None:
@@ -351,9 +226,9 @@ class CompactWorkflowPolicy:
                 if not ids:
                     del self._with[n]
 
-    def _link(self, ch: _Chunk, i: int, gid: int, cls: int) -> None:
+    def _link(self, ch: Chunk, i: int, gid: int, cls: int) -> None:
         """At the most recent end of the slot's group (from its tags now)."""
-        g = self._group(cls, self._sig(ch, i))
+        g = self._group(cls, self.rows.sig(ch, i))
         ch.prev[i] = g.tail
         ch.next[i] = NIL
         if g.tail != NIL:
@@ -365,7 +240,7 @@ class CompactWorkflowPolicy:
         g.size += 1
         ch.group[i] = g.id
 
-    def _unlink(self, ch: _Chunk, i: int, gid: int) -> None:
+    def _unlink(self, ch: Chunk, i: int, gid: int) -> None:
         g = self.groups[ch.group[i]]
         p, n = ch.prev[i], ch.next[i]
         if p != NIL:
@@ -381,7 +256,7 @@ class CompactWorkflowPolicy:
         if g.size == 0:
             self._forget(g)
 
-    def _splice(self, sch: _Chunk, s: int, dch: _Chunk, d: int, dst: int) -> None:
+    def _splice(self, sch: Chunk, s: int, dch: Chunk, d: int, dst: int) -> None:
         """Row `d` (slot `dst`) takes linked row `s`'s place in its group's list: same neighbours, same position."""
         g = self.groups[sch.group[s]]
         p, n = sch.prev[s], sch.next[s]
@@ -400,10 +275,8 @@ class CompactWorkflowPolicy:
         assert isinstance(g.sig, frozenset)
         if self.inherit:
             return math.fsum(flows.value(flows.nums[n].wid) for n in g.sig)
-        ch, i = self._linked_row(g.head)
-        b = self.budget
-        tags = ch.tags[i * b:i * b + b]
-        masks = {t: ch.masks[i * b + j] for j, t in enumerate(tags) if t}
+        ch, i = self.rows.linked_row(g.head)
+        masks = self.rows.masks_of(ch, i)
         return math.fsum(flows.agent_value(flows.nums[n].wid, masks.get(n, 0)) for n in g.sig)
 
     def _changed(self, w: Workflow) -> None:
@@ -458,12 +331,12 @@ class CompactWorkflowPolicy:
     def _retired(self, w: Workflow) -> None:
         """A workflow ended: the blocks of its groups move to the groups of the workflows still active on them (or
         retired), group by group in the order they were made, each from its least recent block."""
-        self._single.pop(w.num, None)
+        self.rows.ended(w.num)
         ids = self._with.pop(w.num, set())
         for g in sorted((self.groups[x] for x in ids if x in self.groups), key=lambda g: g.seq):
             while self.groups.get(g.id) is g:
                 gid = g.head
-                ch, i = self._linked_row(gid)
+                ch, i = self.rows.linked_row(gid)
                 self._unlink(ch, i, gid)
                 self._link(ch, i, gid, g.cls)
 
@@ -476,5 +349,4 @@ class CompactWorkflowPolicy:
 
     def nbytes(self) -> int:
         """Bytes of the books: the rows, and (roughly) the groups."""
-        rows = sum(ch.nbytes() for ch in self.chunks.values())
-        return rows + sys.getsizeof(self.groups) + len(self.groups) * 200 + sys.getsizeof(self.chunks)
+        return self.rows.nbytes() + sys.getsizeof(self.groups) + len(self.groups) * 200 + sys.getsizeof(self.chunks)
