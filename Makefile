@@ -30,7 +30,7 @@ MIN_SGLANG := 20
 MIN_TRITON := 2
 MIN_MOONCAKE := 10
 
-.PHONY: serve test stress bench lint clean wheel sglang-env
+.PHONY: serve test unit stress bench lint clean wheel sglang-env
 
 $(STAMP): $(SRC)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -113,6 +113,11 @@ test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(WHEEL_INSTALLED) sglang-env
 	KVSTORE_REQUIRE_ENGINES=sglang,triton KVSTORE_MIN_PASSED=sglang:$(MIN_SGLANG),triton:$(MIN_TRITON) \
 		TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q $(GUARD) -m "sglang or triton" \
 		tests/connectors/test_sglang_connector.py tests/connectors/test_sglang_hints.py tests/connectors/test_kv_pages.py
+
+# The unit layer: every test that runs in this process (no daemon, master or engine: tests/conftest.py marks the
+# others `system`), in a couple of minutes — the loop to run while editing. make test runs them too.
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not system and not sglang and not triton and not wheel"
 
 # The attacks and crashes at full size (make test runs a share of each): 100 k hostile frames and 10 k random op
 # sequences against a model, 1000 kill -9 cycles and 200 power-cut disk states against the oracle, and the salts

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,25 @@ from kvstore.protocol.geometry import Geometry
 from kvstore.protocol.keys import NamespaceSpec
 
 MiB = 1 << 20
+
+# Two layers of tests. The system layer runs real daemon processes, masters and engines; the unit layer runs in
+# this process (`make unit`: in a couple of minutes, the loop to run while editing). A test is a system test when it
+# asks for a daemon fixture or its module starts processes; marked here, so that every test file needs no marker.
+SYSTEM_FIXTURES = {"daemon", "daemons", "start_daemon", "master", "conformance_master"}
+SPAWNS = re.compile(r"DaemonProc\(|subprocess|Popen|_engine_run|MooncakeMaster\(|mp\.Process|multiprocessing")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    spawning: dict[str, bool] = {}
+    for item in items:
+        path = str(item.path)
+        if path not in spawning:
+            try:
+                spawning[path] = bool(SPAWNS.search(item.path.read_text()))
+            except OSError:
+                spawning[path] = True
+        if spawning[path] or SYSTEM_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.system)
 
 
 class DaemonProc:
