@@ -59,7 +59,8 @@ class DaemonLink:
     def __init__(self, path: str | None, spec_for: Callable[[str], NamespaceSpec], *, log: logging.Logger,
                  who: str = "", without: str = "serving without the external KV cache", per_thread: bool = False,
                  retry_s: float = 5.0, timeout_s: float = 5.0, tenant: str | None = None,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: what the retry windows are measured with (a test's own clock moves them without sleeping)."""
         self.path = path
         self.tenant, self.secret = tenant, secret     # None: KVSTORE_TENANT / KVSTORE_TENANT_SECRET, else none
         self.spec_for = spec_for
@@ -69,6 +70,7 @@ class DaemonLink:
         self.per_thread = per_thread
         self.retry_s = retry_s
         self.timeout_s = timeout_s
+        self.clock = clock
         self._held: _Shared | _PerThread = _PerThread() if per_thread else _Shared()
         self._lock = threading.Lock()
         self._clients: list[Client] = []          # every open client, of every thread: what close() closes
@@ -89,7 +91,7 @@ class DaemonLink:
         ns = None if conn is None else conn.spaces.get(adapter)
         if ns is not None:
             return ns
-        now = time.monotonic()
+        now = self.clock()
         if now < self._retry_at or now < self._refused.get(adapter, 0.0):
             return None
         which = f" of adapter {adapter!r}" if adapter else ""
@@ -120,7 +122,7 @@ class DaemonLink:
         return conn
 
     def _refuse(self, adapter: str, why: str) -> None:
-        self._refused[adapter] = time.monotonic() + self.retry_s
+        self._refused[adapter] = self.clock() + self.retry_s
         self.log.warning("%s; asked again in %.1f s", why, self.retry_s)
 
     def _answered(self, conn: _Connection | None) -> None:
@@ -128,7 +130,7 @@ class DaemonLink:
         with self._lock:
             if self._down_since is not None and conn is not None:
                 self.log.warning("%s: daemon at %s is back after %.1f s", self.tag, conn.client.path,
-                                 time.monotonic() - self._down_since)
+                                 self.clock() - self._down_since)
                 self._down_since = None
 
     def failed(self, exc: BaseException) -> None:
@@ -142,9 +144,9 @@ class DaemonLink:
             _close(conn.client)
         gone = isinstance(exc, ConnectionError)        # not a TimeoutError: that is a daemon that did not answer
         with self._lock:
-            self._retry_at = time.monotonic() + (0.0 if gone else self.retry_s)
+            self._retry_at = self.clock() + (0.0 if gone else self.retry_s)
             if self._down_since is None:
-                self._down_since = time.monotonic()
+                self._down_since = self.clock()
                 self.outages += 1
                 when = "trying again at each use" if gone else f"trying again every {self.retry_s:.1f} s"
                 self.log.warning("%s: daemon unavailable (%s: %s); %s, %s", self.tag, type(exc).__name__, exc,

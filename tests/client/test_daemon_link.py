@@ -5,7 +5,6 @@ per-thread connections share one view of the daemon's health."""
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,6 +16,19 @@ from tests.conftest import block, hashes, spec
 
 LOG = logging.getLogger("kvstore.test.link")
 RETRY = 0.2
+
+
+class Clock:
+    """The link's clock, moved by the test: a retry window passes without a sleep."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wait_out(self, seconds: float = RETRY * 1.5) -> None:
+        self.now += seconds
 
 
 def messages(caplog: pytest.LogCaptureFixture, fragment: str) -> list[str]:
@@ -32,8 +44,9 @@ def by_adapter(adapter: str) -> NamespaceSpec:
 
 
 def test_outage_is_none_and_one_warning_then_the_link_finds_the_daemon_again(daemon, caplog):
+    clock = Clock()
     caplog.set_level(logging.WARNING, logger=LOG.name)
-    link = DaemonLink(daemon.socket, by_adapter, log=LOG, who="worker", retry_s=RETRY)
+    link = DaemonLink(daemon.socket, by_adapter, log=LOG, who="worker", retry_s=RETRY, clock=clock)
     ns = link.namespace()
     assert ns is not None and link.namespace() is ns          # opened once, then kept
     assert ns.put(hashes(2), [block(0), block(1)]).stored == 2
@@ -45,14 +58,14 @@ def test_outage_is_none_and_one_warning_then_the_link_finds_the_daemon_again(dae
     assert link.client is None
     for _ in range(3):
         assert link.namespace() is None and link.namespace("a") is None
-    time.sleep(RETRY * 1.5)
+    clock.wait_out()
     assert link.namespace() is None                           # tried again, still away: the same outage
     assert link.outages == 1
     [line] = messages(caplog, "daemon unavailable")
     assert line.startswith("kvstore (worker): daemon unavailable (") and "serving without the external KV" in line
 
     daemon.start()                                            # a new, empty daemon on the same socket
-    time.sleep(RETRY * 1.5)
+    clock.wait_out()
     back = link.namespace()
     assert back is not None and back is not ns and back.lookup(hashes(2)) == 0
     assert link.namespace("a") is not None and link.namespace("a") is not back  # one namespace per adapter
@@ -60,7 +73,7 @@ def test_outage_is_none_and_one_warning_then_the_link_finds_the_daemon_again(dae
 
     link.failed(TimeoutError("timed out"))                    # a call timed out: a second outage
     assert link.namespace() is None                           # the daemon is there, but not asked before retry_s
-    time.sleep(RETRY * 1.5)
+    clock.wait_out()
     assert link.namespace() is not None
     assert link.outages == 2 and len(messages(caplog, "is back after")) == 2
     link.close()
@@ -68,8 +81,9 @@ def test_outage_is_none_and_one_warning_then_the_link_finds_the_daemon_again(dae
 
 
 def test_a_refused_namespace_is_no_outage_and_is_asked_again_after_retry(daemon, caplog):
+    clock = Clock()
     caplog.set_level(logging.WARNING, logger=LOG.name)
-    link = DaemonLink(daemon.socket, by_adapter, log=LOG, retry_s=RETRY)
+    link = DaemonLink(daemon.socket, by_adapter, log=LOG, retry_s=RETRY, clock=clock)
     assert link.namespace("huge") is None
     assert link.namespace("unnamed") is None
     ns = link.namespace("a")                                  # the same connection serves the other adapters
@@ -79,7 +93,7 @@ def test_a_refused_namespace_is_no_outage_and_is_asked_again_after_retry(daemon,
     refused = messages(caplog, "refused")
     assert len(refused) == 1 and refused[0].startswith("kvstore: namespace of adapter 'huge' refused: wrong_geometry")
     assert len(messages(caplog, "no namespace of adapter 'unnamed': no such adapter")) == 1
-    time.sleep(RETRY * 1.5)
+    clock.wait_out()
     assert link.namespace("huge") is None                     # asked again: refused again
     assert len(messages(caplog, "refused")) == 2
     assert link.outages == 0 and not messages(caplog, "unavailable")
@@ -88,9 +102,10 @@ def test_a_refused_namespace_is_no_outage_and_is_asked_again_after_retry(daemon,
 
 
 def test_per_thread_links_have_their_own_clients_and_share_the_outage(daemon, caplog):
+    clock = Clock()
     caplog.set_level(logging.WARNING, logger=LOG.name)
     link = DaemonLink(daemon.socket, lambda adapter: spec(), log=LOG, who="HiCache",
-                      without="HiCache runs without its storage tier", per_thread=True, retry_s=RETRY)
+                      without="HiCache runs without its storage tier", per_thread=True, retry_s=RETRY, clock=clock)
     assert link.namespace() is not None
     other = ThreadPoolExecutor(1)                             # another thread, the same one on every call
     their_ns, theirs = other.submit(lambda: (link.namespace(), link.client)).result()
@@ -106,7 +121,7 @@ def test_per_thread_links_have_their_own_clients_and_share_the_outage(daemon, ca
     [line] = messages(caplog, "daemon unavailable")
     assert line == ("kvstore (HiCache): daemon unavailable (TimeoutError: timed out); HiCache runs without its "
                     f"storage tier, trying again every {RETRY:.1f} s")
-    time.sleep(RETRY * 1.5)
+    clock.wait_out()
     assert link.namespace() is not None and fresh.submit(link.namespace).result() is not None
     assert len(messages(caplog, "is back after")) == 1
 
