@@ -14,19 +14,20 @@ slot then (the others stay on this node: local only, counted `publish_gone` / `p
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from threading import Condition
 
 from kvstore.index import Holdings, Index, NamespaceEntry
-from kvstore.movers.writethrough import write_slots
+from kvstore.movers.slots import SlotWriter
 from kvstore.tiers import SharedTier
 from kvstore.tiers.host import HostPool
-from kvstore.traffic import Lane
-from kvstore.workers import Worker
 
 BATCH = 32
 DOWN_POLL_S = 0.25      # while the store is down, how often the queue looks whether it answers again
-TRIES = 4               # puts of a block the store refused (a master just restarted places nothing for a moment)
+TRIES = 8               # puts of a block the store refused (a master just restarted places nothing for a while:
+                        # until the nodes' segments are mounted again), the waits between them doubling to 4 s
+REFUSED_WAIT_MAX_S = 4.0
 
 
 @dataclass(slots=True)
@@ -37,7 +38,9 @@ class Queued:
     tries: int = 0          # batches of it the store did not take
 
 
-class Publisher:
+class Publisher(SlotWriter[Queued]):
+    what = "a publishing"
+
     def __init__(self, index: Index, pool: HostPool, tier: SharedTier, changed: Condition, counters: Counter[str],
                  max_bytes: int) -> None:
         self.index = index
@@ -49,9 +52,8 @@ class Publisher:
         self.holder = Holdings()
         self.queue: deque[Queued] = deque()
         self.queued_bytes = 0
-        self.writing = 0
         self._stop = False
-        self._worker = Worker("kvstore-publish", self._run).start()
+        self.start("kvstore-publish")
 
     def committed(self, ns: NamespaceEntry, hashes: list[bytes]) -> None:
         """(Under the state lock.) Queue the blocks just committed."""
@@ -71,37 +73,35 @@ class Publisher:
             self.queue.append(q)
         self.queued_bytes += q.ns.slot_bytes
 
-    def _run(self) -> None:
-        while True:
-            with self.changed:
-                while not self._stop and (not self.queue or not self.tier.up):
-                    self.changed.wait(DOWN_POLL_S if self.queue else None)   # the tier's link is not our lock's
-                if self._stop:
-                    return
-                live = self._take()
-                views = [self.pool.view(q.gid) for q in live]
-                crcs = self.index.crcs_of([q.gid for q in live])
-                bids = [q.ns.block_id(q.hash) for q in live]
-                self.tier.announce(bids)                   # a delete from now on cancels the put
-                self.writing = len(live)
-            stored = write_slots(self.tier, bids, views, crcs, Lane.STORE, "a publishing")
-            with self.changed:
-                self.counters["published"] += stored
-                if live:
-                    self.index.release([q.gid for q in live], self.holder)
-                self.writing = 0
-                refused = stored < len(live) and self._again(live)
-                if refused:                                # give the store a moment before the next batch
-                    self.changed.wait(DOWN_POLL_S)
+    # ----- the writer (kvstore.movers.slots: the loop) -----
+    def _ready(self) -> bool:
+        return bool(self.queue) and self.tier.up
+
+    def _poll_s(self) -> float | None:
+        return DOWN_POLL_S if self.queue else None        # the tier's link is not our lock's: no notify comes
+
+    def _take(self) -> tuple[list[Queued], list[bytes], list[int]]:
+        live = self._pull()
+        return live, [q.ns.block_id(q.hash) for q in live], [q.gid for q in live]
+
+    def _settle(self, batch: Sequence[Queued], stored: int) -> None:
+        self.counters["published"] += stored
+        if batch:
+            self.index.release([q.gid for q in batch], self.holder)
+        if stored < len(batch) and self._again(list(batch)):   # refused: give the store time before the next
+            tries = max(q.tries for q in batch)                  # batch, more each time (about 16 s in all)
+            self.changed.wait(min(DOWN_POLL_S * 2 ** max(tries - 1, 0), REFUSED_WAIT_MAX_S))
 
     def _again(self, batch: list[Queued]) -> bool:
         """(Under the state lock.) A batch the store did not wholly take — it went down under it, or refused it (a
         master just restarted places nothing until the nodes' segments are mounted again; a full store evicts
-        after refusing): in line again, first if the store is down, at most TRIES times a block. A block it did
-        take is put again (the store answers that as stored). Whether any went back in line."""
+        after refusing): in line again, first if the store is down, at most TRIES times a block (a block the store
+        took stays out; when it went down, all go back: it answers that as stored). Whether any went back."""
         down = not self.tier.up
         back = False
         for q in reversed(batch):
+            if not down and self.tier.has(q.ns.block_id(q.hash)):
+                continue                                  # this one the store took
             q.tries += 0 if down else 1
             if q.tries >= TRIES:
                 self.counters["publish_refused"] += 1
@@ -110,7 +110,7 @@ class Publisher:
             back = True
         return back
 
-    def _take(self) -> list[Queued]:
+    def _pull(self) -> list[Queued]:
         """(Under the state lock.) Up to BATCH queued blocks still in their slot, pinned for their put."""
         out: list[Queued] = []
         while self.queue and len(out) < BATCH:

@@ -27,35 +27,23 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from collections.abc import Sequence
 from threading import Condition
 
 from kvstore.index import Holdings, Index, NamespaceEntry
 from kvstore.movers.durability import Books, Entry, Ticket
+from kvstore.movers.slots import SlotWriter
 from kvstore.testpoints import fault_point
-from kvstore.tiers import DurableTier, LowerTier
+from kvstore.tiers import DurableTier
 from kvstore.tiers.host import HostPool
-from kvstore.traffic import Lane
-from kvstore.workers import Worker
 
 log = logging.getLogger("kvstore")
 BATCH = 32
 
 
-def write_slots(tier: LowerTier, bids: list[bytes], views: list[memoryview], crcs: list[int | None], lane: Lane,
-                what: str) -> int:
-    """(Without the state lock.) Write a batch of announced blocks straight from their pinned host slots; how many
-    the tier stored (0, logged, if its write raised: the blocks stay in the host pool). The views are released."""
-    try:
-        return tier.write(list(zip(bids, views, crcs)), lane) if bids else 0
-    except Exception:
-        log.exception("%s: %s batch of %d blocks failed; they stay in the host pool", tier.name, what, len(bids))
-        return 0
-    finally:
-        for v in views:
-            v.release()
+class WriteThrough(SlotWriter[Entry]):
+    what = "a write-through"
 
-
-class WriteThrough:
     def __init__(self, index: Index, pool: HostPool, tier: DurableTier, changed: Condition, counters: Counter[str],
                  max_bytes: int, enabled: bool = True, synced: bool = True, pin_cap: int = 1 << 62) -> None:
         self.index = index
@@ -72,9 +60,9 @@ class WriteThrough:
         self.queue: deque[Entry] = deque()      # the plain write-through, bounded by max_bytes
         self.queued_bytes = 0
         self.pinned_bytes = 0                   # slots pinned: waited for (at most pin_cap), or being written
-        self.writing = 0                        # blocks of the batch being written
         self._stop = False
-        self._worker = Worker("kvstore-writethrough", self._run).start()   # restarted if it ever raises
+        self._watching: list[bytes] = []        # the batch's blocks evicted and staged: demotion writes them
+        self.start("kvstore-writethrough")
 
     # ----- what gets queued (under the state lock) -----
     def committed(self, ns: NamespaceEntry, hashes: list[bytes], durable: bool = False) -> Ticket | None:
@@ -197,34 +185,32 @@ class WriteThrough:
                 self.books.settle(e, on_disk, "written" if on_disk else "lost")
         self.tier.unwant([bid])
 
-    # ----- the writer -----
-    def _run(self) -> None:
-        while True:
-            with self.changed:
-                while not self.urgent and not self.queue and not self._stop:
-                    self.changed.wait()
-                if not self.urgent and not self.queue:
-                    return
-                fault_point("write_through_loop")
-                live, watched = self._sort(self._take(BATCH))
-                for e in live:
-                    if not e.pinned:                                     # held for this write only
-                        e.pinned = self.index.pin(e.ns, e.block_hash, self.holder) == e.gid
-                        self.pinned_bytes += e.ns.slot_bytes if e.pinned else 0
-                views = [self.pool.view(e.gid) for e in live]
-                self.writing = len(live)
-                crcs = self.index.crcs_of([e.gid for e in live])         # the writers': checked by the tier
-                self.tier.announce([e.bid for e in live])                # a delete from now on cancels the write
-                if watched:
-                    self.tier.when_written(watched, self._demoted)
-            stored = write_slots(self.tier, [e.bid for e in live], views, crcs, Lane.STORE, "a write-through")
-            with self.changed:
-                self.counters["written_through"] += stored
-                self._unpin(live)
-                self.writing = 0
-                self._written(live)
+    # ----- the writer (kvstore.movers.slots: the loop) -----
+    def _ready(self) -> bool:
+        return bool(self.urgent or self.queue)
 
-    def _take(self, n: int) -> list[Entry]:
+    def _finished(self) -> bool:
+        return not self.urgent and not self.queue         # a stop writes what is queued first
+
+    def _take(self) -> tuple[list[Entry], list[bytes], list[int]]:
+        fault_point("write_through_loop")
+        live, self._watching = self._sort(self._pull(BATCH))
+        for e in live:
+            if not e.pinned:                                     # held for this write only
+                e.pinned = self.index.pin(e.ns, e.block_hash, self.holder) == e.gid
+                self.pinned_bytes += e.ns.slot_bytes if e.pinned else 0
+        return live, [e.bid for e in live], [e.gid for e in live]
+
+    def _announced(self, batch: Sequence[Entry]) -> None:
+        if self._watching:
+            self.tier.when_written(self._watching, self._demoted)
+
+    def _settle(self, batch: Sequence[Entry], stored: int) -> None:
+        self.counters["written_through"] += stored
+        self._unpin(list(batch))
+        self._written(list(batch))
+
+    def _pull(self, n: int) -> list[Entry]:
         """(Under the state lock.) Up to `n` entries still to settle, those a request waits for first."""
         out: list[Entry] = []
         while len(out) < n and (self.urgent or self.queue):

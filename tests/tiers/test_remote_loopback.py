@@ -122,7 +122,8 @@ def test_blocks_committed_while_the_master_is_down_are_published_when_it_returns
     assert remote_of(a)["counters"].get("puts", 0) == 0
     master.start()
     wait_for(lambda: remote_of(a)["up"] and remote_of(b)["up"], "both link again", timeout=60)
-    wait_for(lambda: remote_of(a)["counters"].get("puts", 0) >= 8, "A publishes what waited", timeout=60)
     with b.client() as c:
-        assert c.namespace(spec()).lookup(hs) == 8
+        ns = c.namespace(spec())
+        wait_for(lambda: ns.lookup(hs) == 8, "A publishes what waited: B finds it", timeout=60)
     assert get_all(b, hs) == [block(300 + i) for i in range(8)]
+    assert remote_of(a)["counters"]["puts"] >= 8

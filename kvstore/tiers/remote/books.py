@@ -135,17 +135,18 @@ class Books(TierPart):
         self._submit_removal(bids)
 
     def _submit_removal(self, bids: list[bytes]) -> None:
-        keys = [store_key(b) for b in bids]
-
         def remove() -> None:
-            self.client.remove(keys)
+            with self.lock:                 # those put again since the delete: the store holds the new copy
+                still = [b for b in bids if b in self.removing]
+            if still:
+                self.client.remove([store_key(b) for b in still])
             with self.lock:
-                for b in bids:
+                for b in still:
                     self.removing.pop(b, None)
         try:
             self.path.submit(Lane.BACKGROUND, 0, remove)
         except (Busy, RuntimeError):
-            self.counters["remove_deferred"] += len(keys)
+            self.counters["remove_deferred"] += len(bids)
 
     def retry_removals(self) -> None:
         """(The link thread, while the store answers.) Ask again for the removals not done yet."""
