@@ -2,9 +2,10 @@
 configuration composes it (kvstore.daemon.config)."""
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from typing import ClassVar
+
+from kvstore.tiers.remote.address import is_ip
 
 PLACEMENTS = ("auto", "write_back", "write_through", "both")
 
@@ -65,7 +66,7 @@ class RemoteConfig:
         if not r.hostname or r.hostname.strip() != r.hostname or "/" in r.hostname:
             errors.append(f"remote.hostname: must be this node's IP address or host name as the other nodes "
                           f"reach it, got {r.hostname!r}")
-        if r.bind_address and not _is_ip(r.bind_address):
+        if r.bind_address and not is_ip(r.bind_address):
             errors.append(f"remote.bind_address: must be empty (remote.hostname's address), an IP address of "
                           f"this node, or 0.0.0.0 / :: (every address), got {r.bind_address!r}")
         for name in ("timeout_s", "retry_s", "known_s", "unreachable_s"):
@@ -74,11 +75,3 @@ class RemoteConfig:
         if not 1 <= r.in_flight <= 64:
             errors.append(f"remote.in_flight: must be 1..64, got {r.in_flight}")
         return errors
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-        return True
-    except ValueError:
-        return False
