@@ -103,7 +103,7 @@ serve: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(WHEEL_INSTALLED) sglang-env
 	KVSTORE_REQUIRE_ENGINES=vllm,mooncake KVSTORE_MIN_PASSED=vllm:$(MIN_VLLM),mooncake:$(MIN_MOONCAKE) \
 		TOKENIZERS_PARALLELISM=false \
-		$(BIN)/python -m pytest -q $(GUARD) -m "not sglang and not triton and not wheel"
+		$(BIN)/python -m pytest -q --durations=15 $(GUARD) -m "not sglang and not triton and not wheel"
 	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/index tests/daemon/test_daemon_basic.py \
 		tests/daemon/test_checksums.py tests/daemon/test_fuzz_model.py tests/daemon/test_limits.py \
 		tests/daemon/test_quotas.py tests/daemon/test_scale.py
