@@ -68,7 +68,8 @@ from bench import lmcache_mooncake_side as lmc  # noqa: E402
 from bench.common import Daemon, Table, machine, progress, summary, warn_if_busy, write_json  # noqa: E402
 from kvstore.protocol.geometry import Geometry  # noqa: E402
 from kvstore.protocol.keys import NamespaceSpec  # noqa: E402
-from tests.mooncake_master import MooncakeMaster, master_binary  # noqa: E402
+from kvstore.tiers.remote.address import reexec_with_bind_guard  # noqa: E402
+from tests.mooncake_master import MooncakeMaster, master_binary, setup_on_loopback  # noqa: E402
 
 TARGET = 0.9
 # 4 MiB blocks: 32 layers x 2 (K, V) x 32 tokens x 8 KV heads x 128 x bf16 (128 KiB a token)
@@ -81,7 +82,7 @@ def raw_node(conn: Any, master: str, metadata: str, nblocks: int, block_bytes: i
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", metadata, segment, 64 << 20, "tcp", "", master)
+    rc = setup_on_loopback(store, metadata, master, segment, 64 << 20)
     buf = np.zeros(nblocks * block_bytes, dtype=np.uint8)
     buf[:] = np.random.default_rng(1).integers(0, 256, buf.size, dtype=np.uint8)
     rc |= store.register_buffer(buf.ctypes.data, buf.nbytes)
@@ -243,6 +244,7 @@ def main() -> None:
     ap.add_argument("--lmcache-python", default=lmc.default_python(),
                     help="the python with torch, lmcache and mooncake (default: .venv-bench's)")
     args = ap.parse_args()
+    reexec_with_bind_guard()       # the raw nodes' Mooncake clients (forked) bind their ports on loopback only
     if args.quick:
         args.blocks, args.reps = 16, 3
     missing = "" if mooncake_client() else "Mooncake's Python client (mooncake.store)"

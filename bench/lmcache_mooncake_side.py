@@ -41,6 +41,8 @@ import sys
 import time
 from typing import Any
 
+from kvstore.tiers.remote.address import library_path
+
 CHUNK, PAGE, HEADS, DIM = 256, 16, 4, 128
 PPC = CHUNK // PAGE                       # pages per chunk
 LAYER_CHUNK_BYTES = 2 * CHUNK * HEADS * DIM * 2        # K+V of one layer of one chunk, bf16: 512 KiB
@@ -50,6 +52,8 @@ ENV = {"PYTHONHASHSEED": "0",             # LMCache's builtin chunk hash: must a
        "LMCACHE_TRACK_USAGE": "false", "LMCACHE_LOG_LEVEL": "WARNING", "MC_LOG_LEVEL": "ERROR",
        "PYTHONWARNINGS": "ignore",
        "MC_TCP_BIND_ADDRESS": "127.0.0.1"}    # Mooncake advertises this, not the LAN address: loopback only
+if library_path():                        # ... and binds its ports there, not on every address (native/kvbind.c)
+    ENV.update(LD_PRELOAD=str(library_path()), KVSTORE_BIND_ANY_TO="127.0.0.1")
 PACKAGES = ("lmcache", "mooncake-transfer-engine-non-cuda", "torch")
 BUILD_HINT = ("bench/run_all.sh builds .venv-bench (CPU torch 2.13.0, lmcache 0.5.6, "
               "mooncake-transfer-engine-non-cuda 0.3.13.post1, kvstore), e.g. `BENCH_ONLY=remote bench/run_all.sh "

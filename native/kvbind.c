@@ -15,7 +15,10 @@
  *     Arms the calling thread: from now on, its bind() of an IPv4 socket to 0.0.0.0 binds `address` (IPv4) instead,
  *     and its bind() of an IPv6 socket to :: binds `address` (IPv6), or ::ffff:`address` for an IPv4 one (Mooncake's
  *     dual-stack acceptor clears IPV6_V6ONLY, so a v4-mapped address takes IPv4 connections). NULL or "" disarms
- *     it. Returns 0, or -1 when `address` is not an IP literal (the thread is then disarmed).
+ *     it (back to KVSTORE_BIND_ANY_TO's default, if any). Returns 0, or -1 when `address` is not an IP literal (the
+ *     thread is then disarmed).
+ *   KVSTORE_BIND_ANY_TO=<address> in the environment at load: every thread not armed otherwise binds the
+ *     any-address there (for processes kvstore does not control, e.g. a baseline's Mooncake client in a benchmark).
  *   int kvbind_rewrites(void)
  *     How many binds this process has rewritten (for the daemon's log and its tests).
  *   A bind that cannot be rewritten (an IPv4 socket while armed with an IPv6 address) fails with EADDRNOTAVAIL
@@ -26,19 +29,43 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <netinet/in.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 
 static __thread int armed_family;            /* 0: disarmed, AF_INET or AF_INET6 */
 static __thread struct in_addr armed_v4;
 static __thread struct in6_addr armed_v6;
+static __thread int armed_set;                /* armed by kvbind_arm (else: the process's default) */
+static int default_family;                    /* from KVSTORE_BIND_ANY_TO: threads never armed */
+static struct in_addr default_v4;
+static struct in6_addr default_v6;
 static int rewrites;
+
+__attribute__((constructor)) static void kvbind_from_env(void) {
+    const char *to = getenv("KVSTORE_BIND_ANY_TO");
+    if (to == NULL || to[0] == '\0')
+        return;
+    if (inet_pton(AF_INET, to, &default_v4) == 1)
+        default_family = AF_INET;
+    else if (inet_pton(AF_INET6, to, &default_v6) == 1)
+        default_family = AF_INET6;
+}
+
+static void adopt_default(void) {             /* a thread not armed takes the process's default */
+    if (armed_set)
+        return;
+    armed_family = default_family;
+    armed_v4 = default_v4;
+    armed_v6 = default_v6;
+}
 
 typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
 
 int kvbind_arm(const char *address) {
     armed_family = 0;
-    if (address == NULL || address[0] == '\0')
+    armed_set = !(address == NULL || address[0] == '\0');   /* disarmed: back to the process's default */
+    if (!armed_set)
         return 0;
     if (inet_pton(AF_INET, address, &armed_v4) == 1) {
         armed_family = AF_INET;
@@ -88,6 +115,7 @@ static int bind_v6(int fd, const struct sockaddr_in6 *in, socklen_t len) {
 }
 
 int bind(int fd, const struct sockaddr *addr, socklen_t len) {
+    adopt_default();
     if (armed_family != 0 && addr != NULL) {
         if (addr->sa_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in)) {
             const struct sockaddr_in *in = (const struct sockaddr_in *)addr;

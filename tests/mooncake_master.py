@@ -17,11 +17,22 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 # Every Mooncake client this process or its children set up (the tests' rogue clients, the benchmarks' raw nodes)
 # advertises loopback: Mooncake's transfer engine reads this, not the hostname its setup is given. Daemons set it
 # themselves from remote.hostname.
 os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+
+
+def setup_on_loopback(store: Any, metadata: str, master: str, segment: int, buffer: int) -> int:
+    """`store.setup` for a Mooncake client this process sets up itself (a test's rogue client, a benchmark's raw
+    node): advertised on 127.0.0.1 (above), its transfer ports bound to 127.0.0.1 by the bind guard where this
+    process has it preloaded (make test preloads it; kvstore.tiers.remote.address), its code otherwise."""
+    from kvstore.tiers.remote.address import armed
+
+    with armed("127.0.0.1"):
+        return int(store.setup("127.0.0.1", metadata, segment, buffer, "tcp", "", master))
 
 
 def free_port() -> int:

@@ -48,6 +48,7 @@ print(json.dumps(out))
 @pytest.mark.skipif(library_path() is None, reason="the bind guard was not built (no C compiler at install)")
 def test_an_armed_thread_binds_the_armed_address_and_nothing_else_changes() -> None:
     env = {**os.environ, "LD_PRELOAD": str(library_path())}
+    env.pop("KVSTORE_BIND_ANY_TO", None)
     out = json.loads(subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
                                     check=True).stdout)
     assert out["loaded"] is True
@@ -59,6 +60,31 @@ def test_an_armed_thread_binds_the_armed_address_and_nothing_else_changes() -> N
     assert out["v4_armed_v6"] == "EADDRNOTAVAIL"                             # refused rather than everywhere
     assert out["v6_armed_v6"] == "::1"
     assert out["rewrites"] == 3
+
+
+ENV_CHILD = r"""
+import json, socket, threading
+from kvstore.tiers.remote.address import armed
+
+def bound():
+    s = socket.socket(); s.bind(("0.0.0.0", 0)); a = s.getsockname()[0]; s.close(); return a
+
+other = []
+t = threading.Thread(target=lambda: other.append(bound())); t.start(); t.join()
+with armed("127.0.0.2"):
+    mine = bound()
+print(json.dumps({"main": bound(), "other": other[0], "armed": mine}))
+"""
+
+
+@pytest.mark.skipif(library_path() is None, reason="the bind guard was not built (no C compiler at install)")
+def test_kvstore_bind_any_to_narrows_every_thread_never_armed() -> None:
+    """For a process kvstore does not control (a baseline's Mooncake client): every thread binds the any-address
+    to KVSTORE_BIND_ANY_TO, unless it arms the guard itself."""
+    env = {**os.environ, "LD_PRELOAD": str(library_path()), "KVSTORE_BIND_ANY_TO": "127.0.0.1"}
+    out = json.loads(subprocess.run([sys.executable, "-c", ENV_CHILD], env=env, capture_output=True, text=True,
+                                    check=True).stdout)
+    assert out == {"main": "127.0.0.1", "other": "127.0.0.1", "armed": "127.0.0.2"}
 
 
 def test_without_the_library_loaded_arming_changes_nothing() -> None:

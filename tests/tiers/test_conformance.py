@@ -318,7 +318,8 @@ def remote_case(tmp_path: FsPath, request: pytest.FixtureRequest) -> Case:
                        known_s=60.0, timeout_s=10.0)
     path = FakePath("net")
     # both placements: evicted blocks are staged and put (write-back), committed ones put at once (write-through)
-    tier = RemoteTier(cfg, path, MooncakeClient(cfg, "127.0.0.1", None), write_back=True, placement="both").start()
+    client = MooncakeClient(cfg, "127.0.0.1", "127.0.0.1")     # its ports on loopback where the guard is loaded
+    tier = RemoteTier(cfg, path, client, write_back=True, placement="both").start()
     case = Case(tier, path, resize={"too_small": Expect(RuntimeError, "not resized from here"),
                                     "roomy": Expect(RuntimeError, "not resized from here")},
                 restart="the remote store is shared, not this node's to keep: a restart is the master's matter "

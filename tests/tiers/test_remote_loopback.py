@@ -87,7 +87,7 @@ def test_bind_address_any_listens_everywhere_on_purpose(master, daemons):
 
 
 def test_a_daemon_without_its_bind_guard_warns_that_its_ports_listen_everywhere(master, daemons):
-    d = node(daemons, master, KVSTORE_BIND_GUARD="1")               # as if the re-exec had been tried
+    d = node(daemons, master, KVSTORE_BIND_GUARD="1", LD_PRELOAD="")  # as if the re-exec had been tried
     assert any(not is_loopback(x.rpartition(":")[0]) for x in _transfer_listeners(d))
     log = d.read_log()
     assert "the bind guard (native/kvbind.c) is not loaded" in log
@@ -127,3 +127,23 @@ def test_blocks_committed_while_the_master_is_down_are_published_when_it_returns
         wait_for(lambda: ns.lookup(hs) == 8, "A publishes what waited: B finds it", timeout=60)
     assert get_all(b, hs) == [block(300 + i) for i in range(8)]
     assert remote_of(a)["counters"]["puts"] >= 8
+
+
+def test_a_mooncake_client_this_process_sets_up_listens_on_loopback_only(master):
+    """The tests' own Mooncake clients (rogue writers, the conformance suite's remote tier) bind where they arm the
+    bind guard, which make test preloads into pytest (under make test a skip here fails the run: engine guard)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    from kvstore.tiers.remote.address import guard_loaded, listeners
+    from tests.mooncake_master import setup_on_loopback
+
+    if not guard_loaded():
+        pytest.skip("the bind guard is not preloaded in this process (make test preloads it)")
+    before = set(listeners())
+    store = MooncakeDistributedStore()
+    assert setup_on_loopback(store, master.metadata, master.address, 16 << 20, 16 << 20) == 0
+    try:
+        ports = set(listeners()) - before
+        assert len(ports) == 2 and all(is_loopback(a) for a, _ in ports), ports
+    finally:
+        store.close()

@@ -16,7 +16,7 @@ from kvstore.client import Client
 from kvstore.tiers.remote import trailer
 from kvstore.tiers.remote.client import store_key
 from tests.conftest import GEOM, DaemonProc, block, hashes, spec
-from tests.mooncake_master import MooncakeMaster, master_binary
+from tests.mooncake_master import MooncakeMaster, master_binary, setup_on_loopback
 
 pytestmark = [pytest.mark.mooncake,
               pytest.mark.skipif(master_binary() is None, reason="Mooncake Store is not installed: pip install "
@@ -145,7 +145,7 @@ def test_a_value_that_fails_its_writers_crc_is_a_miss(master, daemons):
     a, b, hs = writer_and_reader(master, daemons, 12, b"crc")
     digest = spec().digest()
     rogue = MooncakeDistributedStore()
-    assert rogue.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "", master.address) == 0
+    assert setup_on_loopback(rogue, master.metadata, master.address, 16 << 20, 16 << 20) == 0
     try:
         bad = bytearray(block(5))
         bad[100] ^= 0xFF
@@ -315,7 +315,7 @@ def test_a_read_the_store_cannot_serve_falls_back_to_the_ssd(master, daemons, tm
             assert len(get_all(d, hs[start:start + 16])) == 16
         c.evict(everything=True)
     rogue = MooncakeDistributedStore()
-    assert rogue.setup("127.0.0.1", master.metadata, 16 << 20, 16 << 20, "tcp", "", master.address) == 0
+    assert setup_on_loopback(rogue, master.metadata, master.address, 16 << 20, 16 << 20) == 0
     try:
         key = store_key(spec().digest() + hs[200])
         assert rogue.upsert(key, bytes(GEOM.full_bytes) + trailer.pack(GEOM.full_bytes, crc32c(block(200)))) == 0
