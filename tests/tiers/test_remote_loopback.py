@@ -147,3 +147,12 @@ def test_a_mooncake_client_this_process_sets_up_listens_on_loopback_only(master)
         assert len(ports) == 2 and all(is_loopback(a) for a, _ in ports), ports
     finally:
         store.close()
+
+
+def test_a_hostname_that_does_not_resolve_is_refused_at_start_with_the_setting_named(master):
+    d = DaemonProc("16MiB", "1MiB", env=master.env(KVSTORE_REMOTE_HOSTNAME="no-such-node.invalid"))
+    try:
+        with pytest.raises(RuntimeError, match="remote.hostname 'no-such-node.invalid' does not resolve"):
+            d.start()
+    finally:
+        d.cleanup()

@@ -134,16 +134,19 @@ class Reads(TierPart):
             got: list[int | None] = []
             from_store = 0
             now = time.monotonic()
+            with self.lock:                 # one look at the books for the chunk: staged here, or not to be served
+                staged = {i for i, bid in enumerate(bids) if bid in self.staged}
+                gone = {i for i, bid in enumerate(bids) if self.books.absent_locked(bid, now)}
             for i, (bid, out, code) in enumerate(zip(bids, outs, codes)):
                 t = poff + i * trailer.SIZE
                 ok, crc = trailer.unpack(self.pad.mm[t:t + trailer.SIZE], out.nbytes) if code >= 0 else (False, None)
-                with self.lock:
-                    staged = self._copy_staged_locked(bid, out)     # staged, not put yet: its bytes are here
-                    gone = staged is False and self.books.absent_locked(bid, now)
-                if staged is not False:
-                    got.append(staged)
-                    continue
-                if gone:                                    # deleted here (its removal pending), or quarantined
+                if i in staged:
+                    with self.lock:
+                        here = self._copy_staged_locked(bid, out)   # staged, maybe not put yet: its bytes are here
+                    if here is not False:
+                        got.append(here)
+                        continue
+                if i in gone:                               # deleted here (its removal pending), or quarantined
                     self.counters["absent"] += 1
                     break
                 if not ok or code != out.nbytes + trailer.SIZE:
