@@ -24,6 +24,10 @@ takes the next transfer chosen by the arbiter:
 The path also knows itself — bytes queued per lane, in flight, the bandwidth measured over its busy time — and from
 that the expected completion time of a new transfer (`expected_s`), which the chooser uses to send a read by the
 path that will finish first (DualPath §6.1).
+
+This module owns the arbiter: the lanes' queues, the tags, the workers, the checkpoints, and the booking of each
+transfer's start and end. What the path knows of itself — the per-lane statistics, the bandwidth estimate,
+`expected_s`, `stats()` — and `choose`/`rank` live in `knowledge` (re-exported here).
 """
 from __future__ import annotations
 
@@ -33,18 +37,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from kvstore.histogram import Histogram
+from kvstore.traffic.knowledge import DECAY_BUSY_S, LaneStats, PathKnowledge, choose, rank
 from kvstore.traffic.lanes import DEFAULT_QUEUE, DEFAULT_SHARES, LANES, Lane
+
+__all__ = ["CRITICAL_QUIET_S", "DECAY_BUSY_S", "PAUSE_MAX_S", "PIECE_BYTES", "POLICIES", "Busy", "LaneStats", "Path",
+           "Transfer", "choose", "rank"]
 
 log = logging.getLogger("kvstore")
 POLICIES = ("weighted", "fifo")
 CRITICAL_QUIET_S = 0.05     # critical traffic counts as active this long after its last transfer
 PIECE_BYTES = 512 << 10      # lower-lane transfers move in pieces this large and may yield to critical in between
 PAUSE_MAX_S = 0.02           # the longest one checkpoint waits for critical traffic to pass
-DECAY_BUSY_S = 10.0          # the bandwidth estimate forgets the past by halves, every 10 s of busy time
 
 
 class Busy(Exception):
@@ -68,22 +74,7 @@ class Transfer:
     finish: float = 0.0
 
 
-@dataclass(slots=True)
-class LaneStats:
-    transfers: int = 0          # completed (ok or failed)
-    bytes: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    rejected: int = 0
-    escalated: int = 0
-    paused: int = 0             # checkpoints at which a running transfer waited for critical traffic
-    queued_bytes: int = 0
-    in_flight: int = 0
-    wait: Histogram = field(default_factory=Histogram)       # queued → started
-    latency: Histogram = field(default_factory=Histogram)    # queued → done
-
-
-class Path:
+class Path(PathKnowledge):
     def __init__(self, name: str, workers: int = 4, shares: Mapping[Lane, float] | None = None,
                  queue_limits: Mapping[Lane, int] | None = None, policy: str = "weighted",
                  nominal_bps: float = 1e9, device: Callable[[Transfer], None] | None = None) -> None:
@@ -336,45 +327,7 @@ class Path:
             if self._closed or (self._low_in_flight < self.low_limit and any(self.queues.values())):
                 self._cond.notify()
 
-    # ----- knowledge -----
-    def bandwidth(self) -> float:
-        """Bytes per second over the path's busy time (the nominal figure until it has moved enough to know)."""
-        with self._cond:
-            busy = self._busy_s + (time.perf_counter() - self._busy_since if self._in_flight else 0.0)
-            if busy < 0.01 or self._done_bytes < 1 << 20:
-                return self.nominal_bps
-            return self._done_bytes / busy
-
-    def expected_s(self, nbytes: int, lane: Lane) -> float:
-        """When a transfer of `nbytes` submitted now in `lane` would be done: the bytes the arbiter will serve
-        before it (its lane's queue; of each other lane, what its share lets through meanwhile), plus what is in
-        flight, over the measured bandwidth."""
-        bw = self.bandwidth()
-        with self._cond:
-            mine = self.lanes[lane].queued_bytes + nbytes
-            ahead = float(mine)
-            for other in LANES:
-                if other == lane:
-                    continue
-                queued = self.lanes[other].queued_bytes
-                let_through = mine * self.shares[other] / self.shares[lane]
-                ahead += queued if self.policy == "fifo" else min(queued, let_through)
-            ahead += sum(s.in_flight for s in self.lanes.values()) * nbytes / max(self.workers, 1)
-        return ahead / bw
-
-    def stats(self) -> dict[str, Any]:
-        bw = self.bandwidth()
-        with self._cond:
-            lanes = {la.label: {"queued": len(self.queues[la]), "queued_bytes": s.queued_bytes,
-                                "in_flight": s.in_flight, "transfers": s.transfers, "bytes": s.bytes,
-                                "failed": s.failed, "cancelled": s.cancelled, "rejected": s.rejected,
-                                "escalated": s.escalated, "paused": s.paused, "queue_limit": self.limits[la],
-                                "share": self.shares[la],
-                                "wait": s.wait.to_dict(), "latency": s.latency.to_dict()}
-                     for la, s in self.lanes.items()}
-            return {"path": self.name, "policy": self.policy, "workers": self.workers, "in_flight": self._in_flight,
-                    "bandwidth_bps": bw, "lanes": lanes}
-
+    # ----- closing -----
     def close(self) -> None:
         """Cancel what is queued, let what runs finish, stop the workers."""
         with self._cond:
@@ -390,15 +343,3 @@ class Path:
         for th in self._threads:
             if th is not threading.current_thread():
                 th.join(timeout=30)
-
-
-def choose(options: list[tuple[Path, int]], lane: Lane) -> int:
-    """Of several ways to fetch the same bytes — (path, bytes it would move) each — the index of the one expected
-    to finish first (DualPath §6.1); ties go to the earlier option, so list the local path first."""
-    return rank(options, lane)[0]
-
-
-def rank(options: list[tuple[Path, int]], lane: Lane) -> list[int]:
-    """The options' indices, the one expected to finish first first (ties keep their order)."""
-    est = [path.expected_s(nbytes, lane) for path, nbytes in options]
-    return sorted(range(len(options)), key=est.__getitem__)
