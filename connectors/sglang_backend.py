@@ -10,6 +10,10 @@ shared-memory slots with one copy each way. No cache of its own, and the daemon 
 every failure (daemon away, refusal, a pool this backend cannot describe, bad arguments) is a per-key False, a 0 or
 a None, never an exception into SGLang's prefetch or backup threads; one log line per outage, reconnect later.
 
+The parts: this module owns the storage calls below (SGLang's contract), the daemon link, hints and the turning of
+failures into misses; `sglang_pages.py` owns the mapping of the host pool to kvstore (page keys, the namespace of a
+pool, views of its pages' bytes) and the byte movement between pages and slots (copies with their CRC-32C).
+
 The contract, as SGLang's HiCache calls it (keys are page-hash strings, `host_indices` token indices of the host
 pool, `page_size` per page):
 
@@ -50,7 +54,6 @@ $KVSTORE_TENANT / $KVSTORE_TENANT_SECRET, else its user's).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections import OrderedDict
@@ -61,74 +64,35 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from kvstore.checksum import copy_crc32c
 from kvstore.client import Namespace
 from kvstore.connectors.daemon_link import DaemonLink
 from kvstore.connectors.hints import parse_hints, send_start, with_context
+from kvstore.connectors.sglang_pages import (
+    KEY_SCHEME,
+    MHA_ORDER,
+    MLA_ORDER,
+    TORCH_DTYPES,
+    Legacy,
+    bytes_of,
+    copy_checked,
+    describe_pool,
+    from_block,
+    legacy_shape,
+    page_key,
+    page_views,
+    pool_buffers,
+    split_slot,
+    to_block,
+)
 from kvstore.protocol import ReserveStatus
 from kvstore.protocol.geometry import Geometry
-from kvstore.protocol.keys import NamespaceSpec, block_key
 
 log = logging.getLogger("sglang.kvstore")  # under "sglang": shown wherever SGLang's own lines are
 
-TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
-                "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2", "int8": "int8", "uint8": "uint8"}
-# Byte order of one page as the pool's get_page_buffer_meta pieces follow each other, per host layout.
-MHA_ORDER = {"layer_first": "layers,kv,tokens,heads,dim", "page_first": "kv,tokens,layers,heads,dim",
-             "page_first_direct": "kv,layers,tokens,heads,dim", "page_head": "kv,heads,tokens,layers,dim"}
-# MLA: layer_first and page_first_direct give the same bytes, so they share blocks.
-MLA_ORDER = {"layer_first": "layers,tokens,latent", "page_first": "tokens,layers,latent",
-             "page_first_direct": "layers,tokens,latent"}
-KEY_SCHEME = "sglang-sha256-pages"
 SEEN_CALLS = 4096          # (workflow, agent) pairs whose `call` was sent, most recent kept
-
-
-def page_key(key: str) -> bytes:
-    """An SGLang page key as a 16-byte kvstore key: a hex hash (SHA-256) is folded to 128 bits like any long engine
-    hash; any other string is hashed in its own domain, so it can never meet a hex key."""
-    try:
-        raw = bytes.fromhex(key)
-        if 16 <= len(raw) <= 64:
-            return block_key(raw)
-    except (ValueError, TypeError):
-        pass
-    return hashlib.blake2b(str(key).encode(), digest_size=16, person=b"kvstore-sgl-key").digest()
-
-
-def describe_pool(pool: Any, config: HiCacheStorageConfig, extra: dict[str, Any]) -> NamespaceSpec:
-    """The namespace of a host pool's pages, or ValueError naming what this backend cannot store."""
-    layout = str(getattr(pool, "layout", "?"))
-    dtype = TORCH_DTYPES.get(str(getattr(pool, "dtype", "?")).removeprefix("torch."))
-    if dtype is None:
-        raise ValueError(f"host pool dtype {getattr(pool, 'dtype', '?')} is not supported")
-    layers, tokens = int(pool.layer_num), int(pool.page_size)
-    if hasattr(pool, "kv_lora_rank"):                                   # MLA: one latent per token, replicated
-        if layout not in MLA_ORDER:
-            raise ValueError(f"MLA host layout {layout!r} is not supported (supported: {', '.join(MLA_ORDER)})")
-        order = f"sglang-mla:{MLA_ORDER[layout]}:lora{pool.kv_lora_rank},rope{pool.qk_rope_head_dim}"
-        geometry = Geometry(layers=layers, tokens=tokens, kv_heads=1, head_dim=int(pool.kv_cache_dim), dtype=dtype,
-                            kv=1, layout=order)
-        tp_rank, tp_size = 0, 1
-    else:
-        if layout not in MHA_ORDER:
-            raise ValueError(f"host layout {layout!r} is not supported (supported: {', '.join(MHA_ORDER)})")
-        if int(getattr(pool, "v_head_dim", pool.head_dim)) != int(pool.head_dim):
-            raise ValueError("K and V head dims differ")
-        geometry = Geometry(layers=layers, tokens=tokens, kv_heads=int(pool.head_num), head_dim=int(pool.head_dim),
-                            dtype=dtype, kv=2, layout=f"sglang:{MHA_ORDER[layout]}")
-        tp_rank, tp_size = int(config.tp_rank), int(config.tp_size)
-    shard = [f"keys={KEY_SCHEME}", f"pp={config.pp_rank}/{config.pp_size}"]
-    if config.attn_cp_size > 1:
-        shard.append(f"cp={config.attn_cp_rank}/{config.attn_cp_size}")
-    if config.dcp_size > 1:
-        shard.append(f"dcp={config.dcp_rank}/{config.dcp_size}")
-    if getattr(pool, "storage_format_tag", None):
-        shard.append(f"format={pool.storage_format_tag}")
-    if extra.get("salt"):
-        shard.append(str(extra["salt"]))
-    model = str(extra.get("model") or config.model_name or "sglang")[:256]
-    return NamespaceSpec(model=model, geometry=geometry, group=str(extra.get("group", ""))[:256], tp_rank=tp_rank,
-                         tp_size=tp_size, salt="|".join(shard)[:256])
+# the mapping's names moved to sglang_pages; they stay importable from here, where they were
+__all__ = ["KEY_SCHEME", "MHA_ORDER", "MLA_ORDER", "SEEN_CALLS", "TORCH_DTYPES", "KVStoreHiCache", "describe_pool",
+           "page_key"]
 
 
 class KVStoreHiCache(HiCacheStorage):
@@ -144,7 +108,7 @@ class KVStoreHiCache(HiCacheStorage):
         self.disabled: str | None = "no host pool registered yet"
         self.geometry: Geometry | None = None
         self._bufs: list[tuple[int, int, np.ndarray]] = []
-        self._legacy: tuple[int, int, int] | None = None   # MHA layer_first: a flat page is [2, layers, piece]
+        self._legacy: Legacy | None = None   # MHA layer_first: a flat page is [2, layers, piece]
         self._warned: set[str] = set()
         self._called: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._called_lock = threading.Lock()         # SGLang's prefetch and backup threads call at once
@@ -154,13 +118,14 @@ class KVStoreHiCache(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         try:
             spec = describe_pool(mem_pool_host, self.config, self.extra)
-            self._bufs = _pool_buffers(mem_pool_host)
+            self._bufs = pool_buffers(mem_pool_host)
         except Exception as e:  # noqa: BLE001 - a pool we cannot describe means: no storage tier, SGLang runs on
             self._disable(str(e))
             return
         self.geometry = spec.geometry
-        if self.geometry.kv == 2 and mem_pool_host.layout == "layer_first":
-            self._legacy = (2, self.geometry.layers, self.geometry.layer_bytes // 2)
+        legacy = legacy_shape(self.geometry, mem_pool_host.layout)
+        if legacy is not None:
+            self._legacy = legacy
         if self.link is not None:
             self.link.close()
         self.link = DaemonLink(self.extra.get("socket"), lambda adapter: spec, log=log, who="HiCache",
@@ -216,32 +181,9 @@ class KVStoreHiCache(HiCacheStorage):
                 log.debug("kvstore: hint not sent: %s: %s", type(e).__name__, e)
         return pair
 
-    # ----- pages of the host pool -----
     def _pages(self, host_indices: Any, n: int) -> list[list[np.ndarray]]:
-        """Byte views of each page's pieces in the host pool (no copy), checked against the geometry."""
         assert self.geometry is not None
-        page = int(getattr(self.mem_pool_host, "logical_page_size", self.mem_pool_host.page_size))
-        if int(host_indices.numel()) != n * page:
-            raise ValueError(f"{host_indices.numel()} host indices for {n} pages of {page} tokens")
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        if len(ptrs) != len(sizes) or len(ptrs) % max(n, 1):
-            raise ValueError(f"{len(ptrs)} buffer pieces for {n} pages")
-        per = len(ptrs) // max(n, 1)
-        pages = []
-        for i in range(n):
-            page_sizes = sizes[i * per:(i + 1) * per]
-            if sum(page_sizes) != self.geometry.full_bytes:
-                raise ValueError(f"wrong geometry: a page is {sum(page_sizes)} bytes, the namespace expects "
-                                 f"{self.geometry.full_bytes}")
-            pages.append([self._view(p, s) for p, s in zip(ptrs[i * per:(i + 1) * per], page_sizes)])
-        return pages
-
-    def _view(self, ptr: int, size: int) -> np.ndarray:
-        for base, nbytes, arr in self._bufs:
-            off = int(ptr) - base
-            if 0 <= off and off + int(size) <= nbytes:
-                return arr[off:off + int(size)]
-        raise ValueError(f"a page piece at {ptr:#x} (+{size}) lies outside the host pool's buffers")
+        return page_views(self.mem_pool_host, self.geometry, self._bufs, host_indices, n)
 
     # ----- the zero-copy interface -----
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
@@ -276,12 +218,12 @@ class KVStoreHiCache(HiCacheStorage):
         with ns.acquire(kv_keys, **with_context(ctx)) as lease:
             if not self.verify:
                 ns.client.copier.copy([(piece, part) for slot, pieces in zip(lease.views, pages)
-                                       for part, piece in _split_slot(slot, pieces)])
+                                       for part, piece in split_slot(slot, pieces)])
                 return len(lease)
             # each page's copy checked against its writer's CRC-32C, computed in the same pass as the copy: the
             # check is on the bytes the pool now holds, not on a slot that could change after a check
             for i, (slot, pieces, want) in enumerate(zip(lease.views, pages, lease.crcs)):
-                if want is None or _copy_checked(slot, pieces, to_slot=False) != want:
+                if want is None or copy_checked(slot, pieces, to_slot=False) != want:
                     log.warning("kvstore: a stored page does not match its checksum; it and the pages after it "
                                 "are misses")
                     return i
@@ -309,39 +251,27 @@ class KVStoreHiCache(HiCacheStorage):
                ctx: tuple[str, str] | None = None) -> list[bool]:
         with ns.reserve(kv_keys, **with_context(ctx)) as res:
             if self.verify:           # the CRC-32C of each slot computed while it is written (one pass)
-                res.commit([_copy_checked(slot, pages[i], to_slot=True) for slot, i in zip(res.views, res.reserved)])
+                res.commit([copy_checked(slot, pages[i], to_slot=True) for slot, i in zip(res.views, res.reserved)])
             else:
                 ns.client.copier.copy([pair for slot, i in zip(res.views, res.reserved)
-                                       for pair in _split_slot(slot, pages[i])])
+                                       for pair in split_slot(slot, pages[i])])
                 res.commit(checksum=False)
         return [s != ReserveStatus.NO_SPACE for s in res.status]   # stored, stored already, being stored
 
-    # ----- the older flat-page interface -----
-    def _to_block(self, flat: np.ndarray) -> np.ndarray:
-        if self._legacy is None:
-            return flat
-        return np.ascontiguousarray(flat.reshape(self._legacy).transpose(1, 0, 2)).reshape(-1)
-
-    def _from_block(self, slot: np.ndarray, out: np.ndarray) -> None:
-        if self._legacy is None:
-            np.copyto(out, slot)
-        else:
-            two, layers, piece = self._legacy
-            np.copyto(out.reshape(self._legacy), slot.reshape(layers, two, piece).transpose(1, 0, 2))
-
+    # ----- the older flat-page interface (bytes reordered by sglang_pages.to_block / from_block) -----
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         ns = self._ns()
         if ns is None:
             return None
         try:
             target = target_location if target_location is not None else self.mem_pool_host.get_dummy_flat_data_page()
-            out = _bytes_of(target)
+            out = bytes_of(target)
             if out.nbytes != ns.block_bytes:
                 raise ValueError(f"wrong geometry: a {out.nbytes}-byte page for {ns.block_bytes}-byte blocks")
             with ns.acquire([page_key(key)]) as lease:
                 if len(lease) == 0 or (self.verify and lease.verified_prefix() == 0):
                     return None
-                self._from_block(lease.views[0], out)
+                from_block(lease.views[0], out, self._legacy)
             return target
         except Exception as e:  # noqa: BLE001
             self._failed(e)
@@ -359,7 +289,7 @@ class KVStoreHiCache(HiCacheStorage):
         if ns is None or value is None:
             return False
         try:
-            r = ns.put([page_key(key)], [self._to_block(_bytes_of(value))], checksum=self.verify)
+            r = ns.put([page_key(key)], [to_block(bytes_of(value), self._legacy)], checksum=self.verify)
             return r.stored + r.existed + r.busy == 1
         except Exception as e:  # noqa: BLE001 - a wrong-sized page is refused by the client: False
             self._failed(e)
@@ -373,42 +303,3 @@ class KVStoreHiCache(HiCacheStorage):
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
-
-
-def _bytes_of(t: Any) -> np.ndarray:
-    """A flat uint8 view of a contiguous CPU tensor (no copy)."""
-    if not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError("pages must be contiguous CPU tensors")
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _pool_buffers(pool: Any) -> list[tuple[int, int, np.ndarray]]:
-    """(address, bytes, uint8 view) of every contiguous CPU tensor that holds the pool's pages."""
-    found: list[tuple[int, int, np.ndarray]] = []
-    for name in ("kv_buffer", "k_buffer", "v_buffer"):
-        held = getattr(pool, name, None)
-        for t in held if isinstance(held, (list, tuple)) else [held]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.numel():
-                found.append((t.data_ptr(), t.numel() * t.element_size(), _bytes_of(t)))
-    if not found:
-        raise ValueError(f"the host pool ({type(pool).__name__}) has no contiguous CPU buffers")
-    return found
-
-
-def _copy_checked(slot: np.ndarray, pieces: list[np.ndarray], to_slot: bool) -> int:
-    """Copy a page's pieces into its slot (or back) and return the CRC-32C of the slot's bytes, continued piece by
-    piece in the same pass as the copy."""
-    crc = 0
-    for part, piece in _split_slot(slot, pieces):
-        crc = copy_crc32c(part, piece, crc=crc) if to_slot else copy_crc32c(piece, part, crc=crc)
-    return crc
-
-
-def _split_slot(slot: np.ndarray, pieces: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(slot part, page piece) pairs: a page's pieces (its K and V parts per layer, as the host pool lays them out)
-    lie one after another in the block's slot."""
-    pairs, at = [], 0
-    for piece in pieces:
-        pairs.append((slot[at:at + piece.nbytes], piece))
-        at += piece.nbytes
-    return pairs
