@@ -22,11 +22,13 @@ namesakes and work the same whether io_uring is in use or not, so callers never 
 in address, length and offset as the file system wants (4 KiB is always enough), exactly as for os.preadv.
 Misalignment gives OSError(EINVAL) on both paths.
 
-io_uring is used when the PyPI package `liburing` imports, a ring can be set up, the binding's buffer handling is
-the one this module was written against (below), and a test O_DIRECT readv and writev through a ring move the
-right bytes in a temporary file (in $KVSTORE_URING_PROBE_DIR, else the temp directory; where O_DIRECT is refused
-there, e.g. tmpfs, the probe runs buffered and REASON says so). The result is cached for the process.
-KVSTORE_NO_URING=1 (checked on every call) forces the fallback.
+io_uring is used when the PyPI package `liburing` passes the checks of uring_probe.py (a ring set up in a child
+process first, then the import, the functions used here, and the binding's buffer handling, below) and a test
+O_DIRECT readv and writev through a ring of this module move the right bytes in a temporary file (in
+$KVSTORE_URING_PROBE_DIR, else the temp directory; where O_DIRECT is refused there, e.g. tmpfs, the probe runs
+buffered and REASON says so). The result is cached for the process. KVSTORE_NO_URING=1 (checked on every call)
+forces the fallback. This module owns the cached verdict (available, backend, REASON), the ring and the calls;
+uring_probe.py owns the checks, and `child_probe` is re-exported from it.
 
 Memory safety. The kernel reads and writes the callers' buffers by address until each op's completion is reaped.
 This module wraps every buffer in a memoryview of its own and builds the `liburing.Iovec` over those; the
@@ -51,15 +53,13 @@ import errno
 import mmap
 import os
 import select
-import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Union
 
-from kvstore.tiers.ssd.uring_probe import give_back_export, io_probe, iovec_semantics
+from kvstore.tiers.ssd.uring_probe import Unusable, check_binding, give_back_export, io_probe
+from kvstore.tiers.ssd.uring_probe import child_probe as child_probe  # re-exported: importable from here
 
 Buffer = Union[memoryview, mmap.mmap, bytearray, bytes]
 Op = tuple[str, int, Sequence[Buffer], int]
@@ -327,54 +327,13 @@ def _run_uring(ops: list[tuple[str, int, list[memoryview], int]], depth: int,
 
 # ---------------------------------------------------------------------------------------------------- probe
 
-_CHILD_PROBE = "import liburing as L; r = L.Ring(); L.io_uring_queue_init(8, r); L.io_uring_queue_exit(r)"
-
-
-def child_probe() -> str | None:
-    """None if a child process can load liburing and set up a ring; else why not. Why a child first: a binding
-    built for CPU instructions this machine lacks dies of SIGILL, which no except clause catches (liburing
-    2026.3.30's wheel holds AVX-512 code: on an AMD EPYC without it, `Ring()` killed the daemon at start)."""
-    try:
-        p = subprocess.run([sys.executable, "-c", _CHILD_PROBE], capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"the child probe could not run ({type(e).__name__}: {e})"
-    if p.returncode < 0:
-        try:
-            name = signal.Signals(-p.returncode).name
-        except ValueError:
-            name = str(-p.returncode)
-        return (f"liburing killed a child process with {name} (its binary uses CPU instructions this machine "
-                f"lacks, or the kernel refused the ring)")
-    if p.returncode != 0:
-        tail = p.stderr.decode(errors="replace").strip().splitlines()
-        return f"liburing failed in a child process ({tail[-1] if tail else f'exit {p.returncode}'})"
-    return None
-
-
 def _probe() -> None:
     global _state, _probe_reason, _L, _leaks_exports
     _state = False
-    crashed = child_probe()
-    if crashed is not None:
-        _probe_reason = f"io_uring unavailable: {crashed}"
-        return
     try:
-        import liburing as L
-    except Exception as e:                       # ImportError, or a broken wheel
-        _probe_reason = f"io_uring unavailable: cannot import liburing ({type(e).__name__}: {e})"
-        return
-    version = getattr(L, "__version__", "?")
-    need = ("Ring", "Cqe", "Iovec", "io_uring_queue_init", "io_uring_queue_exit", "io_uring_get_sqe",
-            "io_uring_prep_readv", "io_uring_prep_writev", "io_uring_submit", "io_uring_peek_cqe",
-            "io_uring_cqe_seen")
-    missing = [x for x in need if not hasattr(L, x)]
-    if missing:
-        _probe_reason = f"io_uring unavailable: liburing {version} lacks {', '.join(missing)}"
-        return
-    try:
-        leaks = iovec_semantics(L)
-    except Exception as e:
-        _probe_reason = f"io_uring unavailable: liburing {version}: {e}"
+        L, leaks, version = check_binding()
+    except Unusable as e:
+        _probe_reason = f"io_uring unavailable: {e}"
         return
     _L, _leaks_exports = L, leaks
     try:

@@ -1,5 +1,8 @@
-"""The checks behind `uring.available()`: what the installed liburing binding does with buffer exports, and a test
-O_DIRECT read and write through a ring. A binding or a kernel that fails any of them is not used (see uring.py).
+"""The checks behind `uring.available()`, in the order uring._probe runs them: `check_binding` (a ring set up in a
+child process, since a binding built for CPU instructions this machine lacks dies of SIGILL; then the import, the
+functions uring.py calls, and what the binding does with buffer exports), then `io_probe`, a test O_DIRECT read and
+write through a ring of uring.py. A binding or a kernel that fails any of them is not used. This module holds no
+state: the verdict, REASON and the rings are uring.py's.
 
 `give_back_export` undoes the one buffer export per memoryview that liburing 2026.3.30's `Iovec` takes and never
 releases (measured by `iovec_semantics`), so that an mmap is not pinned for good by every op.
@@ -10,6 +13,8 @@ import ctypes
 import errno
 import mmap
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -99,3 +104,55 @@ def io_probe(run: Callable[[str, int, memoryview, int], int]) -> str:
         return how
     finally:
         os.unlink(path)
+
+
+class Unusable(Exception):
+    """Why liburing is not used (the text after "io_uring unavailable: " in uring.REASON)."""
+
+
+_CHILD_PROBE = "import liburing as L; r = L.Ring(); L.io_uring_queue_init(8, r); L.io_uring_queue_exit(r)"
+
+NEED = ("Ring", "Cqe", "Iovec", "io_uring_queue_init", "io_uring_queue_exit", "io_uring_get_sqe",
+        "io_uring_prep_readv", "io_uring_prep_writev", "io_uring_submit", "io_uring_peek_cqe", "io_uring_cqe_seen")
+
+
+def child_probe() -> str | None:
+    """None if a child process can load liburing and set up a ring; else why not. Why a child first: a binding
+    built for CPU instructions this machine lacks dies of SIGILL, which no except clause catches (liburing
+    2026.3.30's wheel holds AVX-512 code: on an AMD EPYC without it, `Ring()` killed the daemon at start)."""
+    try:
+        p = subprocess.run([sys.executable, "-c", _CHILD_PROBE], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the child probe could not run ({type(e).__name__}: {e})"
+    if p.returncode < 0:
+        try:
+            name = signal.Signals(-p.returncode).name
+        except ValueError:
+            name = str(-p.returncode)
+        return (f"liburing killed a child process with {name} (its binary uses CPU instructions this machine "
+                f"lacks, or the kernel refused the ring)")
+    if p.returncode != 0:
+        tail = p.stderr.decode(errors="replace").strip().splitlines()
+        return f"liburing failed in a child process ({tail[-1] if tail else f'exit {p.returncode}'})"
+    return None
+
+
+def check_binding() -> tuple[Any, bool, str]:
+    """(liburing, whether its Iovec leaks one export per memoryview, its version) once the child probe passed, it
+    imports and has every function in NEED; else Unusable saying which check failed."""
+    crashed = child_probe()
+    if crashed is not None:
+        raise Unusable(crashed)
+    try:
+        import liburing as L
+    except Exception as e:                       # ImportError, or a broken wheel
+        raise Unusable(f"cannot import liburing ({type(e).__name__}: {e})") from e
+    version = getattr(L, "__version__", "?")
+    missing = [x for x in NEED if not hasattr(L, x)]
+    if missing:
+        raise Unusable(f"liburing {version} lacks {', '.join(missing)}")
+    try:
+        leaks = iovec_semantics(L)
+    except Exception as e:
+        raise Unusable(f"liburing {version}: {e}") from e
+    return L, leaks, version
