@@ -75,6 +75,16 @@ class Namespace:
                 break
         return total
 
+    def held(self, hashes: Sequence[bytes], context: ContextLike = None) -> list[bool]:
+        """Which of `hashes` the daemon holds (in any tier), each on its own: a hybrid model's sliding-window and
+        state groups need a few blocks before a prefix end, not an unbroken chain (kvstore.connectors.groups).
+        Pins nothing and counts no hit."""
+        ctx = context_fields(context)
+        out: list[bool] = []
+        for blob in self._batches(hashes):
+            out += [b == 1 for b in self.client.call("lookup", ns=self.id, keys=blob, mask=True, **ctx)["held"]]
+        return out
+
     def reserve(self, hashes: Sequence[bytes], context: ContextLike = None) -> Reservation:
         """Slots for these blocks (see Reservation); its commits carry `context`."""
         keys = pack_keys(hashes)

@@ -1,4 +1,5 @@
-"""The ops that find and read blocks: `lookup` (the longest prefix any tier holds), `acquire` (pins, promoting
+"""The ops that find and read blocks: `lookup` (the longest prefix any tier holds; with `mask`, which keys any tier
+holds), `acquire` (pins, promoting
 what a lower tier holds), `release`, `renew`, `prefetch`, and `fork` (an agent's fork of a context). See
 kvstore.daemon.ops for what every op may and may not do."""
 from __future__ import annotations
@@ -23,6 +24,11 @@ def op_lookup(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     `ns` the base namespace, `residual` an adapter's), the residual namespace's prefix of the same keys too, in the
     same reply: a residual longer than its base is a partial hit (recompute the base only)."""
     ns = st.index.namespace(m["ns"], h)
+    if m.get("mask"):
+        if "residual" in m:
+            raise ProtocolError(Code.BAD_REQUEST, "lookup: 'mask' and 'residual' do not go together")
+        touch_of(st, h, m)
+        return {"held": _held(st, ns, m["keys"])}
     residual = _residual_of(st, h, m, ns)
     touch_of(st, h, m, ns)                            # a lookup is activity; it changes no block's standing
     n, host = _prefix(st, ns, m["keys"])
@@ -40,6 +46,32 @@ def _residual_of(st: State, h: Conn, m: dict[str, Any], base: NamespaceEntry) ->
     residual = st.index.namespace(m["residual"], h)
     st.index.namespaces.pairs.pair(base, residual)
     return residual
+
+
+def _held(st: State, ns: NamespaceEntry, blob: bytes) -> bytes:
+    """Which keys of `blob` any tier holds, one byte each (1: held), whether or not the keys before them are: the
+    question a hybrid model asks of its sliding-window and state groups, whose restorable prefix ends are those
+    where the few blocks that group needs are held, not where a chain runs unbroken (kvstore.connectors.groups).
+    The keys no local tier holds are asked of the remote store in one query, without the state lock. Pins
+    nothing and counts no hit: the prefix the engine gets is counted by its full-attention group's lookup."""
+    keys = split_keys(blob)
+    held = bytearray(len(keys))
+    missing: list[int] = []
+    for i, block_hash in enumerate(keys):
+        if st.index.holds(ns, block_hash) or (st.lower and st.lower.holder(ns.block_id(block_hash)) is not None):
+            held[i] = 1
+        else:
+            missing.append(i)
+    if st.remote is not None and missing:
+        bids = [ns.block_id(keys[i]) for i in missing]
+        st.lock.release()
+        try:
+            found = st.remote.probe_each(bids)
+        finally:
+            st.lock.acquire()
+        for i, there in zip(missing, found):
+            held[i] = 1 if there else 0
+    return bytes(held)
 
 
 def _prefix(st: State, ns: NamespaceEntry, blob: bytes) -> tuple[int, int]:

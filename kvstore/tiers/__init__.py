@@ -119,6 +119,10 @@ class SharedTier(LowerTier, Protocol):
         """How many leading blocks of `bids` the tier holds (one batched question; none if it does not answer)."""
         ...
 
+    def probe_each(self, bids: Sequence[bytes]) -> list[bool]:
+        """Which of `bids` the tier holds, each on its own (one batched question; none if it does not answer)."""
+        ...
+
 
 @runtime_checkable
 class DurableTier(LowerTier, Protocol):

@@ -122,6 +122,38 @@ class Books(TierPart):
             self.learned_locked(rest[:run])
         return n + run
 
+    def probe_each(self, bids: Sequence[bytes]) -> list[bool]:
+        """(Without the daemon's state lock.) Which of `bids` the store holds, each on its own (a hybrid model's
+        sliding-window and state groups ask this: see kvstore.daemon.read_ops._held). The books first, then one
+        existence query for the rest (at most EXISTS_MAX of them; those past it: not held). A store that does not
+        answer: none of the rest."""
+        now = time.monotonic()
+        with self.lock:
+            if not self.link.up:
+                return [False] * len(bids)
+            out = [self.has_locked(b, now) for b in bids]
+        ask = [i for i, there in enumerate(out) if not there][:EXISTS_MAX]
+        if not ask:
+            return out
+        try:
+            found = self.wire.wait(self.path.submit(Lane.CRITICAL, 0,
+                                                    lambda: self.client.exist([store_key(bids[i]) for i in ask])),
+                                   True)
+        except (StoreDown, FutureTimeout, Busy, CancelledError) as e:
+            self.counters["probe_failed"] += 1
+            if isinstance(e, FutureTimeout):
+                e = StoreDown(f"the master did not answer an existence query in {self.cfg.timeout_s} s")
+            if isinstance(e, StoreDown):
+                self.link.record_down(e)
+            return out
+        self.counters["probes"] += 1
+        with self.lock:
+            held = [i for i, there in zip(ask, found) if there and not self.absent_locked(bids[i], now)]
+            self.learned_locked([bids[i] for i in held])
+        for i in held:
+            out[i] = True
+        return out
+
     def remove_later(self, bids: list[bytes]) -> None:
         """Remove blocks from the store, as a transfer in the background lane. Until it is done they are absent
         here (`has`, `probe` and reads answer a miss, whatever the store says), and a removal the path refuses

@@ -93,6 +93,9 @@ class RemoteTier:
     def probe(self, bids: Sequence[bytes]) -> int:
         return self.books.probe(bids)
 
+    def probe_each(self, bids: Sequence[bytes]) -> list[bool]:
+        return self.books.probe_each(bids)
+
     # ----- write-back -----
     def stage(self, bid: bytes, nbytes: int, crc: int | None = None) -> StagingBuffer | bool:
         return self.writeback.stage(bid, nbytes, crc)
