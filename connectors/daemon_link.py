@@ -2,10 +2,12 @@
 
 Both connectors hold one (`vllm_connector.py` per role, `sglang_backend.py` per backend). It connects lazily and
 opens namespaces on first use, by adapter (`spec_for(adapter)` gives the NamespaceSpec; an engine without adapters
-asks for ""). Every daemon call is bounded by the client's socket timeout. When the daemon does not answer (or the
-connection breaks), the connector calls `failed(exc)`: the client is closed and one warning is logged for the whole
-outage; the first namespace opened afterwards logs the way back. Meanwhile `namespace()` returns None, which the
-connectors turn into misses. When to try again depends on what failed:
+asks for "") and part (a model whose KV has several groups, each with its own geometry, keeps each in a namespace of
+its own: part k > 0 is `spec_for(adapter, k)`; kvstore.connectors.kv_groups). Every daemon call is bounded by the
+client's socket timeout. When the daemon does not answer (or the connection breaks), the connector calls
+`failed(exc)`: the client is closed and one warning is logged for the whole outage; the first namespace opened
+afterwards logs the way back. Meanwhile `namespace()` returns None, which the connectors turn into misses. When to
+try again depends on what failed:
 - the connection broke, or no daemon listens at the socket (a daemon stopping, killed, or restarting under the
   engine): at the next use. Finding out costs one connect() (microseconds when nobody listens), and a restarted
   daemon is used from its first answer on, with fresh namespaces and segment mappings (a new client);
@@ -31,13 +33,13 @@ from kvstore.protocol.keys import NamespaceSpec
 
 
 class _Connection:
-    """One client and the namespaces opened on it, by adapter."""
+    """One client and the namespaces opened on it, by (adapter, part)."""
 
     __slots__ = ("client", "spaces")
 
     def __init__(self, client: Client) -> None:
         self.client = client
-        self.spaces: dict[str, Namespace] = {}
+        self.spaces: dict[tuple[str, int], Namespace] = {}
 
 
 class _Shared:
@@ -56,7 +58,7 @@ class DaemonLink:
     """See the module docstring. `log` and `who` say where the link's warnings go and whose they are; `without`
     says, in the outage warning, what the engine does meanwhile."""
 
-    def __init__(self, path: str | None, spec_for: Callable[[str], NamespaceSpec], *, log: logging.Logger,
+    def __init__(self, path: str | None, spec_for: Callable[..., NamespaceSpec], *, log: logging.Logger,
                  who: str = "", without: str = "serving without the external KV cache", per_thread: bool = False,
                  retry_s: float = 5.0, timeout_s: float = 5.0, tenant: str | None = None,
                  secret: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -75,7 +77,7 @@ class DaemonLink:
         self._lock = threading.Lock()
         self._clients: list[Client] = []          # every open client, of every thread: what close() closes
         self._retry_at = 0.0
-        self._refused: dict[str, float] = {}      # adapter -> when its namespace may be asked again
+        self._refused: dict[tuple[str, int], float] = {}   # (adapter, part) -> when it may be asked again
         self._down_since: float | None = None
         self.outages = 0
 
@@ -85,28 +87,29 @@ class DaemonLink:
         conn = self._held.conn
         return None if conn is None else conn.client
 
-    def namespace(self, adapter: str = "") -> Namespace | None:
-        """The namespace for `adapter`, or None while the daemon is away or refuses it."""
+    def namespace(self, adapter: str = "", part: int = 0) -> Namespace | None:
+        """The namespace for `adapter` (and `part`), or None while the daemon is away or refuses it."""
         conn = self._held.conn
-        ns = None if conn is None else conn.spaces.get(adapter)
+        key = (adapter, part)
+        ns = None if conn is None else conn.spaces.get(key)
         if ns is not None:
             return ns
         now = self.clock()
-        if now < self._retry_at or now < self._refused.get(adapter, 0.0):
+        if now < self._retry_at or now < self._refused.get(key, 0.0):
             return None
-        which = f" of adapter {adapter!r}" if adapter else ""
+        which = (f" of adapter {adapter!r}" if adapter else "") + (f" (KV group {part})" if part else "")
         try:
-            spec = self.spec_for(adapter)
+            spec = self.spec_for(adapter, part) if part else self.spec_for(adapter)
         except ValueError as e:                   # no namespace can describe it: no cache for it, no outage
-            self._refuse(adapter, f"{self.tag}: no namespace{which}: {e}")
+            self._refuse(key, f"{self.tag}: no namespace{which}: {e}")
             return None
         try:
             if conn is None:
                 conn = self._connect()
-            ns = conn.spaces[adapter] = conn.client.namespace(spec)
+            ns = conn.spaces[key] = conn.client.namespace(spec)
         except KVStoreError as e:                 # the daemon refuses it: no cache for it, no outage
             self._answered(conn)
-            self._refuse(adapter, f"{self.tag}: namespace{which} refused: {e}")
+            self._refuse(key, f"{self.tag}: namespace{which} refused: {e}")
             return None
         except (ConnectionError, OSError) as e:
             self.failed(e)
@@ -121,8 +124,8 @@ class DaemonLink:
         conn = self._held.conn = _Connection(client)
         return conn
 
-    def _refuse(self, adapter: str, why: str) -> None:
-        self._refused[adapter] = self.clock() + self.retry_s
+    def _refuse(self, key: tuple[str, int], why: str) -> None:
+        self._refused[key] = self.clock() + self.retry_s
         self.log.warning("%s; asked again in %.1f s", why, self.retry_s)
 
     def _answered(self, conn: _Connection | None) -> None:

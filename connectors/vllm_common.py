@@ -18,13 +18,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvstore.connectors.daemon_link import DaemonLink
 from kvstore.connectors.kv_pages import COPY_ENGINES
-from kvstore.connectors.vllm_layout import engine_identity, make_spec
+from kvstore.connectors.vllm_layout import KVGroup, engine_identity, make_spec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-    from kvstore.protocol.geometry import Geometry
 
 log = logging.getLogger("vllm.kvstore")  # under "vllm": shown by vLLM's own log handler
 
@@ -33,14 +31,15 @@ CHAIN_KEYS = 1024                 # the most blocks of a chain one save reserves
 
 @dataclass
 class RequestBlocks:
-    """Blocks of one request that the worker loads or saves: their block hashes (16 bytes) and the engine's block
-    ids, position by position."""
+    """Blocks of one request and one KV group that the worker loads or saves: their block hashes (16 bytes) and the
+    engine's block ids, position by position (a window or state group's positions need not be consecutive)."""
     req_id: str
     adapter: str
     hashes: list[bytes]
     block_ids: list[int]
     durable: bool = False       # saves: committed durable (the configuration's `durable` or the request's ask)
     context: tuple[str, str] | None = None    # the request's (workflow, agent) hint context, sent with its blocks
+    group: int = 0              # which of the side's `groups` (a model with one KV group: 0)
 
 
 @dataclass
@@ -100,11 +99,12 @@ def parse_config(kv_transfer_config: Any, vllm_config: VllmConfig, scheduler: bo
 
 
 class ConnectorSide:
-    """What each side holds of its own: the config, the namespace's geometry and the link to the daemon (None where
-    the engine's KV cannot be stored, `disabled` then says why; the worker may disable itself later too)."""
+    """What each side holds of its own: the config, the engine's KV groups (each a namespace of its own, part k of
+    the link: kv_groups) and the link to the daemon (None where the engine's KV cannot be stored, `disabled` then
+    says why; the worker may disable itself later too)."""
 
     link: DaemonLink | None
-    geometry: Geometry           # set where the link is (unset while disabled, as nothing reads it then)
+    groups: list[KVGroup]        # set where the link is (unset while disabled, as nothing reads it then)
 
     def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  who: str, tp_rank: int = 0) -> None:
@@ -112,7 +112,7 @@ class ConnectorSide:
         self.disabled: str | None = None
         extra = config.extra
         try:
-            self.geometry, fields = engine_identity(vllm_config, kv_cache_config, extra)
+            self.groups, fields = engine_identity(vllm_config, kv_cache_config, extra)
         except ValueError as e:
             self.disabled = str(e)
             log.warning("kvstore connector disabled: %s", e)
@@ -121,10 +121,17 @@ class ConnectorSide:
         if fields["hash_algo"] not in ("sha256_cbor",):
             log.warning("kvstore: prefix_caching_hash_algo=%s; use sha256_cbor so that engine processes agree on "
                         "block hashes (keys of different algorithms never meet)", fields["hash_algo"])
-        geometry = self.geometry
-        self.link = DaemonLink(extra.get("socket"), lambda adapter: make_spec(geometry, fields, tp_rank, adapter),
+        groups = self.groups
+        self.link = DaemonLink(extra.get("socket"),
+                               lambda adapter, part=0: make_spec(groups[part], fields, tp_rank, adapter),
                                log=log, who=who, without="serving without the external KV cache",
                                retry_s=float(extra.get("retry_s", 5.0)), timeout_s=float(extra.get("timeout_s", 5.0)),
                                tenant=extra.get("tenant"), secret=extra.get("tenant_secret"))
-        log.info("kvstore connector (%s): model %s, %s, tp %d/%d", who, fields["model"], self.geometry, tp_rank,
+        log.info("kvstore connector (%s): model %s, %s, tp %d/%d", who, fields["model"],
+                 "; ".join(f"{g.rule.kind} group {g.index}: {g.geometry}" for g in groups), tp_rank,
                  fields["tp_size"])
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the engine's KV has several groups (a hybrid model: kv_groups)."""
+        return len(self.groups) > 1

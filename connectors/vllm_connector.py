@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvstore.connectors.vllm_common import (
@@ -63,7 +64,10 @@ __all__ = ["CHAIN_KEYS", "KVStoreConnector", "KVStoreConnectorMetadata", "KVStor
            "KVStoreConnectorWorker", "MoveStats", "RequestBlocks"]
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """Supports vLLM's hybrid KV cache manager (SupportsHMA): every prefix-cacheable KV group is stored and restored
+    under its own rule (kv_groups.py), and a hit is reported only where every group can be restored."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         scheduler = role == KVConnectorRole.SCHEDULER
@@ -103,6 +107,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self.connector_scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.connector_scheduler is None:
+            return False, None
+        return self.connector_scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         if self.connector_scheduler is None:
             return False, None
         return self.connector_scheduler.request_finished(request, block_ids)

@@ -17,6 +17,12 @@ the scheduler hands to the worker in the metadata, per request. Advice only: a r
 case) sends nothing more, and a hint that is malformed, refused or ignored by the daemon is logged at debug and
 changes nothing for the engine.
 
+Hybrid models (several KV groups, `kv_groups.py`): the lookup asks every full-attention group for its chained
+prefix and every window or state group which of the blocks past the local hit it holds, and answers the longest
+end at which every group can be restored (`usable_end`); a load moves exactly what each group needs there; a save
+stores every new block of the full groups and, of the others, what the ends a later request may resume from need
+(this step's end and every CHECKPOINT_BLOCKS-th block).
+
 Saves: each save reserves the request's whole chain so far (its last CHAIN_KEYS blocks for a longer one), not only
 the blocks new since the last: the daemon refreshes the blocks it holds already, tail first, and stores the rest,
 so the chain leaves the pool tail first (a put of the new blocks alone would leave them more recent than the loaded
@@ -30,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.client import KVStoreError
 from kvstore.connectors.hints import RequestHints, parse_hints, send_end, send_start, with_context
+from kvstore.connectors.kv_groups import FULL, usable_end
 from kvstore.connectors.vllm_common import (
     CHAIN_KEYS,
     ConnectorConfig,
@@ -51,7 +58,7 @@ if TYPE_CHECKING:
 @dataclass
 class _ReqState:
     request: Any
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)     # per vLLM KV cache group, position by position
     stored_upto: int = 0          # blocks [0, stored_upto) are in the daemon or already handed to the worker
 
 
@@ -73,8 +80,10 @@ class KVStoreConnectorScheduler(ConnectorSide):
         self.save_enabled = config.save_enabled
         self.durable = config.durable
         self._reqs: dict[str, _ReqState] = {}
-        self._loads: dict[str, RequestBlocks] = {}
+        self._loads: dict[str, list[RequestBlocks]] = {}
         self._hit_start: dict[str, int] = {}
+        align = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or config.block_size
+        self.align = max(1, int(align) // config.block_size)     # a hit ends on a multiple of this many blocks
         self._hints: dict[str, RequestHints | None] = {}   # requests seen (their call sent), until finished
         super().__init__(config, vllm_config, kv_cache_config, "scheduler")
 
@@ -114,19 +123,47 @@ class KVStoreConnectorScheduler(ConnectorSide):
         start = num_computed_tokens // self.block_size
         if not self.load_enabled or usable <= start:
             return 0, False
-        ns = self.link.namespace(_adapter(request))
-        if ns is None:
-            return 0, False
-        try:   # chained: a hit at `start` names the prefix
-            n = ns.lookup(self._hashes(request, start, usable), **with_context(self._context(request.request_id)))
+        try:
+            end = self._restorable_end(request, start, usable)
         except KVStoreError as e:
             log.debug("kvstore lookup refused: %s", e)
             return 0, False
         except (ConnectionError, OSError) as e:
             self.link.failed(e)
             return 0, False
+        if end <= start:
+            return 0, False
         self._hit_start[request.request_id] = start     # where the external tokens begin (the local hit's end)
-        return n * self.block_size, False
+        return (end - start) * self.block_size, False
+
+    def _restorable_end(self, request: Request, start: int, usable: int) -> int:
+        """The longest prefix end (in blocks, past `start`, the local hit) at which every KV group can be restored;
+        `start` where none is (or a namespace is away). One chained lookup per full group (the first counts the
+        hit), one `held` per window or state group over the blocks past the local hit (those before it the engine
+        holds: its local hit is restorable in every group)."""
+        assert self.link is not None
+        adapter, ctx = _adapter(request), with_context(self._context(request.request_id))
+        hashes = self._hashes(request, start, usable)
+        n = len(hashes)
+        for part, group in enumerate(self.groups):     # chained: a hit at `start` names the prefix
+            if group.rule.kind != FULL or n == 0:
+                continue
+            ns = self.link.namespace(adapter, part)
+            if ns is None:
+                return start
+            n = min(n, ns.lookup(hashes[:n], **ctx))
+        if not self.hybrid:
+            return start + n
+        held: list[list[bool] | None] = []
+        for part, group in enumerate(self.groups):
+            if group.rule.kind == FULL:
+                held.append(None)
+                continue
+            ns = self.link.namespace(adapter, part)
+            if ns is None:
+                return start
+            held.append([True] * start + (ns.held(hashes[:n], **ctx) if n else []))
+        return max(start, usable_end([g.rule for g in self.groups], start + n, held, self.align))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.link is None:
@@ -136,13 +173,24 @@ class KVStoreConnectorScheduler(ConnectorSide):
             state = self._reqs[request.request_id] = _ReqState(request)
         if num_external_tokens <= 0:
             return
-        block_ids = list(blocks.get_block_ids()[0])
+        ids = blocks.get_block_ids()
         start = self._hit_start.pop(request.request_id, request.num_computed_tokens // self.block_size)
         end = start + num_external_tokens // self.block_size
-        self._loads[request.request_id] = RequestBlocks(request.request_id, _adapter(request),
-                                                        self._hashes(request, start, end), block_ids[start:end],
-                                                        context=self._context(request.request_id))
+        loads = self._loads[request.request_id] = []
+        context = self._context(request.request_id)
+        for part, group in enumerate(self.groups):     # exactly what each group needs to resume at `end`
+            where = [p for p in group.rule.needed(end) if p >= start]
+            loads.append(self._blocks(request, part, where, ids[group.index], context=context))
         state.stored_upto = max(state.stored_upto, end)
+
+    def _blocks(self, request: Request, part: int, where: list[int], group_ids: list[int],
+                durable: bool = False, context: tuple[str, str] | None = None) -> RequestBlocks:
+        """The request's blocks of KV group `part` at positions `where`, as the worker moves them. Positions whose
+        engine block is the null block (id 0: a sliding-window block the engine already let go) are left out."""
+        keep = [p for p in where if p < len(group_ids) and group_ids[p] != 0]
+        hashes = [block_key(request.block_hashes[p]) for p in keep]
+        return RequestBlocks(request.request_id, _adapter(request), hashes, [group_ids[p] for p in keep], durable,
+                             context, group=part)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata()
@@ -153,7 +201,7 @@ class KVStoreConnectorScheduler(ConnectorSide):
             state = self._reqs.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(ids) for ids in new.block_ids]
             steps.append((new.req_id, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -162,32 +210,46 @@ class KVStoreConnectorScheduler(ConnectorSide):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_ids]
+                for mine, more in zip(state.block_ids, new_ids):
+                    mine.extend(more or ())
             steps.append((req_id, cached.num_computed_tokens[i]))
         for req_id, computed in steps:
             state = self._reqs[req_id]
-            load = self._loads.pop(req_id, None)
-            if load is not None:
-                meta.loads.append(load)
-            if not self.save_enabled:
-                continue
-            # blocks whose every token has KV once this step has run, and whose hash vLLM has computed
-            done = (computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // self.block_size
-            hi = min(done, len(state.request.block_hashes), len(state.block_ids))
-            if hi > state.stored_upto:        # the whole chain so far: see "Saves" in the module docstring
-                lo = max(0, hi - CHAIN_KEYS)
-                meta.saves.append(RequestBlocks(req_id, _adapter(state.request),
-                                                self._hashes(state.request, lo, hi),
-                                                state.block_ids[lo:hi],
-                                                self.durable or _asks_durable(state.request),
-                                                self._context(req_id)))
-                state.stored_upto = hi
+            meta.loads.extend(self._loads.pop(req_id, ()))
+            if self.save_enabled:
+                done = (computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // self.block_size
+                self._save(meta, req_id, state, done)
         self._loads.clear()     # loads of requests not scheduled after all are asked again when they are
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def _save(self, meta: KVStoreConnectorMetadata, req_id: str, state: _ReqState, done: int) -> None:
+        """Blocks whose every token has KV once this step has run (`done` of them), and whose hash vLLM has
+        computed: of full groups the whole chain so far (see "Saves" in the module docstring), of window and state
+        groups what this step's end and the checkpoints it passed need (kv_groups.GroupRule.keep)."""
+        if not state.block_ids:
+            return
+        hi = min([done, len(state.request.block_hashes)] + [len(state.block_ids[g.index]) for g in self.groups])
+        if hi <= state.stored_upto:
+            return
+        durable = self.durable or _asks_durable(state.request)
+        for part, group in enumerate(self.groups):
+            if group.rule.kind == FULL:
+                where = list(range(max(0, hi - CHAIN_KEYS), hi))
+            else:
+                where = group.rule.keep(state.stored_upto, hi, [hi])
+            part_blocks = self._blocks(state.request, part, where, state.block_ids[group.index], durable,
+                                       self._context(req_id))
+            if part_blocks.hashes:
+                meta.saves.append(part_blocks)
+        state.stored_upto = hi
+
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's `request_finished` and, for hybrid models, `request_finished_all_groups` (block ids per group):
+        the request's saves were all made within its steps, so nothing holds its blocks afterwards."""
         for d in (self._reqs, self._loads, self._hit_start):
             d.pop(request.request_id, None)
         hints = self._hints.pop(request.request_id, None)

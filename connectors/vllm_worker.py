@@ -34,7 +34,7 @@ from kvstore.connectors.vllm_common import (
     RequestBlocks,
     log,
 )
-from kvstore.connectors.vllm_layout import layer_order, layout_of_pages
+from kvstore.connectors.vllm_layout import layout_of_pages
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,6 +90,16 @@ def _tp_rank() -> int:
         return 0
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """Where an attention (or state) layer's pages go: its KV group (`part`, an index into the side's groups), its
+    Layer Block within that group's blocks (`li`), and its index among all the engine's layers (`gi`: the GPU
+    mover's per-layer events)."""
+    part: int
+    li: int
+    gi: int
+
+
 class KVStoreConnectorWorker(ConnectorSide):
     link: DaemonLink | None       # ConnectorSide's; None once `_disable` has closed it
 
@@ -98,8 +108,8 @@ class KVStoreConnectorWorker(ConnectorSide):
         self.durable_wait_s = config.durable_wait_s
         self.copy_engine = config.copy_engine
         self._kv_cache_config = kv_cache_config
-        self._layers: dict[str, int] = {}
-        self._pages: dict[int, LayerPages] = {}
+        self._layers: dict[str, _Layer] = {}
+        self._pages: dict[int, LayerPages] = {}   # by _Layer.gi
         self._mover: CpuMover | CudaMover = CpuMover()
         self._cuda = False
         self._leases: list[tuple[_Move, Lease]] = []
@@ -113,29 +123,31 @@ class KVStoreConnectorWorker(ConnectorSide):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if self.link is None:
             return
-        names = layer_order(list(kv_caches))
-        if len(names) != self.geometry.layers:
-            self._disable(f"{len(names)} KV tensors for {self.geometry.layers} attention layers")
+        missing = [n for g in self.groups for n in g.layer_names if n not in kv_caches]
+        if missing:
+            self._disable(f"no KV tensor for layer(s) {', '.join(missing[:4])} of the engine's KV cache groups")
             return
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
-        for i, name in enumerate(names):
-            kv = kv_caches[name]
-            self._layers[name] = i
-            try:
-                pages = LayerPages(kv, num_blocks)
-            except ValueError as e:
-                self._disable(f"layer {name}: {e}")
-                return
-            if pages.page_bytes != self.geometry.layer_bytes:
-                self._disable(f"layer {name}: a page is {pages.page_bytes} bytes (shape {tuple(kv.shape)}), the "
-                              f"namespace's geometry expects {self.geometry.layer_bytes}")
-                return
-            found = layout_of_pages(kv.device.type, pages.page_order)
-            if found != self.geometry.layout:     # the scheduler's namespace would name other bytes: never mix
-                self._disable(f"layer {name}: pages in the order {found}, the namespace says {self.geometry.layout}")
-                return
-            self._pages[i] = pages
-        device = kv_caches[names[0]].device
+        for part, group in enumerate(self.groups):
+            for li, name in enumerate(group.layer_names):
+                kv = kv_caches[name]
+                layer = self._layers[name] = _Layer(part, li, len(self._pages))
+                try:
+                    pages = LayerPages(kv, num_blocks)
+                except (ValueError, AttributeError, TypeError) as e:
+                    self._disable(f"layer {name}: {e}")
+                    return
+                if pages.page_bytes != group.geometry.layer_bytes:
+                    self._disable(f"layer {name}: a page is {pages.page_bytes} bytes (shape {tuple(kv.shape)}), "
+                                  f"the namespace's geometry expects {group.geometry.layer_bytes}")
+                    return
+                found = layout_of_pages(kv.device.type, pages.page_order)
+                if group.rule.kind != "state" and found != group.geometry.layout:    # never mix two layouts
+                    self._disable(f"layer {name}: pages in the order {found}, the namespace says "
+                                  f"{group.geometry.layout}")
+                    return
+                self._pages[layer.gi] = pages
+        device = kv_caches[self.groups[0].layer_names[0]].device
         if device.type == "cuda":
             try:
                 self._mover = CudaMover(device, engine=self.copy_engine)
@@ -143,8 +155,12 @@ class KVStoreConnectorWorker(ConnectorSide):
                 self._disable(f"the GPU copier could not start: {type(e).__name__}: {e}")
                 return
             self._cuda = True
-        log.info("kvstore connector: %d layers, %d run(s) of %d bytes per page, %s copies", len(names),
-                 self._pages[0].chunks, self._pages[0].chunk_bytes, device.type)
+        first = self._pages[0]
+        log.info("kvstore connector: %d layers in %d KV group(s), %d run(s) of %d bytes per page, %s copies",
+                 len(self._pages), len(self.groups), first.chunks, first.chunk_bytes, device.type)
+
+    def _group_layers(self, part: int) -> int:
+        return self.groups[part].geometry.layers
 
     def _disable(self, why: str) -> None:
         log.warning("kvstore connector disabled: %s", why)
@@ -163,7 +179,7 @@ class KVStoreConnectorWorker(ConnectorSide):
         if self.link is None or not isinstance(meta, KVStoreConnectorMetadata):
             return
         for t in meta.loads:
-            ns = self.link.namespace(t.adapter)
+            ns = self.link.namespace(t.adapter, t.group)
             if ns is None:
                 self._load_errors.update(t.block_ids)
                 continue
@@ -180,13 +196,14 @@ class KVStoreConnectorWorker(ConnectorSide):
                     n = self._checked_slots(lease, n, t.req_id)
             if n < len(t.hashes):     # evicted since the scheduler's lookup, or altered: the rest is recomputed
                 self._load_errors.update(t.block_ids[n:])
-            part = RequestBlocks(t.req_id, t.adapter, t.hashes[:n], t.block_ids[:n], context=t.context)
+            part = RequestBlocks(t.req_id, t.adapter, t.hashes[:n], t.block_ids[:n], context=t.context,
+                                 group=t.group)
             move = _Move(part, part.block_ids, crcs=np.zeros(n, np.uint32) if self.verify and self._mover.checksums
                          else None)
             if self._cuda and part.block_ids:
                 try:
                     self._enqueue_loads(part, lease)
-                    move.done.update(range(self.geometry.layers))
+                    move.done.update(range(self._group_layers(part.group)))
                 except Exception as e:  # noqa: BLE001 - a load not queued is a load error, never a crash
                     self._io_failed(e)
                     self._load_errors.update(part.block_ids)
@@ -204,33 +221,37 @@ class KVStoreConnectorWorker(ConnectorSide):
         """GPU: every layer's copies queued now on the mover's stream; each attention layer waits for its own."""
         assert self.link is not None and self.link.client is not None
         self._mover.pin(self.link.client)
-        for li in range(self.geometry.layers):
-            self._mover.load_layer(li, self._pages[li], part.block_ids, lease.views, self.geometry.layer_range(li)[0])
+        geometry = self.groups[part.group].geometry
+        for layer in self._layers.values():
+            if layer.part == part.group:
+                self._mover.load_layer(layer.gi, self._pages[layer.gi], part.block_ids, lease.views,
+                                       geometry.layer_range(layer.li)[0])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        li = self._layers.get(layer_name)
-        if li is None or not self._leases:
+        layer = self._layers.get(layer_name)
+        if layer is None or not self._leases:
             return
         if self._cuda:
-            self._mover.wait_layer(li)
+            self._mover.wait_layer(layer.gi)
             return
-        a = self.geometry.layer_range(li)[0]
+        li = layer.li
+        a = self.groups[layer.part].geometry.layer_range(li)[0]
         for move, lease in self._leases:
             t = move.part
-            if li in move.done or not t.block_ids:
+            if t.group != layer.part or li in move.done or not t.block_ids:
                 continue
             try:
                 t0 = time.perf_counter()
-                self._mover.load_layer(li, self._pages[li], t.block_ids, lease.views, a, move.crcs)
-                self._count(load=True, blocks=len(t.block_ids), layer=li, seconds=time.perf_counter() - t0)
+                self._mover.load_layer(layer.gi, self._pages[layer.gi], t.block_ids, lease.views, a, move.crcs)
+                self._count(load=True, blocks=len(t.block_ids), layer=layer, seconds=time.perf_counter() - t0)
                 move.moved(li)
             except Exception as e:  # noqa: BLE001
                 self._io_failed(e)
                 self._load_errors.update(t.block_ids)
                 t.block_ids = []
 
-    def _count(self, load: bool, blocks: int, layer: int, seconds: float) -> None:
-        self.stats.count(load, blocks, blocks * self._pages[layer].page_bytes, layer, seconds)
+    def _count(self, load: bool, blocks: int, layer: _Layer, seconds: float) -> None:
+        self.stats.count(load, blocks, blocks * self._pages[layer.gi].page_bytes, layer.li, seconds)
 
     def _check_loads(self) -> None:
         """After the forward pass: every block loaded in full, and (CPU) its copy equal to its writer's CRC-32C,
@@ -242,7 +263,7 @@ class KVStoreConnectorWorker(ConnectorSide):
             if not t.block_ids or move.checked:
                 continue
             move.checked = True
-            if len(move.done) < self.geometry.layers:
+            if len(move.done) < self._group_layers(t.group):
                 self._load_errors.update(t.block_ids)     # a layer was never loaded
                 continue
             if move.crcs is None:
@@ -258,26 +279,27 @@ class KVStoreConnectorWorker(ConnectorSide):
                 self._load_errors.update(t.block_ids[bad:])
 
     def save_kv_layer(self, layer_name: str, meta: KVConnectorMetadata | None) -> None:
-        li = self._layers.get(layer_name)
-        if li is None or self.link is None or not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
+        layer = self._layers.get(layer_name)
+        if layer is None or self.link is None or not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
             return
         if self._reservations is None:
             self._reservations = self._reserve(meta.saves)
             self._reserved_at = time.monotonic()
         elif self._reservations and time.monotonic() - self._reserved_at > self._lease_s() / 3:
             self._renew()
-        a = self.geometry.layer_range(li)[0]
+        li = layer.li
+        a = self.groups[layer.part].geometry.layer_range(li)[0]
         for move, res in self._reservations:
-            if res.done or not move.ids:
+            if move.part.group != layer.part or res.done or not move.ids:
                 continue
             try:
                 if self._cuda and self.link.client is not None:
                     self._mover.pin(self.link.client)
                 t0 = time.perf_counter()
-                self._mover.save_layer(self._pages[li], move.ids, res.views, a, move.crcs)
-                self._count(load=False, blocks=len(move.ids), layer=li, seconds=time.perf_counter() - t0)
+                self._mover.save_layer(self._pages[layer.gi], move.ids, res.views, a, move.crcs)
+                self._count(load=False, blocks=len(move.ids), layer=layer, seconds=time.perf_counter() - t0)
                 move.moved(li)
-                if len(move.done) == self.geometry.layers:
+                if len(move.done) == self._group_layers(layer.part):
                     if self._cuda:
                         self._to_commit.append((move, res))       # committed in wait_for_save, after a sync
                     else:
@@ -305,7 +327,7 @@ class KVStoreConnectorWorker(ConnectorSide):
         out: list[tuple[_Move, Reservation]] = []
         assert self.link is not None
         for t in saves:
-            ns = self.link.namespace(t.adapter)
+            ns = self.link.namespace(t.adapter, t.group)
             if ns is None:
                 continue
             keep = self.link.client.max_keys if self.link.client is not None else CHAIN_KEYS
