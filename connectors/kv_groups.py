@@ -13,10 +13,12 @@ state makes the engine skip the prefix in its recurrent layers too, and its outp
 rule; the connectors ask each group's namespace once (a chained `lookup` for full groups, `held` for the others)
 and load exactly `needed(E)` of each group.
 
-What to keep (`keep`): full groups keep every block. Window and state groups keep, per saved span, what the ends
-a later request can resume from need: the end of every engine step (where a turn stops, and every block of a
-decode) and every `checkpoint_blocks`-th block boundary (where a later prompt that shares only part of this one
-resumes); nothing else, so a sliding-window layer stores a window per checkpoint, not the whole prompt.
+What to keep (`keep`): full groups keep every block. Window groups keep, per saved span, what the ends a later
+request can resume from need: the end of every engine step (where a turn stops, and every block of a decode) and
+every `checkpoint_blocks`-th block boundary (where a later prompt that shares only part of this one resumes);
+nothing else, so a sliding-window layer stores a window per checkpoint, not the whole prompt. A state group can keep
+only the states its engine computed: the state at the end of each step that ends on a block boundary (vLLM's align
+mode ends prefill chunks there; a chunked prefill leaves one per chunk).
 
 Engine-agnostic: no vLLM or SGLang import.
 """

@@ -137,7 +137,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         if self.connector_worker is not None:
-            self.connector_worker.wait_for_save()
+            self.connector_worker.wait_for_save(self._connector_metadata)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.connector_worker is None:

@@ -133,8 +133,9 @@ def kv_groups(vllm_config: Any, kv_cache_config: Any, layout: str) -> list[KVGro
 
 def state_geometry(spec: Any, layers: int) -> Geometry:
     """A recurrent-state page (Mamba: its conv and SSM states, one page per block and layer) as a byte geometry:
-    `page_size_bytes` bytes a layer, as uint8 (kv_heads x head_dim within the Geometry's bounds)."""
-    nbytes = int(spec.page_size_bytes)
+    the state's own bytes a layer (not the padding vLLM adds to equal an attention page: the worker gets the
+    state as a byte view of that size), as uint8 (kv_heads x head_dim within the Geometry's bounds)."""
+    nbytes = int(getattr(spec, "state_content_size_bytes", None) or spec.page_size_bytes)
     dim = math.gcd(nbytes, 1 << 16)
     if nbytes // dim > 4096:
         raise ValueError(f"a state page of {nbytes} bytes has no byte geometry")

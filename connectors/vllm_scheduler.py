@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.client import KVStoreError
 from kvstore.connectors.hints import RequestHints, parse_hints, send_end, send_start, with_context
-from kvstore.connectors.kv_groups import FULL, usable_end
+from kvstore.connectors.kv_groups import FULL, STATE, usable_end
 from kvstore.connectors.vllm_common import (
     CHAIN_KEYS,
     ConnectorConfig,
@@ -221,15 +221,17 @@ class KVStoreConnectorScheduler(ConnectorSide):
             state = self._reqs[req_id]
             meta.loads.extend(self._loads.pop(req_id, ()))
             if self.save_enabled:
-                done = (computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)) // self.block_size
-                self._save(meta, req_id, state, done)
+                upto = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                self._save(meta, req_id, state, upto // self.block_size, upto % self.block_size == 0)
         self._loads.clear()     # loads of requests not scheduled after all are asked again when they are
         return meta
 
-    def _save(self, meta: KVStoreConnectorMetadata, req_id: str, state: _ReqState, done: int) -> None:
+    def _save(self, meta: KVStoreConnectorMetadata, req_id: str, state: _ReqState, done: int, aligned: bool) -> None:
         """Blocks whose every token has KV once this step has run (`done` of them), and whose hash vLLM has
-        computed: of full groups the whole chain so far (see "Saves" in the module docstring), of window and state
-        groups what this step's end and the checkpoints it passed need (kv_groups.GroupRule.keep)."""
+        computed: of full groups the whole chain so far (see "Saves" in the module docstring), of window groups
+        what this step's end and the checkpoints it passed need (kv_groups.GroupRule.keep). A state group's block
+        holds the state where the step ended, so it is kept only where the step ends on that block's end
+        (`aligned`, as vLLM's align mode schedules prefills): never a state from another position under its key."""
         if not state.block_ids:
             return
         hi = min([done, len(state.request.block_hashes)] + [len(state.block_ids[g.index]) for g in self.groups])
@@ -239,6 +241,8 @@ class KVStoreConnectorScheduler(ConnectorSide):
         for part, group in enumerate(self.groups):
             if group.rule.kind == FULL:
                 where = list(range(max(0, hi - CHAIN_KEYS), hi))
+            elif group.rule.kind == STATE:
+                where = [hi - 1] if aligned and hi == done else []
             else:
                 where = group.rule.keep(state.stored_upto, hi, [hi])
             part_blocks = self._blocks(state.request, part, where, state.block_ids[group.index], durable,

@@ -25,6 +25,7 @@ import numpy as np
 from kvstore.client import KVStoreError, Lease, Reservation
 from kvstore.connectors.daemon_link import DaemonLink
 from kvstore.connectors.hints import with_context
+from kvstore.connectors.kv_groups import STATE
 from kvstore.connectors.kv_pages import CpuMover, CudaMover, LayerPages
 from kvstore.connectors.vllm_common import (
     CHAIN_KEYS,
@@ -208,7 +209,19 @@ class KVStoreConnectorWorker(ConnectorSide):
                     self._io_failed(e)
                     self._load_errors.update(part.block_ids)
                     part.block_ids = []
+            elif self._unhooked(part.group):
+                for layer in self._layers_of(part.group):
+                    self._load_layer(layer, move, lease)
             self._leases.append((move, lease))
+
+    def _unhooked(self, part: int) -> bool:
+        """Whether vLLM never calls the layer hooks (wait_for_layer_load, save_kv_layer) for this group's layers:
+        its recurrent-state layers are not attention layers. Their states move whole, before the forward pass
+        (loads) and after it (saves), which is also when they are whole."""
+        return self.groups[part].rule.kind == STATE
+
+    def _layers_of(self, part: int) -> list[_Layer]:
+        return [layer for layer in self._layers.values() if layer.part == part]
 
     def _checked_slots(self, lease: Lease, n: int, req_id: str) -> int:
         """How many of the first n blocks match their CRC-32C in their slots now (the GPU path's check)."""
@@ -222,10 +235,11 @@ class KVStoreConnectorWorker(ConnectorSide):
         assert self.link is not None and self.link.client is not None
         self._mover.pin(self.link.client)
         geometry = self.groups[part.group].geometry
-        for layer in self._layers.values():
-            if layer.part == part.group:
-                self._mover.load_layer(layer.gi, self._pages[layer.gi], part.block_ids, lease.views,
-                                       geometry.layer_range(layer.li)[0])
+        for layer in self._layers_of(part.group):
+            self._mover.load_layer(layer.gi, self._pages[layer.gi], part.block_ids, lease.views,
+                                   geometry.layer_range(layer.li)[0])
+            if self._unhooked(part.group):        # no layer hook waits for it: the compute stream waits now
+                self._mover.wait_layer(layer.gi)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layers.get(layer_name)
@@ -234,21 +248,24 @@ class KVStoreConnectorWorker(ConnectorSide):
         if self._cuda:
             self._mover.wait_layer(layer.gi)
             return
-        li = layer.li
-        a = self.groups[layer.part].geometry.layer_range(li)[0]
         for move, lease in self._leases:
-            t = move.part
-            if t.group != layer.part or li in move.done or not t.block_ids:
-                continue
-            try:
-                t0 = time.perf_counter()
-                self._mover.load_layer(layer.gi, self._pages[layer.gi], t.block_ids, lease.views, a, move.crcs)
-                self._count(load=True, blocks=len(t.block_ids), layer=layer, seconds=time.perf_counter() - t0)
-                move.moved(li)
-            except Exception as e:  # noqa: BLE001
-                self._io_failed(e)
-                self._load_errors.update(t.block_ids)
-                t.block_ids = []
+            self._load_layer(layer, move, lease)
+
+    def _load_layer(self, layer: _Layer, move: _Move, lease: Lease) -> None:
+        """One layer of one load, slots -> pages (CPU), its CRC continued; a failure makes its blocks load errors."""
+        t = move.part
+        if t.group != layer.part or layer.li in move.done or not t.block_ids:
+            return
+        try:
+            t0 = time.perf_counter()
+            a = self.groups[layer.part].geometry.layer_range(layer.li)[0]
+            self._mover.load_layer(layer.gi, self._pages[layer.gi], t.block_ids, lease.views, a, move.crcs)
+            self._count(load=True, blocks=len(t.block_ids), layer=layer, seconds=time.perf_counter() - t0)
+            move.moved(layer.li)
+        except Exception as e:  # noqa: BLE001
+            self._io_failed(e)
+            self._load_errors.update(t.block_ids)
+            t.block_ids = []
 
     def _count(self, load: bool, blocks: int, layer: _Layer, seconds: float) -> None:
         self.stats.count(load, blocks, blocks * self._pages[layer.gi].page_bytes, layer.li, seconds)
@@ -282,6 +299,11 @@ class KVStoreConnectorWorker(ConnectorSide):
         layer = self._layers.get(layer_name)
         if layer is None or self.link is None or not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
             return
+        self._save_layer(layer, meta)
+
+    def _save_layer(self, layer: _Layer, meta: KVStoreConnectorMetadata) -> None:
+        """One layer of this step's saves, pages -> slots; a save whose every layer is in is committed."""
+        assert self.link is not None
         if self._reservations is None:
             self._reservations = self._reserve(meta.saves)
             self._reserved_at = time.monotonic()
@@ -361,7 +383,12 @@ class KVStoreConnectorWorker(ConnectorSide):
             log.info("kvstore: a durable save got %s (%d of %d block(s) pending, %d failed)", answer["durability"],
                      answer["pending"], answer["blocks"], answer["failed"])
 
-    def wait_for_save(self) -> None:
+    def wait_for_save(self, meta: KVConnectorMetadata | None = None) -> None:
+        if self.link is not None and isinstance(meta, KVStoreConnectorMetadata) and \
+                any(self._unhooked(t.group) for t in meta.saves):
+            for layer in self._layers.values():      # the states, whole after the forward pass
+                if self._unhooked(layer.part):
+                    self._save_layer(layer, meta)
         if self._cuda and self._reservations:
             self._mover.sync()                # every queued copy into a slot is done before it is published or
         if self._to_commit:                   # aborted (an aborted slot goes to another writer at once)

@@ -30,10 +30,10 @@ BLOCK_SIZE = 32
 VOCAB_WORDS = 1020
 
 
-def build(path: str, seed: int) -> None:
-    import torch
+def save_tokenizer(path: str) -> int:
+    """A WordLevel tokenizer over w0..w1019 (and 4 specials) saved beside a model; returns its vocabulary size."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     words = ["<unk>", "<s>", "</s>", "<pad>"] + [f"w{i}" for i in range(VOCAB_WORDS)]
     vocab = {w: i for i, w in enumerate(words)}
@@ -41,16 +41,31 @@ def build(path: str, seed: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>")
-    cfg = LlamaConfig(vocab_size=len(words), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    fast.save_pretrained(path)
+    return len(words)
+
+
+def save_random(model: object, path: str) -> None:
+    """Weights drawn larger than the default init (outputs depend visibly on the KV; the caller seeds torch before
+    it builds the model), saved with a tokenizer."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():  # type: ignore[attr-defined]
+            p.normal_(0.0, 0.08)
+    model.save_pretrained(path)  # type: ignore[attr-defined]
+    save_tokenizer(path)
+
+
+def build(path: str, seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB_WORDS + 4, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
                       bos_token_id=1, eos_token_id=2, pad_token_id=3, torch_dtype="float32")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():                 # larger weights than the default init: outputs depend visibly on the KV
-        for p in model.parameters():
-            p.normal_(0.0, 0.08)
-    model.save_pretrained(path)
-    fast.save_pretrained(path)
+    save_random(LlamaForCausalLM(cfg), path)
 
 
 SHORT_CONFIG = '{"kv_connector": "KVStoreConnector", "kv_role": "kv_both"}'

@@ -23,6 +23,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = [[n["id"], n["model"], n["group"], n["adapter"] or "-", n["tp"], n["role"], n["digest"][:12],
              n["blocks"], format_size(n["bytes"]), format_size(n["slot_bytes"])] for n in data["namespaces"]]
     headers = ["ns", "model", "group", "adapter", "tp", "role", "digest", "blocks", "bytes", "block"]
+    if any(n.get("kv_group") for n in data["namespaces"]):   # a hybrid model: which of its KV groups each holds
+        headers.insert(3, "kv group")
+        for row, n in zip(rows, data["namespaces"]):
+            row.insert(3, n.get("kv_group") or "-")
     if any(n.get("tenant") for n in data["namespaces"]):     # tenants configured: say whose each one is
         headers.insert(1, "tenant")
         for row, n in zip(rows, data["namespaces"]):

@@ -64,7 +64,8 @@ def op_list(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         rows.append({"id": n.id, "model": s.model, "group": s.share_group, "adapter": s.adapter,
                      "tp": f"{s.tp_rank}/{s.tp_size}", "role": s.role, "digest": n.digest.hex(), "tenant": n.tenant,
                      "geometry": s.geometry.to_dict(), "slot_bytes": n.slot_bytes, "blocks": n.blocks,
-                     "bytes": n.blocks * n.slot_bytes, "models": sorted(n.models)})
+                     "bytes": n.blocks * n.slot_bytes, "models": sorted(n.models), "salt": s.salt,
+                     "kv_group": kv_group_of(s.salt)})
     reply: dict[str, Any] = {"namespaces": rows, "groups": _groups(shown), **_pairs(st, shown)}
     known = {n.digest: n.id for n in shown}
     for tier in st.lower:                        # an admin sees every digest; others their tenant's registered ones
@@ -78,6 +79,13 @@ def op_list(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         if m.get("tags"):
             reply["tags"] = [_tags(st, ns, k, tenant) for k, _ in reply["keys"]]
     return reply
+
+
+def kv_group_of(salt: str) -> str:
+    """The KV group a hybrid model's namespace holds ("1:window64", "0:state", ...), as its connector labels it in
+    the salt (kvstore.connectors.kv_groups); "" for a model with one group."""
+    _, found, rest = salt.rpartition("|kv_group=")
+    return rest.split("|", 1)[0] if found else ""
 
 
 def _groups(shown: list[NamespaceEntry]) -> list[dict[str, Any]]:

@@ -351,7 +351,8 @@ def test_sglang_loads_the_backend_by_name(daemon):
 
 def test_vllm_and_sglang_namespaces_share_one_daemon(daemon):
     """A vLLM connector's namespace (made by its own helper) and the SGLang backend's, side by side."""
-    from kvstore.connectors.vllm_layout import CPU_LAYOUT, make_spec
+    from kvstore.connectors.kv_groups import FULL, GroupRule
+    from kvstore.connectors.vllm_layout import CPU_LAYOUT, KVGroup, make_spec
     from kvstore.protocol.keys import chain_hashes
 
     vgeom = Geometry(layers=2, tokens=32, kv_heads=2, head_dim=32, dtype="float32", kv=2, layout=CPU_LAYOUT)
@@ -359,7 +360,7 @@ def test_vllm_and_sglang_namespaces_share_one_daemon(daemon):
     vblocks = [np.random.default_rng(i).integers(0, 256, vgeom.full_bytes, dtype=np.uint8) for i in range(3)]
     vkeys = chain_hashes(list(range(96)), 32)
     with daemon.client() as c:
-        vns = c.namespace(make_spec(vgeom, fields, 0, ""))
+        vns = c.namespace(make_spec(KVGroup(0, GroupRule(FULL), vgeom, ("l0", "l1"), ""), fields, 0, ""))
         assert vns.put(vkeys, vblocks).stored == 3
 
         host = mha_host("layer_first")

@@ -51,10 +51,11 @@ class Engine:
     """One engine process going through `steps`; `results()` yields each step's result, `wait_point()` blocks until
     the engine waits for the test (then the test acts and calls `go()`)."""
 
-    def __init__(self, model: str, daemon: DaemonProc, steps: list[dict], log: Path, *args: str) -> None:
+    def __init__(self, model: str, daemon: DaemonProc, steps: list[dict], log: Path, *args: str,
+                 script: str = SCRIPT) -> None:
         self.log_path = log
         self.log = open(log, "w")           # everything the engine printed (vLLM logs to stdout)
-        self.proc = subprocess.Popen([sys.executable, SCRIPT, "run", "--model", model, "--socket", daemon.socket,
+        self.proc = subprocess.Popen([sys.executable, script, "run", "--model", model, "--socket", daemon.socket,
                                       "--steps", json.dumps(steps), *args], env=ENV, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.waiting: str | None = None
@@ -105,8 +106,9 @@ class Engine:
             self.proc.wait()
 
 
-def run_engine(model: str, daemon: DaemonProc, steps: list[dict], log: Path, *args: str) -> tuple[list[dict], str]:
-    e = Engine(model, daemon, steps, log, *args)
+def run_engine(model: str, daemon: DaemonProc, steps: list[dict], log: Path, *args: str,
+               script: str = SCRIPT) -> tuple[list[dict], str]:
+    e = Engine(model, daemon, steps, log, *args, script=script)
     try:
         results = [e.result() for _ in steps]
         return results, e.finish()
