@@ -24,9 +24,9 @@ PKG_FILES := $(shell find kvstore connectors configs native -type f \( -name '*.
 # make test fails where an engine venv cannot import its engine or runs fewer engine tests than these
 # (tests/engine_guard.py: a skip of a required engine's test is a failure).
 GUARD := -p tests.engine_guard
-MIN_VLLM := 8
+MIN_VLLM := 10
 MIN_WHEEL := 3
-MIN_SGLANG := 20
+MIN_SGLANG := 24
 MIN_TRITON := 2
 MIN_MOONCAKE := 10
 
@@ -122,7 +122,8 @@ test:
 		KVSTORE_MIN_PASSED=wheel:$(MIN_WHEEL) $(BIN)/python -m pytest -q -s $(GUARD) -m wheel tests/install
 	KVSTORE_REQUIRE_ENGINES=sglang,triton KVSTORE_MIN_PASSED=sglang:$(MIN_SGLANG),triton:$(MIN_TRITON) \
 		TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q $(GUARD) -m "sglang or triton" \
-		tests/connectors/test_sglang_connector.py tests/connectors/test_sglang_hints.py tests/connectors/test_kv_pages.py
+		tests/connectors/test_sglang_connector.py tests/connectors/test_sglang_hints.py tests/connectors/test_kv_pages.py \
+		tests/connectors/test_sglang_hybrid.py
 	$(MAKE) lint
 
 # The unit layer: every test that runs in this process (no daemon, master or engine: tests/conftest.py marks the

@@ -25,6 +25,10 @@ pool, `page_size` per page):
   daemon away). A page is invisible to readers until its commit.
 - `get/batch_get/set/batch_set/exists`: the older flat-page interface over the same blocks (a flat page from
   `get_data_page(i, flat=True)`), interchangeable with the v1 calls.
+- hybrid models (sliding-window, Mamba state, indexer pools): the v2 calls `register_mem_host_pool_v2`,
+  `batch_exists_v2`, `batch_get_v2`, `batch_set_v2`, in `sglang_hybrid.py` (each side pool its own namespace; a
+  prefix is a hit only where every pool's pages at its end are stored). The anchor (full-attention KV) stays the
+  v1 calls' namespace, so a dense model's pages and a hybrid model's full-attention pages are the same blocks.
 
 Pages move by the pool's own `get_page_buffer_meta` (pointer and size of each piece of a page), each pointer checked
 to lie inside the pool's buffers. A kvstore block is one SGLang page: its pieces one after another, so the bytes are
@@ -67,6 +71,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvstore.client import Namespace
 from kvstore.connectors.daemon_link import DaemonLink
 from kvstore.connectors.hints import parse_hints, send_start, with_context
+from kvstore.connectors.sglang_hybrid import HybridV2, SidePool
 from kvstore.connectors.sglang_pages import (
     KEY_SCHEME,
     MHA_ORDER,
@@ -86,6 +91,7 @@ from kvstore.connectors.sglang_pages import (
 )
 from kvstore.protocol import ReserveStatus
 from kvstore.protocol.geometry import Geometry
+from kvstore.protocol.keys import NamespaceSpec
 
 log = logging.getLogger("sglang.kvstore")  # under "sglang": shown wherever SGLang's own lines are
 
@@ -95,7 +101,7 @@ __all__ = ["KEY_SCHEME", "MHA_ORDER", "MLA_ORDER", "SEEN_CALLS", "TORCH_DTYPES",
            "page_key"]
 
 
-class KVStoreHiCache(HiCacheStorage):
+class KVStoreHiCache(HybridV2, HiCacheStorage):
     """See the module docstring. Built by SGLang as `KVStoreHiCache(storage_config, kwargs)`; usable once
     `register_mem_pool_host(host_pool)` has described the pages."""
 
@@ -112,6 +118,8 @@ class KVStoreHiCache(HiCacheStorage):
         self._warned: set[str] = set()
         self._called: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._called_lock = threading.Lock()         # SGLang's prefetch and backup threads call at once
+        self._specs: dict[str, NamespaceSpec] = {}   # namespaces by link adapter: "" the anchor, then side pools
+        self._side: dict[str, SidePool | str] = {}
 
     # ----- setup -----
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -123,12 +131,13 @@ class KVStoreHiCache(HiCacheStorage):
             self._disable(str(e))
             return
         self.geometry = spec.geometry
+        self._specs[""] = spec
         legacy = legacy_shape(self.geometry, mem_pool_host.layout)
         if legacy is not None:
             self._legacy = legacy
         if self.link is not None:
             self.link.close()
-        self.link = DaemonLink(self.extra.get("socket"), lambda adapter: spec, log=log, who="HiCache",
+        self.link = DaemonLink(self.extra.get("socket"), self._spec_for, log=log, who="HiCache",
                                without="HiCache runs without its storage tier", per_thread=True,
                                retry_s=float(self.extra.get("retry_s", 5.0)),
                                timeout_s=float(self.extra.get("timeout_s", 5.0)),
@@ -136,6 +145,11 @@ class KVStoreHiCache(HiCacheStorage):
         self.disabled = None
         log.info("kvstore HiCache backend: model %s, tp %d/%d, %s%s", spec.model, spec.tp_rank, spec.tp_size,
                  self.geometry, "" if self.writer else " (reader: another rank writes)")
+
+    def _spec_for(self, adapter: str) -> NamespaceSpec:
+        if adapter not in self._specs:
+            raise ValueError(f"no pool {adapter!r} registered")
+        return self._specs[adapter]
 
     def _disable(self, why: str) -> None:
         log.warning("kvstore HiCache backend disabled: %s", why)

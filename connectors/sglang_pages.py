@@ -6,7 +6,8 @@ This module owns:
 - keys: `page_key`, an SGLang page hash as a 16-byte kvstore key;
 - the namespace: `describe_pool`, what makes a host pool's page bytes identical (model or group, tensor-parallel
   rank and size, layers, page size, heads, head dim, dtype, byte order per host layout, pipeline stage, context-
-  parallel shard), or a ValueError naming what the backend cannot store;
+  parallel shard), or a ValueError naming what the backend cannot store; `namespace_spec` the part every pool
+  shares (model or group, shard salt), also for the hybrid side pools of `sglang_hybrid.py`;
 - the pool's bytes: `pool_buffers` (the pool's contiguous CPU tensors) and `page_views` (no-copy views of each
   page's pieces from the pool's own `get_page_buffer_meta`, each checked to lie inside those buffers);
 - data movement: `split_slot` and `copy_checked` (a page's pieces one after another in a block's slot, copied
@@ -73,6 +74,12 @@ def describe_pool(pool: Any, config: HiCacheStorageConfig, extra: dict[str, Any]
         geometry = Geometry(layers=layers, tokens=tokens, kv_heads=int(pool.head_num), head_dim=int(pool.head_dim),
                             dtype=dtype, kv=2, layout=f"sglang:{MHA_ORDER[layout]}")
         tp_rank, tp_size = int(config.tp_rank), int(config.tp_size)
+    return namespace_spec(geometry, pool, config, extra, tp_rank, tp_size)
+
+
+def namespace_spec(geometry: Geometry, pool: Any, config: HiCacheStorageConfig, extra: dict[str, Any], tp_rank: int,
+                   tp_size: int) -> NamespaceSpec:
+    """A pool's namespace: its geometry and tensor-parallel place, the model (or group) and the shard salt."""
     shard = [f"keys={KEY_SCHEME}", f"pp={config.pp_rank}/{config.pp_size}"]
     if config.attn_cp_size > 1:
         shard.append(f"cp={config.attn_cp_rank}/{config.attn_cp_size}")
