@@ -40,6 +40,7 @@ class RequestBlocks:
     durable: bool = False       # saves: committed durable (the configuration's `durable` or the request's ask)
     context: tuple[str, str] | None = None    # the request's (workflow, agent) hint context, sent with its blocks
     group: int = 0              # which of the side's `groups` (a model with one KV group: 0)
+    whole: bool = False         # loads: copied whole before the request runs (vLLM's asynchronous loads)
 
 
 @dataclass

@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["CHAIN_KEYS", "KVStoreConnector", "KVStoreConnectorMetadata", "KVStoreConnectorScheduler",
@@ -101,6 +103,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self.connector_scheduler is not None:
             self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.update_connector_output(connector_output)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.connector_scheduler is None:
             return KVStoreConnectorMetadata()
@@ -138,6 +144,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.wait_for_save(self._connector_metadata)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Hybrid models' loads (vLLM's asynchronous protocol): the requests whose KV is in place, and those whose
+        load failed (in both sets: vLLM recomputes them). kvstore's saves never outlive their step: none sending."""
+        if self.connector_worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self.connector_worker.received()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.connector_worker is None:

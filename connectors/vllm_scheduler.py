@@ -21,7 +21,10 @@ Hybrid models (several KV groups, `kv_groups.py`): the lookup asks every full-at
 prefix and every window or state group which of the blocks past the local hit it holds, and answers the longest
 end at which every group can be restored (`usable_end`); a load moves exactly what each group needs there; a save
 stores every new block of the full groups and, of the others, what the ends a later request may resume from need
-(this step's end and every CHECKPOINT_BLOCKS-th block).
+(this step's end and every CHECKPOINT_BLOCKS-th block). A hybrid model's loads use vLLM's asynchronous protocol:
+the request waits one step while the worker copies and checks every group's blocks whole, then is reported loaded
+or failed (vLLM recomputes a failed one from its start). vLLM maps a load error reported by block id back to its
+request only for models with one KV group; for the others, only a request-level failure is safe.
 
 Saves: each save reserves the request's whole chain so far (its last CHAIN_KEYS blocks for a longer one), not only
 the blocks new since the last: the daemon refreshes the blocks it holds already, tail first, and stores the rest,
@@ -85,6 +88,7 @@ class KVStoreConnectorScheduler(ConnectorSide):
         align = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or config.block_size
         self.align = max(1, int(align) // config.block_size)     # a hit ends on a multiple of this many blocks
         self._hints: dict[str, RequestHints | None] = {}   # requests seen (their call sent), until finished
+        self._failed: set[str] = set()        # requests whose load failed: computed by the engine from here on
         super().__init__(config, vllm_config, kv_cache_config, "scheduler")
 
     def _hashes(self, request: Request, start: int, end: int) -> list[bytes]:
@@ -121,7 +125,7 @@ class KVStoreConnectorScheduler(ConnectorSide):
         # the last token (of the prompt, or of what a resumed request holds) is always computed by the engine
         usable = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
         start = num_computed_tokens // self.block_size
-        if not self.load_enabled or usable <= start:
+        if not self.load_enabled or usable <= start or request.request_id in self._failed:
             return 0, False
         try:
             end = self._restorable_end(request, start, usable)
@@ -134,7 +138,7 @@ class KVStoreConnectorScheduler(ConnectorSide):
         if end <= start:
             return 0, False
         self._hit_start[request.request_id] = start     # where the external tokens begin (the local hit's end)
-        return (end - start) * self.block_size, False
+        return (end - start) * self.block_size, self.hybrid    # hybrid: vLLM's asynchronous loads (see above)
 
     def _restorable_end(self, request: Request, start: int, usable: int) -> int:
         """The longest prefix end (in blocks, past `start`, the local hit) at which every KV group can be restored;
@@ -165,6 +169,11 @@ class KVStoreConnectorScheduler(ConnectorSide):
             held.append([True] * start + (ns.held(hashes[:n], **ctx) if n else []))
         return max(start, usable_end([g.rule for g in self.groups], start + n, held, self.align))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """A hybrid model's failed loads: vLLM asks again for the request, which would find the same blocks and
+        fail the same way; it is computed by the engine instead."""
+        self._failed.update(getattr(connector_output, "failed_recving", None) or ())
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.link is None:
             return
@@ -181,6 +190,7 @@ class KVStoreConnectorScheduler(ConnectorSide):
         for part, group in enumerate(self.groups):     # exactly what each group needs to resume at `end`
             where = [p for p in group.rule.needed(end) if p >= start]
             loads.append(self._blocks(request, part, where, ids[group.index], context=context))
+            loads[-1].whole = self.hybrid
         state.stored_upto = max(state.stored_upto, end)
 
     def _blocks(self, request: Request, part: int, where: list[int], group_ids: list[int],
@@ -223,6 +233,8 @@ class KVStoreConnectorScheduler(ConnectorSide):
             if self.save_enabled:
                 upto = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
                 self._save(meta, req_id, state, upto // self.block_size, upto % self.block_size == 0)
+        for req_id in list(self._loads) if self.hybrid else ():   # waiting for their KV: not scheduled this step
+            meta.loads.extend(self._loads.pop(req_id))
         self._loads.clear()     # loads of requests not scheduled after all are asked again when they are
         return meta
 
@@ -256,6 +268,7 @@ class KVStoreConnectorScheduler(ConnectorSide):
         the request's saves were all made within its steps, so nothing holds its blocks afterwards."""
         for d in (self._reqs, self._loads, self._hit_start):
             d.pop(request.request_id, None)
+        self._failed.discard(request.request_id)
         hints = self._hints.pop(request.request_id, None)
         if hints is not None and (hints.workflow_end or hints.session_end) and self.link is not None:
             ns = self.link.namespace(_adapter(request))   # its saves were committed within its last step

@@ -17,7 +17,7 @@ never stalls the forward pass. On CPU the same movers copy at once (`kv_pages.py
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,51 +36,12 @@ from kvstore.connectors.vllm_common import (
     log,
 )
 from kvstore.connectors.vllm_layout import layout_of_pages
+from kvstore.connectors.vllm_moves import LayerPlace, Move, MoveStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-
-@dataclass
-class _Move:
-    """One request's load (a lease) or save (a reservation) on the worker in this step: the layers moved so far and,
-    where the mover checksums as it copies, each block's CRC-32C continued layer by layer. The chain holds only if
-    the layers come in order 0, 1, ...; `in_order` says whether they did."""
-    part: RequestBlocks
-    ids: list[int]                # the engine's blocks moved, in slot order
-    done: set[int] = field(default_factory=set)
-    crcs: np.ndarray | None = None
-    in_order: bool = True
-    checked: bool = False         # a load's blocks were checked once after the forward pass
-
-    def moved(self, layer: int) -> None:
-        self.in_order = self.in_order and layer == len(self.done)
-        self.done.add(layer)
-
-
-@dataclass
-class MoveStats:
-    """The worker's copies since start: blocks and bytes moved, and seconds spent in the copies themselves (CPU
-    movers; a GPU mover's queued copies are not timed). Benchmarks read them (bench_vllm_ttft: load GB/s)."""
-    load_blocks: int = 0
-    load_bytes: int = 0
-    load_s: float = 0.0
-    save_blocks: int = 0
-    save_bytes: int = 0
-    save_s: float = 0.0
-
-    def count(self, load: bool, blocks: int, nbytes: int, layer: int, seconds: float) -> None:
-        """One layer's copy of `blocks` blocks (`nbytes` in all); blocks are counted at layer 0 only."""
-        if load:
-            self.load_bytes += nbytes
-            self.load_s += seconds
-            self.load_blocks += blocks if layer == 0 else 0
-        else:
-            self.save_bytes += nbytes
-            self.save_s += seconds
-            self.save_blocks += blocks if layer == 0 else 0
 
 
 def _tp_rank() -> int:
@@ -91,16 +52,6 @@ def _tp_rank() -> int:
         return 0
 
 
-@dataclass(frozen=True)
-class _Layer:
-    """Where an attention (or state) layer's pages go: its KV group (`part`, an index into the side's groups), its
-    Layer Block within that group's blocks (`li`), and its index among all the engine's layers (`gi`: the GPU
-    mover's per-layer events)."""
-    part: int
-    li: int
-    gi: int
-
-
 class KVStoreConnectorWorker(ConnectorSide):
     link: DaemonLink | None       # ConnectorSide's; None once `_disable` has closed it
 
@@ -109,15 +60,16 @@ class KVStoreConnectorWorker(ConnectorSide):
         self.durable_wait_s = config.durable_wait_s
         self.copy_engine = config.copy_engine
         self._kv_cache_config = kv_cache_config
-        self._layers: dict[str, _Layer] = {}
-        self._pages: dict[int, LayerPages] = {}   # by _Layer.gi
+        self._layers: dict[str, LayerPlace] = {}
+        self._pages: dict[int, LayerPages] = {}   # by LayerPlace.gi
         self._mover: CpuMover | CudaMover = CpuMover()
         self._cuda = False
-        self._leases: list[tuple[_Move, Lease]] = []
-        self._reservations: list[tuple[_Move, Reservation]] | None = None
+        self._leases: list[tuple[Move, Lease]] = []
+        self._reservations: list[tuple[Move, Reservation]] | None = None
         self._reserved_at = 0.0                   # when this step's reservations were made or last renewed
-        self._to_commit: list[tuple[_Move, Reservation]] = []
+        self._to_commit: list[tuple[Move, Reservation]] = []
         self._load_errors: set[int] = set()
+        self._received: dict[str, bool] = {}      # whole loads done since vLLM last asked: request -> all good
         self.stats = MoveStats()
         super().__init__(config, vllm_config, kv_cache_config, "worker", _tp_rank())
 
@@ -132,7 +84,7 @@ class KVStoreConnectorWorker(ConnectorSide):
         for part, group in enumerate(self.groups):
             for li, name in enumerate(group.layer_names):
                 kv = kv_caches[name]
-                layer = self._layers[name] = _Layer(part, li, len(self._pages))
+                layer = self._layers[name] = LayerPlace(part, li, len(self._pages))
                 try:
                     pages = LayerPages(kv, num_blocks)
                 except (ValueError, AttributeError, TypeError) as e:
@@ -180,6 +132,9 @@ class KVStoreConnectorWorker(ConnectorSide):
         if self.link is None or not isinstance(meta, KVStoreConnectorMetadata):
             return
         for t in meta.loads:
+            if t.whole:
+                self._received[t.req_id] = self._load_whole(t) and self._received.get(t.req_id, True)
+                continue
             ns = self.link.namespace(t.adapter, t.group)
             if ns is None:
                 self._load_errors.update(t.block_ids)
@@ -199,7 +154,7 @@ class KVStoreConnectorWorker(ConnectorSide):
                 self._load_errors.update(t.block_ids[n:])
             part = RequestBlocks(t.req_id, t.adapter, t.hashes[:n], t.block_ids[:n], context=t.context,
                                  group=t.group)
-            move = _Move(part, part.block_ids, crcs=np.zeros(n, np.uint32) if self.verify and self._mover.checksums
+            move = Move(part, part.block_ids, crcs=np.zeros(n, np.uint32) if self.verify and self._mover.checksums
                          else None)
             if self._cuda and part.block_ids:
                 try:
@@ -214,13 +169,57 @@ class KVStoreConnectorWorker(ConnectorSide):
                     self._load_layer(layer, move, lease)
             self._leases.append((move, lease))
 
+    def _load_whole(self, t: RequestBlocks) -> bool:
+        """A load of vLLM's asynchronous kind (hybrid models): every block of one group copied into the engine's
+        pages now, all its layers, and checked against its writer's CRC-32C. False where any block is missing,
+        altered or could not be copied: vLLM then recomputes the request from its start."""
+        ns = self.link.namespace(t.adapter, t.group) if self.link is not None else None
+        if ns is None:
+            return False
+        try:
+            lease = ns.acquire(t.hashes, **with_context(t.context))
+        except Exception as e:  # noqa: BLE001 - any failure here means: recompute the request
+            self._io_failed(e)
+            return False
+        try:
+            whole = len(lease) == len(t.hashes) and not (self.verify and None in lease.crcs)
+            if self.verify and not self._mover.checksums:
+                whole = whole and self._checked_slots(lease, len(lease), t.req_id) == len(lease)
+            if not whole or not t.block_ids:
+                return whole
+            move = Move(t, t.block_ids, crcs=np.zeros(len(t.block_ids), np.uint32)
+                         if self.verify and self._mover.checksums else None)
+            if self._cuda:
+                self._enqueue_loads(t, lease)
+                self._mover.sync()
+                return True
+            for layer in sorted(self._layers_of(t.group), key=lambda x: x.li):
+                self._load_layer(layer, move, lease)
+            if len(move.done) < self._group_layers(t.group) or not t.block_ids:
+                return False
+            if move.crcs is not None and move.crcs.tolist() != list(lease.crcs):
+                log.warning("kvstore: a block of request %s does not match its checksum: recomputed", t.req_id)
+                return False
+            return True
+        except Exception as e:  # noqa: BLE001
+            self._io_failed(e)
+            return False
+        finally:
+            self._release([lease])
+
+    def received(self) -> tuple[set[str], set[str]]:
+        """(requests whose whole loads are done, those of them that failed) since the last call: vLLM's transfer
+        results (a failed load is reported as both, so that the request leaves its wait and is recomputed)."""
+        done, self._received = self._received, {}
+        return set(done), {r for r, ok in done.items() if not ok}
+
     def _unhooked(self, part: int) -> bool:
         """Whether vLLM never calls the layer hooks (wait_for_layer_load, save_kv_layer) for this group's layers:
         its recurrent-state layers are not attention layers. Their states move whole, before the forward pass
         (loads) and after it (saves), which is also when they are whole."""
         return self.groups[part].rule.kind == STATE
 
-    def _layers_of(self, part: int) -> list[_Layer]:
+    def _layers_of(self, part: int) -> list[LayerPlace]:
         return [layer for layer in self._layers.values() if layer.part == part]
 
     def _checked_slots(self, lease: Lease, n: int, req_id: str) -> int:
@@ -251,7 +250,7 @@ class KVStoreConnectorWorker(ConnectorSide):
         for move, lease in self._leases:
             self._load_layer(layer, move, lease)
 
-    def _load_layer(self, layer: _Layer, move: _Move, lease: Lease) -> None:
+    def _load_layer(self, layer: LayerPlace, move: Move, lease: Lease) -> None:
         """One layer of one load, slots -> pages (CPU), its CRC continued; a failure makes its blocks load errors."""
         t = move.part
         if t.group != layer.part or layer.li in move.done or not t.block_ids:
@@ -267,7 +266,7 @@ class KVStoreConnectorWorker(ConnectorSide):
             self._load_errors.update(t.block_ids)
             t.block_ids = []
 
-    def _count(self, load: bool, blocks: int, layer: _Layer, seconds: float) -> None:
+    def _count(self, load: bool, blocks: int, layer: LayerPlace, seconds: float) -> None:
         self.stats.count(load, blocks, blocks * self._pages[layer.gi].page_bytes, layer.li, seconds)
 
     def _check_loads(self) -> None:
@@ -301,7 +300,7 @@ class KVStoreConnectorWorker(ConnectorSide):
             return
         self._save_layer(layer, meta)
 
-    def _save_layer(self, layer: _Layer, meta: KVStoreConnectorMetadata) -> None:
+    def _save_layer(self, layer: LayerPlace, meta: KVStoreConnectorMetadata) -> None:
         """One layer of this step's saves, pages -> slots; a save whose every layer is in is committed."""
         assert self.link is not None
         if self._reservations is None:
@@ -344,9 +343,9 @@ class KVStoreConnectorWorker(ConnectorSide):
         except Exception as e:  # noqa: BLE001 - a lease not renewed is a later commit refused, nothing worse
             self._io_failed(e)
 
-    def _reserve(self, saves: list[RequestBlocks]) -> list[tuple[_Move, Reservation]]:
+    def _reserve(self, saves: list[RequestBlocks]) -> list[tuple[Move, Reservation]]:
         """This step's reservations, one per request with blocks to save (at the first layer saved)."""
-        out: list[tuple[_Move, Reservation]] = []
+        out: list[tuple[Move, Reservation]] = []
         assert self.link is not None
         for t in saves:
             ns = self.link.namespace(t.adapter, t.group)
@@ -362,10 +361,10 @@ class KVStoreConnectorWorker(ConnectorSide):
                 continue
             ids = [t.block_ids[p] for p in res.reserved]     # res.views are the reserved slots, in order
             checked = self.verify and self._mover.checksums
-            out.append((_Move(t, ids, crcs=np.zeros(len(ids), np.uint32) if checked else None), res))
+            out.append((Move(t, ids, crcs=np.zeros(len(ids), np.uint32) if checked else None), res))
         return out
 
-    def _commit(self, move: _Move, res: Reservation) -> None:
+    def _commit(self, move: Move, res: Reservation) -> None:
         """Publish a save with each block's CRC-32C (readers verify): the one computed while copying where the
         layers came in order, else read from the slots."""
         durable = move.part.durable
@@ -407,9 +406,12 @@ class KVStoreConnectorWorker(ConnectorSide):
 
     def _release_leases(self) -> None:
         leases, self._leases = self._leases, []
+        self._release([lease for _, lease in leases])
+
+    def _release(self, leases: list[Lease]) -> None:
         if leases:
             self._mover.sync()                # no copy may still read a slot once it is unpinned
-        for _, lease in leases:
+        for lease in leases:
             try:
                 lease.release()
             except Exception as e:  # noqa: BLE001

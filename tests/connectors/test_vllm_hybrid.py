@@ -22,7 +22,7 @@ import pytest
 from kvstore.protocol.geometry import Geometry
 from kvstore.protocol.keys import NamespaceSpec, block_key
 from tests.conftest import DaemonProc
-from tests.connectors.test_vllm_connector import ENV, ROOT, run_engine
+from tests.connectors.test_vllm_connector import ENV, ROOT, alter_all_blocks, run_engine
 from tests.engine_guard import engine_missing
 
 pytestmark = pytest.mark.vllm
@@ -157,6 +157,13 @@ def test_a_recurrent_state_model_restores_only_where_its_state_was_kept(lfm2, tm
     assert same(got_p2, ref_p2)
     assert got_p3["num_cached_tokens"] == 31 * BLOCK
     assert same(got_p3, ref_p3)
+
+    # every stored block altered behind the daemon's back: the loads fail their checks, and the engine (which takes a
+    # load error of a hybrid model only per request) recomputes the requests from their start, exactly
+    assert alter_all_blocks(daemon, lfm2) == 33
+    bad_p2, bad_p3 = engine(lfm2, daemon, [step(P2), step(p3)], tmp_path / "bad.log", save=False)
+    assert "does not match its checksum" in (tmp_path / "bad.log").read_text()
+    assert same(bad_p2, ref_p2) and same(bad_p3, ref_p3)
 
     assert delete_blocks(daemon, "state", [15, 30]) == 2  # the attention KV is all there, the states are not
     lost_p2, lost_p3 = engine(lfm2, daemon, [step(P2), step(p3)], tmp_path / "c.log", save=False)
