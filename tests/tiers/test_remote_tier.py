@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
@@ -49,7 +49,7 @@ def wait_for(cond: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
         time.sleep(0.05)
 
 
-def put_through(d: DaemonProc, hs: list[bytes], seeds: range, model: str = "tiny") -> None:
+def put_through(d: DaemonProc, hs: list[bytes], seeds: Iterable[int], model: str = "tiny") -> None:
     """Put blocks on a node whose placement writes them through, and wait until the store holds them all."""
     with d.client() as c:
         before = remote_of(d, c)["counters"].get("puts", 0)
@@ -102,6 +102,19 @@ def test_a_prefix_ends_at_the_first_block_the_store_lacks(master, daemons):
         assert c.namespace(spec()).lookup(hs) == 12
     got = get_all(b, hs)
     assert got == [block(i) for i in range(12)]
+
+
+def test_held_answers_each_block_the_store_holds_across_holes(master, daemons):
+    """A hybrid model's window and state groups ask which blocks are held, each on its own (Namespace.held): on a
+    node that holds none of them itself, the store answers, holes and all, and nothing is pinned or fetched."""
+    a = node(daemons, master, KVSTORE_REMOTE_PLACEMENT="write_through")
+    b = node(daemons, master)
+    hs = hashes(20, tag=b"held")
+    present = [1, 2, 7, 19]
+    put_through(a, [hs[i] for i in present], present)
+    with b.client() as c:
+        assert c.namespace(spec()).held(hs) == [i in present for i in range(20)]
+        assert remote_of(b, c)["counters"].get("gets", 0) == 0 and c.stats()["pinned"] == 0
 
 
 def test_namespaces_do_not_cross_nodes(master, daemons):
