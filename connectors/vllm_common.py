@@ -61,6 +61,7 @@ class ConnectorConfig:
     durable: bool
     durable_wait_s: float
     copy_engine: str
+    window_checkpoint_blocks: int = 0    # hybrid models: a sliding window kept every this many blocks too (0: none)
 
 
 def _durable_wait(extra: dict[str, Any]) -> float:
@@ -95,8 +96,12 @@ def parse_config(kv_transfer_config: Any, vllm_config: VllmConfig, scheduler: bo
     if copy_engine not in COPY_ENGINES:
         log.warning("kvstore: copy_engine %r is not one of %s; using auto", copy_engine, ", ".join(COPY_ENGINES))
         copy_engine = "auto"
+    checkpoints = int(extra.get("window_checkpoint_blocks", 0))
+    if checkpoints < 0:
+        log.warning("kvstore: window_checkpoint_blocks %d is negative; using 0 (none)", checkpoints)
+        checkpoints = 0
     return ConnectorConfig(extra, block_size, load_enabled, save_enabled, verify, durable, durable_wait_s,
-                           copy_engine)
+                           copy_engine, checkpoints)
 
 
 class ConnectorSide:

@@ -23,7 +23,10 @@ overrides), retry_s (5), timeout_s (5), save (true), load (true), verify (true: 
 before they are loaded; false trades that proof for less CPU per block), copy_engine (auto: on a GPU one Triton
 kernel per layer where it proves byte-exact, else one copy_ per page run; kernel; copy), durable (false: every
 save asks the daemon for durability), durable_wait_s (0; below timeout_s), tenant / tenant_secret (the tenant the
-engine speaks for, its quota's owner; default $KVSTORE_TENANT / $KVSTORE_TENANT_SECRET, else its user's).
+engine speaks for, its quota's owner; default $KVSTORE_TENANT / $KVSTORE_TENANT_SECRET, else its user's),
+window_checkpoint_blocks (0: hybrid models' sliding windows are kept at step ends and where a prompt left the
+daemon's chains; K > 0: also before every K-th block, for prompts that share part of an earlier one without a
+third request ever having shared it; kv_groups.py).
 
 Durability: a request's saves are durable commits when the configuration says `durable: true` or the request asks
 for it (`kv_transfer_params: {"kvstore_durable": true}`, e.g. vLLM's `extra_args` of SamplingParams): the daemon

@@ -17,14 +17,14 @@ the scheduler hands to the worker in the metadata, per request. Advice only: a r
 case) sends nothing more, and a hint that is malformed, refused or ignored by the daemon is logged at debug and
 changes nothing for the engine.
 
-Hybrid models (several KV groups, `kv_groups.py`): the lookup asks every full-attention group for its chained
-prefix and every window or state group which of the blocks past the local hit it holds, and answers the longest
-end at which every group can be restored (`usable_end`); a load moves exactly what each group needs there; a save
-stores every new block of the full groups and, of the others, what the ends a later request may resume from need
-(this step's end and every CHECKPOINT_BLOCKS-th block). A hybrid model's loads use vLLM's asynchronous protocol:
-the request waits one step while the worker copies and checks every group's blocks whole, then is reported loaded
-or failed (vLLM recomputes a failed one from its start). vLLM maps a load error reported by block id back to its
-request only for models with one KV group; for the others, only a request-level failure is safe.
+Hybrid models (several KV groups, `kv_groups.py`): the lookup asks every group which of the blocks past the local
+hit it holds (`held`), answers the longest end at which every group can be restored (`usable_end`), and counts that
+hit with one chained lookup; a load moves exactly what each group needs there; a save stores every new block of the
+full groups and, of the others, what the ends a later request may resume from need (this step's end, and where the
+prompt left the chains the daemon held at its lookup: kv_groups). A hybrid model's loads use vLLM's asynchronous
+protocol: the request waits one step while the worker copies and checks every group's blocks whole, then is reported
+loaded or failed (vLLM recomputes a failed one from its start). vLLM maps a load error reported by block id back to
+its request only for models with one KV group; for the others, only a request-level failure is safe.
 
 Saves: each save reserves the request's whole chain so far (its last CHAIN_KEYS blocks for a longer one), not only
 the blocks new since the last: the daemon refreshes the blocks it holds already, tail first, and stores the rest,
@@ -63,12 +63,18 @@ class _ReqState:
     request: Any
     block_ids: list[list[int]] = field(default_factory=list)     # per vLLM KV cache group, position by position
     stored_upto: int = 0          # blocks [0, stored_upto) are in the daemon or already handed to the worker
+    diverged: int = 0             # where the prompt left the chains the daemon held at its lookup (hybrid models)
 
 
 def _asks_durable(request: Any) -> bool:
     """Whether the request asks for durable saves: `kv_transfer_params: {"kvstore_durable": true}`."""
     params = getattr(request, "kv_transfer_params", None)
     return isinstance(params, dict) and params.get("kvstore_durable") is True
+
+
+def _run(mask: list[bool]) -> int:
+    """How many leading entries of `mask` are true."""
+    return next((i for i, there in enumerate(mask) if not there), len(mask))
 
 
 def _adapter(request: Any) -> str:
@@ -85,6 +91,8 @@ class KVStoreConnectorScheduler(ConnectorSide):
         self._reqs: dict[str, _ReqState] = {}
         self._loads: dict[str, list[RequestBlocks]] = {}
         self._hit_start: dict[str, int] = {}
+        self._diverged: dict[str, int] = {}   # hybrid: where each prompt left the stored chains, at its lookup
+        self.checkpoint_blocks = config.window_checkpoint_blocks
         align = getattr(kv_cache_config, "cache_hit_alignment_tokens", None) or config.block_size
         self.align = max(1, int(align) // config.block_size)     # a hit ends on a multiple of this many blocks
         self._hints: dict[str, RequestHints | None] = {}   # requests seen (their call sent), until finished
@@ -128,7 +136,7 @@ class KVStoreConnectorScheduler(ConnectorSide):
         if not self.load_enabled or usable <= start or request.request_id in self._failed:
             return 0, False
         try:
-            end = self._restorable_end(request, start, usable)
+            end, self._diverged[request.request_id] = self._restorable_end(request, start, usable)
         except KVStoreError as e:
             log.debug("kvstore lookup refused: %s", e)
             return 0, False
@@ -140,34 +148,37 @@ class KVStoreConnectorScheduler(ConnectorSide):
         self._hit_start[request.request_id] = start     # where the external tokens begin (the local hit's end)
         return (end - start) * self.block_size, self.hybrid    # hybrid: vLLM's asynchronous loads (see above)
 
-    def _restorable_end(self, request: Request, start: int, usable: int) -> int:
-        """The longest prefix end (in blocks, past `start`, the local hit) at which every KV group can be restored;
-        `start` where none is (or a namespace is away). One chained lookup per full group (the first counts the
-        hit), one `held` per window or state group over the blocks past the local hit (those before it the engine
-        holds: its local hit is restorable in every group)."""
+    def _restorable_end(self, request: Request, start: int, usable: int) -> tuple[int, int]:
+        """(The longest prefix end, in blocks past `start` (the local hit), at which every KV group can be
+        restored, `start` where none is or a namespace is away; where the prompt leaves the chains the daemon
+        holds). One chained lookup for a model with one group. A hybrid model's groups are first asked which
+        blocks past the local hit they hold (`held`: no hit counted; the engine holds those before it), which
+        gives both answers; then the first full group's chained lookup up to the end counts the hit the engine
+        gets (and checks it once more)."""
         assert self.link is not None
         adapter, ctx = _adapter(request), with_context(self._context(request.request_id))
         hashes = self._hashes(request, start, usable)
-        n = len(hashes)
-        for part, group in enumerate(self.groups):     # chained: a hit at `start` names the prefix
-            if group.rule.kind != FULL or n == 0:
-                continue
-            ns = self.link.namespace(adapter, part)
-            if ns is None:
-                return start
-            n = min(n, ns.lookup(hashes[:n], **ctx))
         if not self.hybrid:
-            return start + n
-        held: list[list[bool] | None] = []
-        for part, group in enumerate(self.groups):
-            if group.rule.kind == FULL:
-                held.append(None)
-                continue
+            ns = self.link.namespace(adapter)
+            n = ns.lookup(hashes, **ctx) if ns is not None else 0
+            return start + n, start + n
+        held: list[list[bool]] = []
+        for part in range(len(self.groups)):
             ns = self.link.namespace(adapter, part)
             if ns is None:
-                return start
-            held.append([True] * start + (ns.held(hashes[:n], **ctx) if n else []))
-        return max(start, usable_end([g.rule for g in self.groups], start + n, held, self.align))
+                return start, start
+            held.append([True] * start + ns.held(hashes, **ctx))
+        rules = [g.rule for g in self.groups]
+        masks = [None if r.kind == FULL else h for r, h in zip(rules, held)]
+        full = min(_run(h) for r, h in zip(rules, held) if r.kind == FULL)
+        end = usable_end(rules, full, masks, self.align)
+        first = next(part for part, r in enumerate(rules) if r.kind == FULL)
+        ns = self.link.namespace(adapter, first)
+        if end > start and ns is not None:
+            n = ns.lookup(hashes[:end - start], **ctx)
+            if n < end - start:           # gone since `held` (an eviction between the two): the shorter end
+                end = usable_end(rules, start + n, masks, self.align)
+        return max(start, end), full
 
     def update_connector_output(self, connector_output: Any) -> None:
         """A hybrid model's failed loads: vLLM asks again for the request, which would find the same blocks and
@@ -180,6 +191,7 @@ class KVStoreConnectorScheduler(ConnectorSide):
         state = self._reqs.get(request.request_id)
         if state is None:
             state = self._reqs[request.request_id] = _ReqState(request)
+        state.diverged = self._diverged.pop(request.request_id, state.diverged)
         if num_external_tokens <= 0:
             return
         ids = blocks.get_block_ids()
@@ -255,8 +267,8 @@ class KVStoreConnectorScheduler(ConnectorSide):
                 where = list(range(max(0, hi - CHAIN_KEYS), hi))
             elif group.rule.kind == STATE:
                 where = [hi - 1] if aligned and hi == done else []
-            else:
-                where = group.rule.keep(state.stored_upto, hi, [hi])
+            else:       # this step's end, and where the prompt left what the daemon held: a prefix others share
+                where = group.rule.keep(state.stored_upto, hi, [hi, state.diverged], self.checkpoint_blocks)
             part_blocks = self._blocks(state.request, part, where, state.block_ids[group.index], durable,
                                        self._context(req_id))
             if part_blocks.hashes:
@@ -266,7 +278,7 @@ class KVStoreConnectorScheduler(ConnectorSide):
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's `request_finished` and, for hybrid models, `request_finished_all_groups` (block ids per group):
         the request's saves were all made within its steps, so nothing holds its blocks afterwards."""
-        for d in (self._reqs, self._loads, self._hit_start):
+        for d in (self._reqs, self._loads, self._hit_start, self._diverged):
             d.pop(request.request_id, None)
         self._failed.discard(request.request_id)
         hints = self._hints.pop(request.request_id, None)

@@ -4,6 +4,7 @@ its hybrid KV cache manager on and kvstore's connector.
     python tests/hybrid_engine_run.py build DIR SEED [gemma3|lfm2]    # Gemma-3-style: 2 sliding, 2 full layers;
                                                                      # LFM2-style: 2 short-conv, 2 full layers
     python tests/hybrid_engine_run.py run --model DIR --socket PATH --steps '[{...}]' [--extra '{...}'] [--batch N]
+                                                                     [--no-own-cache]
 
 `run` starts one engine (in-process engine core, block size 32, vLLM's own prefix cache on as in production,
 sha256_cbor hashes, hybrid manager left to vLLM's choice) and generates greedily once per step; a step is
@@ -58,7 +59,7 @@ def build_lfm2(path: str, seed: int) -> None:
         json.dump(config, f)
 
 
-def run(model: str, socket: str, steps: list[dict], extra: dict, batch: int = 0) -> None:
+def run(model: str, socket: str, steps: list[dict], extra: dict, batch: int = 0, own_cache: bool = True) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     sys.path.insert(0, ROOT)
@@ -70,7 +71,7 @@ def run(model: str, socket: str, steps: list[dict], extra: dict, batch: int = 0)
                            kv_connector_module_path="kvstore.connectors.vllm_connector", kv_role="kv_both",
                            kv_load_failure_policy="recompute",
                            kv_connector_extra_config={"socket": socket, "retry_s": 0.5, "timeout_s": 5, **extra})
-    llm = LLM(model=model, dtype="float32", block_size=BLOCK_SIZE, enable_prefix_caching=True,
+    llm = LLM(model=model, dtype="float32", block_size=BLOCK_SIZE, enable_prefix_caching=own_cache,
               prefix_caching_hash_algo="sha256_cbor", max_model_len=2048, seed=0, enforce_eager=True,
               kv_transfer_config=ktc, **({"max_num_batched_tokens": batch} if batch else {}))
     config = llm.llm_engine.vllm_config
@@ -105,8 +106,9 @@ def main() -> None:
     ap.add_argument("--steps", required=True)
     ap.add_argument("--extra", default="{}")
     ap.add_argument("--batch", type=int, default=0, help="vLLM's max_num_batched_tokens (0: its default)")
+    ap.add_argument("--no-own-cache", action="store_true", help="vLLM's own prefix cache off (a full recompute)")
     a = ap.parse_args()
-    run(a.model, a.socket, json.loads(a.steps), json.loads(a.extra), a.batch)
+    run(a.model, a.socket, json.loads(a.steps), json.loads(a.extra), a.batch, not a.no_own_cache)
 
 
 if __name__ == "__main__":

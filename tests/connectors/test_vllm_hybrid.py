@@ -4,10 +4,10 @@ convolutions, vLLM's MambaSpec in its align mode), tiny and random, built here.
 
 Engines run in fresh processes (tests/hybrid_engine_run.py). The model's window is 64 tokens, its blocks 32: a
 prefix end needs the 2 sliding-window blocks before it (kvstore.connectors.kv_groups), and a save keeps them at
-every step end and every 16th block. The checks are exact: a fresh engine that loads a prefix from kvstore gives the
-same greedy tokens and the same top-5 logprobs as a full recompute (an engine that loads nothing, without vLLM's
-own prefix cache) and as vLLM's own prefix-cache hit, and a prefix whose sliding-window blocks are gone is never
-reported as a hit.
+every step end, where the prompt left the chains the daemon held, and (configured here) every 16th block. The checks
+are exact: a fresh engine that loads a prefix from kvstore gives the same greedy tokens and the same top-5 logprobs
+as a full recompute (an engine that loads nothing, whose own prefix cache has nothing to offer) and as vLLM's own
+prefix-cache hit, and a prefix whose sliding-window blocks are gone is never reported as a hit.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ BLOCK = 32
 _RNG = random.Random(35)
 P1 = [_RNG.randrange(4, 1024) for _ in range(1000)]             # 31 full blocks
 P2 = P1[:700] + [_RNG.randrange(4, 1024) for _ in range(100)]   # shares 21 full blocks (672 tokens) with P1
-CHECKPOINT = 16 * BLOCK                                          # the restorable end of P1 below 672 tokens
+CHECKPOINT = 16 * BLOCK                                          # a window checkpoint of P1 below 672 tokens
 
 
 def build(tmp_path_factory: pytest.TempPathFactory, arch: str) -> str:
@@ -57,10 +57,10 @@ def lfm2(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build(tmp_path_factory, "lfm2")
 
 
-def engine(model: str, daemon: DaemonProc, steps: list[dict], log: Path, batch: int = 0,
+def engine(model: str, daemon: DaemonProc, steps: list[dict], log: Path, batch: int = 0, own_cache: bool = True,
            **extra: object) -> list[dict]:
-    results, text = run_engine(model, daemon, steps, log, "--extra", json.dumps(extra), "--batch", str(batch),
-                               script=SCRIPT)
+    args = ["--extra", json.dumps(extra), "--batch", str(batch), *([] if own_cache else ["--no-own-cache"])]
+    results, text = run_engine(model, daemon, steps, log, *args, script=SCRIPT)
     assert "Turning off hybrid kv cache manager" not in text
     assert all(r["hybrid_manager"] for r in results)
     assert "kvstore connector disabled" not in text, text[-3000:]
@@ -113,30 +113,40 @@ def delete_blocks(daemon: DaemonProc, kind: str, positions: list[int]) -> int:
 
 def test_a_sliding_window_model_restores_exactly_and_never_without_its_window(model, tmp_path, start_daemon):
     daemon = start_daemon(capacity="64MiB", segment="1MiB")
-    (written,) = engine(model, daemon, [step(P1, 8)], tmp_path / "a.log", load=False)
+    (written,) = engine(model, daemon, [step(P1, 8)], tmp_path / "a.log", load=False, window_checkpoint_blocks=16)
     groups = group_namespaces(daemon)
     assert sorted(groups) == ["0:window64", "1:full"]
-    # full attention keeps all 31 blocks of P1; the window group the 2 blocks before block 16 (a checkpoint) and
-    # before block 31 (the step's end): 4 blocks, an eighth of the bytes
+    # full attention keeps all 31 blocks of P1; the window group the 2 blocks before block 16 (a checkpoint, as
+    # configured) and before block 31 (the step's end): 4 blocks, an eighth of the bytes
     assert groups["1:full"]["blocks"] == 31
     assert groups["0:window64"]["blocks"] == 4
+    p2b = P1[:700] + [_RNG.randrange(4, 1024) for _ in range(100)]   # another prompt sharing P1's first 700
     p3 = P1 + written["output"] + [_RNG.randrange(4, 1024) for _ in range(60)]   # the next turn of a chat
 
-    ref_p2, ref_p3 = engine(model, daemon, [step(P2), step(p3)], tmp_path / "ref.log", load=False, save=False)
-    assert ref_p2["num_cached_tokens"] == 0 and ref_p3["num_cached_tokens"] == 0
+    refs = engine(model, daemon, [step(P2), step(p2b), step(p3)], tmp_path / "ref.log", own_cache=False,
+                  load=False, save=False)
+    assert [r["num_cached_tokens"] for r in refs] == [0, 0, 0]
+    ref_p2, ref_p2b, ref_p3 = refs
 
-    got_p2, own_p2, got_p3 = engine(model, daemon, [step(P2), step(P2), step(p3)], tmp_path / "b.log",
-                                    save=False)
-    assert got_p2["num_cached_tokens"] == CHECKPOINT      # not 672: the window before block 21 was never kept
+    # P2 shares 21 blocks with P1, but P1's windows are kept only before blocks 16 and 31: 16 blocks restorable.
+    # Its engine saves the window before block 21, where P2 left what the daemon held
+    (got_p2,) = engine(model, daemon, [step(P2)], tmp_path / "b.log")
+    assert got_p2["num_cached_tokens"] == CHECKPOINT
     assert same(got_p2, ref_p2)
-    assert own_p2["num_cached_tokens"] > 0 and same(own_p2, ref_p2)     # vLLM's own hit agrees
+
+    got_p2b, own_p2b, got_p3 = engine(model, daemon, [step(p2b), step(p2b), step(p3)], tmp_path / "c.log",
+                                      save=False)
+    assert got_p2b["num_cached_tokens"] == 21 * BLOCK      # the shared prefix, to its last full block
+    assert same(got_p2b, ref_p2b)
+    assert own_p2b["num_cached_tokens"] > 0 and same(own_p2b, ref_p2b)   # vLLM's own hit agrees
     assert got_p3["num_cached_tokens"] == 31 * BLOCK      # the turn resumes where the last one stopped
     assert same(got_p3, ref_p3)
 
-    assert delete_blocks(daemon, "window", [14, 15]) == 2   # the checkpoint's window gone: no prefix of P2 restorable
-    (lost,) = engine(model, daemon, [step(P2)], tmp_path / "c.log", save=False)
+    # the windows before blocks 16 and 21 gone: no prefix of P2b is restorable, though its full blocks are there
+    assert delete_blocks(daemon, "window", [14, 15, 19, 20]) == 4
+    (lost,) = engine(model, daemon, [step(p2b)], tmp_path / "d.log", save=False)
     assert lost["num_cached_tokens"] == 0
-    assert same(lost, ref_p2)
+    assert same(lost, ref_p2b)
 
 
 def test_a_recurrent_state_model_restores_only_where_its_state_was_kept(lfm2, tmp_path, start_daemon):
