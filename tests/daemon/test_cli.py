@@ -92,6 +92,24 @@ def test_ls_lists_namespaces_and_their_hashes(daemon):
     assert all(h.hex() in text for h in hs)
 
 
+def test_ls_shows_the_kv_groups_of_a_hybrid_model_and_their_bytes(daemon):
+    """A hybrid model's groups are namespaces told apart by their KV group (the connectors' salt label)."""
+    from dataclasses import replace
+
+    with daemon.client() as c:
+        for label, n in (("0:window64", 2), ("1:full", 6)):
+            ns = c.namespace(replace(spec("gemma"), salt=f"hash=sha256_cbor|kv_group={label}"))
+            assert ns.put(hashes(n, tag=label.encode()), [block(i) for i in range(n)]).stored == n
+        nid, _ = put(c, 3)
+    text = kvstore("ls", sock=daemon.socket).stdout
+    window = r"^\d+\s+gemma\s+gemma\s+0:window64\s+-\s+0/1\s+base\s+[0-9a-f]{12}\s+2\s+16\.0 KiB"
+    assert re.search(window, text, re.M), text
+    assert re.search(r"^\d+\s+gemma\s+gemma\s+1:full\s+.*\s6\s+48\.0 KiB", text, re.M), text
+    assert re.search(rf"^{nid}\s+tiny\s+tiny\s+-\s+-\s+0/1", text, re.M), text      # a dense model: no group
+    rows = {r["kv_group"]: r["bytes"] for r in kvstore_json("ls", sock=daemon.socket)["namespaces"]}
+    assert rows == {"0:window64": 2 * GEOM.full_bytes, "1:full": 6 * GEOM.full_bytes, "": 3 * GEOM.full_bytes}
+
+
 def test_ls_limit_zero_lists_no_hashes(daemon):
     with daemon.client() as c:
         nid, _ = put(c, 3)
