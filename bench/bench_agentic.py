@@ -92,9 +92,9 @@ class KVAgent:
     `pool.eviction: workflow` and each turn is a chat session's turn (a `session` hint and the session's context
     on the get and the save), as an engine passing `kv_transfer_params: {"session": ...}` sends it."""
 
-    def __init__(self, env: dict[str, str] | None, max_chunks: int, hints: bool = False) -> None:
+    def __init__(self, env: dict[str, str] | None, max_chunks: int, hints: bool = False, policy: str = "lru") -> None:
         env = {**(env or {}), "KVSTORE_SERVER_MAX_RESERVED_FRACTION": "1",     # one engine: a save may take it all
-               "KVSTORE_POOL_EVICTION": "workflow" if hints else "lru"}
+               "KVSTORE_POOL_EVICTION": "workflow" if hints else policy, "KVSTORE_SSD_EVICTION": policy}
         self.hints = hints
         self.d = Daemon("256MiB", "64MiB", env).start()
         self.c = self.d.client()
@@ -142,7 +142,9 @@ def replay(turns: list[tuple[int, list[int]]], variant: str, base: str, run: int
         if variant == "disk" else None
     fs = os.path.join(base, f"lm-{run}") if variant == "disk" else None
     hinted_env = {**kv_env, "KVSTORE_SSD_DIR": kv_env["KVSTORE_SSD_DIR"] + "-h"} if kv_env else None
+    history_env = {**kv_env, "KVSTORE_SSD_DIR": kv_env["KVSTORE_SSD_DIR"] + "-r"} if kv_env else None
     systems: dict[str, KVAgent | LMAgent] = {"kvstore": KVAgent(kv_env, max_chunks),
+                                             "kvstore history": KVAgent(history_env, max_chunks, policy="history"),
                                              "lmcache": LMAgent(fs, max_chunks),
                                              "kvstore+hints": KVAgent(hinted_env, max_chunks, hints=True)}
     seen: set[bytes] = set()
@@ -210,7 +212,7 @@ def main() -> None:
                 progress(f"{variant}: replay {run + 1}/{runs}")
                 rs.append(replay(turns, variant, base, run))
             res["variants"][variant] = rs
-            for name in ("kvstore", "kvstore+hints", "lmcache"):
+            for name in ("kvstore", "kvstore history", "kvstore+hints", "lmcache"):
                 hr = [r[name]["hit_rate"] for r in rs]
                 s = summary(hr)
                 t.add([variant, name, f"{s['median']:.1%} ({s['min']:.1%}–{s['max']:.1%})",

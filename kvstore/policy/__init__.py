@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 REGISTRY: dict[str, str] = {
     "lru": "kvstore.policy.lru",
+    "history": "kvstore.policy.history",
     "workflow": "kvstore.policy.workflow",
 }
 POLICIES = tuple(REGISTRY)      # the built-in ones (REGISTRY also has those registered at run time)

@@ -11,7 +11,7 @@ def k(i: int) -> bytes:
     return i.to_bytes(32, "big")
 
 
-@pytest.mark.parametrize("name", ["lru", "workflow"])
+@pytest.mark.parametrize("name", ["lru", "workflow", "history"])
 def test_victims_are_least_recent_per_class(name):
     p = make_tier_policy(name)
     for i, cls in ((1, 512), (2, 1024), (3, 512), (4, 1024)):
@@ -25,7 +25,7 @@ def test_victims_are_least_recent_per_class(name):
     assert p.victim(512) is None and p.victim(2048) is None       # empty, and never seen
 
 
-@pytest.mark.parametrize("name", ["lru", "workflow"])
+@pytest.mark.parametrize("name", ["lru", "workflow", "history"])
 def test_a_key_added_again_moves_to_its_new_class_and_end(name):
     p = make_tier_policy(name)
     p.added(k(1), 512)
@@ -38,7 +38,7 @@ def test_a_key_added_again_moves_to_its_new_class_and_end(name):
 
 
 def test_unknown_policy_names_the_known_ones():
-    with pytest.raises(ValueError, match="known: lru, workflow"):
+    with pytest.raises(ValueError, match="known: lru, history, workflow"):
         make_tier_policy("fifo")
 
 

@@ -1,0 +1,161 @@
+"""Eviction policies without hints on the public Mooncake trace (issue 34), through the real daemon and client, beside
+offline LRU and the offline per-block Belady oracle at the same pool sizes: hit rate, the share of the LRU→Belady gap
+each policy closes, and what each costs per request.
+
+The trace: ../shared/traces/mooncake-synthetic.jsonl.gz (3,993 requests of Mooncake's FAST'25 release, each a chain
+of 512-token prefix blocks by `hash_ids`; no sessions, no hints). Each request does what kvstore's vLLM connector
+does: read the longest held prefix of its chain (`get`: a lookup and an acquire of the hit blocks), then save the
+whole chain in one reserve (held blocks refreshed tail first, the rest stored). Every policy replays the same
+requests on a fresh daemon with a host pool of the same size: a share of the trace's 43,924 distinct blocks, rounded
+to the pool's 1 MiB segments (16 blocks of 64 KiB; the offline replays use the same count). Offline LRU replays the
+same model in Python (it must equal the daemon's LRU: a check of the replay); offline Belady evicts the block used
+farthest in the future and bypasses blocks never used again.
+
+    .venv/bin/python bench/bench_policies.py [--quick] [--fractions 0.005,0.01,0.02,0.05,0.1] [--policies lru,history]
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import heapq
+import json
+import math
+import os
+import sys
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(BENCH))
+sys.path.insert(0, BENCH)
+from common import Daemon, Table, busy_cpus, progress, warn_if_busy, write_json  # noqa: E402
+
+from kvstore import Geometry, NamespaceSpec  # noqa: E402
+
+TRACE = os.path.join(os.path.dirname(os.path.dirname(BENCH)), "shared", "traces", "mooncake-synthetic.jsonl.gz")
+GEOM = Geometry(layers=1, tokens=16, kv_heads=16, head_dim=64, dtype="float16")    # 64 KiB a block
+SEGMENT = 1 << 20                                                                    # 16 blocks: the pool's grain
+
+
+def load(path: str, limit: int | None) -> list[list[int]]:
+    with gzip.open(path, "rt") as f:
+        reqs = [json.loads(line)["hash_ids"] for line in f]
+    return reqs[:limit] if limit else reqs
+
+
+def key(b: int) -> bytes:
+    return b.to_bytes(16, "little")
+
+
+def offline_lru(reqs: list[list[int]], cap: int) -> float:
+    held: OrderedDict[int, None] = OrderedDict()
+    hit = total = 0
+    for chain in reqs:
+        n = next((i for i, b in enumerate(chain) if b not in held), len(chain))
+        hit, total = hit + n, total + len(chain)
+        for b in reversed(chain):                   # tail first: the head ends the most recent
+            held[b] = None
+            held.move_to_end(b)
+            while len(held) > cap:
+                held.popitem(last=False)
+    return hit / total
+
+
+def offline_belady(reqs: list[list[int]], cap: int) -> float:
+    """Per block: keep those used soonest, never keep one not used again (bypass)."""
+    nxt: dict[int, int] = {}
+    uses: list[list[float]] = [[]] * len(reqs)
+    for i in range(len(reqs) - 1, -1, -1):
+        uses[i] = [nxt.get(b, math.inf) for b in reqs[i]]
+        for b in reqs[i]:
+            nxt[b] = i
+    held: dict[int, float] = {}
+    heap: list[tuple[float, int]] = []
+    hit = total = 0
+    for chain, nexts in zip(reqs, uses):
+        n = next((i for i, b in enumerate(chain) if b not in held), len(chain))
+        hit, total = hit + n, total + len(chain)
+        for b, nu in zip(chain, nexts):
+            if nu == math.inf:
+                held.pop(b, None)
+                continue
+            held[b] = nu
+            heapq.heappush(heap, (-nu, b))
+            while len(held) > cap:
+                neg, v = heapq.heappop(heap)
+                if held.get(v) == -neg:
+                    del held[v]
+    return hit / total
+
+
+def daemon_replay(reqs: list[list[int]], cap: int, policy: str) -> dict[str, Any]:
+    capacity = cap * GEOM.full_bytes
+    d = Daemon(str(capacity), str(SEGMENT), {"KVSTORE_POOL_EVICTION": policy,
+                                             "KVSTORE_SERVER_MAX_RESERVED_FRACTION": "1"}).start()
+    hit = total = 0
+    busy = 0.0
+    buf = np.zeros(GEOM.full_bytes, np.uint8)
+    try:
+        with d.client() as c:
+            ns = c.namespace(NamespaceSpec("mooncake-trace", GEOM))
+            outs = [np.empty(GEOM.full_bytes, np.uint8) for _ in range(max(map(len, reqs)))]
+            t0 = time.perf_counter()
+            for chain in reqs:
+                hs = [key(b) for b in chain]
+                n = ns.get(hs, outs[:len(hs)])
+                hit, total = hit + n, total + len(chain)
+                with ns.reserve(hs) as r:
+                    r.write_and_commit([buf] * len(hs))
+            busy = time.perf_counter() - t0
+            stats = c.stats()
+    finally:
+        d.stop()
+    return {"hit_rate": hit / total, "seconds": busy, "us_per_block": 1e6 * busy / total,
+            "evictions": stats["counters"]["evictions"], "capacity_blocks": capacity // GEOM.full_bytes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the first 1,000 requests, two pool sizes")
+    ap.add_argument("--fractions", default=None, help="pool sizes as shares of the distinct blocks")
+    ap.add_argument("--policies", default="lru,history")
+    ap.add_argument("--trace", default=TRACE)
+    args = ap.parse_args()
+    load_before = warn_if_busy()
+    started = time.perf_counter()
+    reqs = load(args.trace, 1000 if args.quick else None)
+    distinct = len({b for c in reqs for b in c})
+    fractions = [float(f) for f in (args.fractions or ("0.01,0.05" if args.quick else
+                                                         "0.005,0.01,0.02,0.05,0.1")).split(",")]
+    policies = args.policies.split(",")
+    res: dict[str, Any] = {"trace": os.path.basename(args.trace), "requests": len(reqs), "distinct_blocks": distinct,
+                           "cells": []}
+    t = Table(["pool", "offline LRU", "offline Belady", *[f"{p} (gap closed)" for p in policies],
+               *[f"{p} µs/block" for p in policies]])
+    for frac in fractions:
+        per = SEGMENT // GEOM.full_bytes
+        cap = max(1, round(distinct * frac / per)) * per
+        progress(f"{frac:.1%} of {distinct} blocks = {cap}: offline LRU and Belady")
+        cell: dict[str, Any] = {"fraction": frac, "blocks": cap, "offline_lru": offline_lru(reqs, cap),
+                                "offline_belady": offline_belady(reqs, cap), "daemon": {}}
+        lru, bel = cell["offline_lru"], cell["offline_belady"]
+        for p in policies:
+            progress(f"{frac:.1%}: {p} through the daemon")
+            r = cell["daemon"][p] = daemon_replay(reqs, cap, p)
+            r["gap_closed"] = (r["hit_rate"] - lru) / (bel - lru) if bel > lru else 0.0
+        res["cells"].append(cell)
+        d = cell["daemon"]
+        t.add([f"{frac:.1%} ({d[policies[0]]['capacity_blocks']})", f"{lru:.2%}", f"{bel:.2%}",
+               *[f"{d[p]['hit_rate']:.2%} ({d[p]['gap_closed']:+.1%})" for p in policies],
+               *[f"{d[p]['us_per_block']:.1f}" for p in policies]])
+    print(t)
+    res["load_average"] = {"before": load_before, "after": busy_cpus()}
+    res["seconds"] = time.perf_counter() - started
+    print(f"\nwrote {write_json('policies', res)}  ({res['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
