@@ -12,23 +12,27 @@ durable, and waits for the disk at most `durable_wait_s` (see "Durability" in `v
 The GPU path: the pool's segments are registered as pinned memory once, loads of every layer are queued on the
 connector's stream at `start_load_kv` (each attention layer waits only for its own layer's event), saves are queued
 after the layer's compute, and the blocks are committed in `wait_for_save` after one stream sync, so the last layer
-never stalls the forward pass. On CPU the same movers copy at once (`kv_pages.py`).
+never stalls the forward pass. On CPU the same movers copy at once (`kv_pages.py`). The saves of a step are
+`vllm_saves.StepSaves`.
+
+Hybrid models (several KV groups, `kv_groups.py`): each move is one request's blocks of one group, in that group's
+namespace, and each layer belongs to one group. Their loads are whole (vLLM's asynchronous protocol: every group's
+blocks copied and checked before the request runs, reported by `received`), and recurrent-state layers, which vLLM
+never hooks, move whole: loaded in `start_load_kv`, saved in `wait_for_save`.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvstore.client import KVStoreError, Lease, Reservation
+from kvstore.client import KVStoreError, Lease
 from kvstore.connectors.daemon_link import DaemonLink
 from kvstore.connectors.hints import with_context
 from kvstore.connectors.kv_groups import STATE
 from kvstore.connectors.kv_pages import CpuMover, CudaMover, LayerPages
 from kvstore.connectors.vllm_common import (
-    CHAIN_KEYS,
     ConnectorConfig,
     ConnectorSide,
     KVStoreConnectorMetadata,
@@ -37,6 +41,7 @@ from kvstore.connectors.vllm_common import (
 )
 from kvstore.connectors.vllm_layout import layout_of_pages
 from kvstore.connectors.vllm_moves import LayerPlace, Move, MoveStats
+from kvstore.connectors.vllm_saves import StepSaves
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,13 +66,11 @@ class KVStoreConnectorWorker(ConnectorSide):
         self.copy_engine = config.copy_engine
         self._kv_cache_config = kv_cache_config
         self._layers: dict[str, LayerPlace] = {}
+        self._saves = StepSaves(self)
         self._pages: dict[int, LayerPages] = {}   # by LayerPlace.gi
         self._mover: CpuMover | CudaMover = CpuMover()
         self._cuda = False
         self._leases: list[tuple[Move, Lease]] = []
-        self._reservations: list[tuple[Move, Reservation]] | None = None
-        self._reserved_at = 0.0                   # when this step's reservations were made or last renewed
-        self._to_commit: list[tuple[Move, Reservation]] = []
         self._load_errors: set[int] = set()
         self._received: dict[str, bool] = {}      # whole loads done since vLLM last asked: request -> all good
         self.stats = MoveStats()
@@ -298,109 +301,15 @@ class KVStoreConnectorWorker(ConnectorSide):
         layer = self._layers.get(layer_name)
         if layer is None or self.link is None or not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
             return
-        self._save_layer(layer, meta)
-
-    def _save_layer(self, layer: LayerPlace, meta: KVStoreConnectorMetadata) -> None:
-        """One layer of this step's saves, pages -> slots; a save whose every layer is in is committed."""
-        assert self.link is not None
-        if self._reservations is None:
-            self._reservations = self._reserve(meta.saves)
-            self._reserved_at = time.monotonic()
-        elif self._reservations and time.monotonic() - self._reserved_at > self._lease_s() / 3:
-            self._renew()
-        li = layer.li
-        a = self.groups[layer.part].geometry.layer_range(li)[0]
-        for move, res in self._reservations:
-            if move.part.group != layer.part or res.done or not move.ids:
-                continue
-            try:
-                if self._cuda and self.link.client is not None:
-                    self._mover.pin(self.link.client)
-                t0 = time.perf_counter()
-                self._mover.save_layer(self._pages[layer.gi], move.ids, res.views, a, move.crcs)
-                self._count(load=False, blocks=len(move.ids), layer=layer, seconds=time.perf_counter() - t0)
-                move.moved(li)
-                if len(move.done) == self._group_layers(layer.part):
-                    if self._cuda:
-                        self._to_commit.append((move, res))       # committed in wait_for_save, after a sync
-                    else:
-                        self._commit(move, res)
-            except Exception as e:  # noqa: BLE001
-                self._io_failed(e)
-                res.done = True
-
-    def _lease_s(self) -> float:
-        return self.link.client.lease_s if self.link is not None and self.link.client is not None else 60.0
-
-    def _renew(self) -> None:
-        """A forward pass that outlasts a third of the daemon's reservation lease (a long prompt on a slow machine):
-        the reservations of this step are extended, else the daemon would abort them mid-pass (and give their
-        slots to other writers while this one still copies into them)."""
-        self._reserved_at = time.monotonic()
-        try:
-            assert self.link is not None and self.link.client is not None
-            self.link.client.renew()
-        except Exception as e:  # noqa: BLE001 - a lease not renewed is a later commit refused, nothing worse
-            self._io_failed(e)
-
-    def _reserve(self, saves: list[RequestBlocks]) -> list[tuple[Move, Reservation]]:
-        """This step's reservations, one per request with blocks to save (at the first layer saved)."""
-        out: list[tuple[Move, Reservation]] = []
-        assert self.link is not None
-        for t in saves:
-            ns = self.link.namespace(t.adapter, t.group)
-            if ns is None:
-                continue
-            keep = self.link.client.max_keys if self.link.client is not None else CHAIN_KEYS
-            if len(t.hashes) > keep:          # a daemon configured for fewer keys a request: the chain's end
-                t = replace(t, hashes=t.hashes[-keep:], block_ids=t.block_ids[-keep:])
-            try:
-                res = ns.reserve(t.hashes, **with_context(t.context))
-            except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
-                self._io_failed(e)
-                continue
-            ids = [t.block_ids[p] for p in res.reserved]     # res.views are the reserved slots, in order
-            checked = self.verify and self._mover.checksums
-            out.append((Move(t, ids, crcs=np.zeros(len(ids), np.uint32) if checked else None), res))
-        return out
-
-    def _commit(self, move: Move, res: Reservation) -> None:
-        """Publish a save with each block's CRC-32C (readers verify): the one computed while copying where the
-        layers came in order, else read from the slots."""
-        durable = move.part.durable
-        crcs: list[int] | None = None
-        if self.verify:
-            crcs = move.crcs.tolist() if move.crcs is not None and move.in_order else res.checksums()
-        try:
-            res.commit(crcs=crcs, durable=durable, durable_timeout_s=self.durable_wait_s if durable else None)
-        except Exception as e:  # noqa: BLE001 - a block not saved is a later miss, nothing worse
-            self._io_failed(e)
-            res.done = True
-            return
-        answer = res.durability
-        if durable and self.durable_wait_s > 0 and answer is not None and answer["durability"] != "durable":
-            log.info("kvstore: a durable save got %s (%d of %d block(s) pending, %d failed)", answer["durability"],
-                     answer["pending"], answer["blocks"], answer["failed"])
+        self._saves.save_layer(layer, meta)
 
     def wait_for_save(self, meta: KVConnectorMetadata | None = None) -> None:
         if self.link is not None and isinstance(meta, KVStoreConnectorMetadata) and \
                 any(self._unhooked(t.group) for t in meta.saves):
             for layer in self._layers.values():      # the states, whole after the forward pass
                 if self._unhooked(layer.part):
-                    self._save_layer(layer, meta)
-        if self._cuda and self._reservations:
-            self._mover.sync()                # every queued copy into a slot is done before it is published or
-        if self._to_commit:                   # aborted (an aborted slot goes to another writer at once)
-            for move, res in self._to_commit:
-                self._commit(move, res)
-            self._to_commit = []
-        for _, res in self._reservations or []:
-            if not res.done:          # some layer never came: publish nothing half-written
-                try:
-                    res.abort()
-                except Exception as e:  # noqa: BLE001
-                    self._io_failed(e)
-        self._reservations = None
+                    self._saves.save_layer(layer, meta)
+        self._saves.finish()
         self._check_loads()
         self._release_leases()
 
