@@ -18,9 +18,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
-from vllm_engine_run import BLOCK_SIZE, ROOT, VOCAB_WORDS, save_random
+from vllm_engine_run import BLOCK_SIZE, ROOT, VOCAB_WORDS, save_random, wait_for_go
 
 WINDOW = 64         # tokens of sliding window: 2 blocks of 32 before a prefix end (cdiv(63, 32))
 LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -77,13 +76,7 @@ def run(model: str, socket: str, steps: list[dict], extra: dict, batch: int = 0,
     config = llm.llm_engine.vllm_config
     hybrid = not config.scheduler_config.disable_hybrid_kv_cache_manager
     for step in steps:
-        if step.get("wait"):
-            print(f"WAIT {step['wait']}", flush=True)
-            deadline = time.monotonic() + 120
-            while not os.path.exists(step["wait"]):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"nobody created {step['wait']}")
-                time.sleep(0.05)
+        wait_for_go(step.get("wait"))
         params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 4), ignore_eos=True, logprobs=5)
         out = llm.generate([TokensPrompt(prompt_token_ids=step["tokens"])], params, use_tqdm=False)[0]
         first = out.outputs[0]

@@ -30,6 +30,18 @@ BLOCK_SIZE = 32
 VOCAB_WORDS = 1020
 
 
+def wait_for_go(path: str | None) -> None:
+    """A step with "wait": say `WAIT PATH`, then wait (at most 120 s) until the test creates PATH."""
+    if not path:
+        return
+    print(f"WAIT {path}", flush=True)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody created {path}")
+        time.sleep(0.05)
+
+
 def save_tokenizer(path: str) -> int:
     """A WordLevel tokenizer over w0..w1019 (and 4 specials) saved beside a model; returns its vocabulary size."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -110,13 +122,7 @@ def run(model: str, socket: str | None, steps: list[dict], extra: dict, short: b
         register()                         # again, as a second load_general_plugins would: changes nothing
         origin["register_again"] = "ok"
     for step in steps:
-        if step.get("wait"):
-            print(f"WAIT {step['wait']}", flush=True)
-            deadline = time.monotonic() + 120
-            while not os.path.exists(step["wait"]):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"nobody created {step['wait']}")
-                time.sleep(0.05)
+        wait_for_go(step.get("wait"))
         params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 16), ignore_eos=True)
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=step["tokens"])], params, use_tqdm=False)[0]
