@@ -24,7 +24,7 @@ PKG_FILES := $(shell find kvstore connectors configs native -type f \( -name '*.
 # make test fails where an engine venv cannot import its engine or runs fewer engine tests than these
 # (tests/engine_guard.py: a skip of a required engine's test is a failure).
 GUARD := -p tests.engine_guard
-MIN_VLLM := 16
+MIN_VLLM := 18
 MIN_WHEEL := 3
 MIN_SGLANG := 24
 MIN_TRITON := 2

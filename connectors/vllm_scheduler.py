@@ -170,10 +170,10 @@ class KVStoreConnectorScheduler(ConnectorSide):
             held.append([True] * start + ns.held(hashes, **ctx))
         rules = [g.rule for g in self.groups]
         masks = [None if r.kind == FULL else h for r, h in zip(rules, held)]
-        full = min(_run(h) for r, h in zip(rules, held) if r.kind == FULL)
+        full = min((_run(h) for r, h in zip(rules, held) if r.kind == FULL), default=usable)
         end = usable_end(rules, full, masks, self.align)
-        first = next(part for part, r in enumerate(rules) if r.kind == FULL)
-        ns = self.link.namespace(adapter, first)
+        first = next((part for part, r in enumerate(rules) if r.kind == FULL), None)
+        ns = self.link.namespace(adapter, first) if first is not None else None
         if end > start and ns is not None:
             n = ns.lookup(hashes[:end - start], **ctx)
             if n < end - start:           # gone since `held` (an eviction between the two): the shorter end

@@ -100,3 +100,47 @@ def test_a_model_kvstore_cannot_restore_exactly_gets_no_hit_and_one_line(specs, 
         [f"kvstore connector disabled: {side.disabled}"]
     request = SimpleNamespace(request_id="r", num_tokens=500, block_hashes=[bytes(32)] * 15)
     assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
+def request_of(n_blocks: int, tokens: int) -> SimpleNamespace:
+    hashes = [bytes([i + 1]) * 32 for i in range(n_blocks)]
+    return SimpleNamespace(request_id="r", num_tokens=tokens, block_hashes=hashes, kv_transfer_params=None,
+                           lora_request=None)
+
+
+def store(side: KVStoreConnectorScheduler, part: int, request: SimpleNamespace, positions: list[int]) -> None:
+    from kvstore.protocol.keys import block_key
+
+    ns = side.link.namespace("", part)
+    nbytes = side.groups[part].geometry.full_bytes
+    assert ns.put([block_key(request.block_hashes[p]) for p in positions],
+                  [bytes([p]) * nbytes for p in positions]).stored == len(positions)
+
+
+def test_the_scheduler_answers_the_longest_end_every_group_restores(daemon):
+    """Against a real daemon: full attention holds 20 blocks, the window group (2 blocks a window) the windows
+    before blocks 8 and 16: the hit ends at 16 (at 8 once the later window is gone), past the engine's local hit."""
+    vllm_config = engine_config()
+    ktc = SimpleNamespace(kv_connector_extra_config={"socket": daemon.socket}, kv_load_failure_policy="recompute")
+    side = KVStoreConnectorScheduler(parse_config(ktc, vllm_config, True), vllm_config,
+                                     kv_config(sliding(64), attention()))
+    request = request_of(20, 20 * BLOCK + 5)
+    store(side, 1, request, list(range(20)))
+    store(side, 0, request, [6, 7, 14, 15])
+    assert side.get_num_new_matched_tokens(request, 0) == (16 * BLOCK, True)      # hybrid: loaded asynchronously
+    assert side.get_num_new_matched_tokens(request, 8 * BLOCK) == (8 * BLOCK, True)
+    assert side.link.namespace("", 0).delete([side._hashes(request, 14, 16)[0]]) == 1
+    assert side.get_num_new_matched_tokens(request, 0) == (8 * BLOCK, True)
+    assert side.get_num_new_matched_tokens(request, 8 * BLOCK) == (0, False)      # nothing past the local hit
+
+
+def test_a_model_without_full_attention_is_answered_from_its_other_groups(daemon):
+    vllm_config = engine_config()
+    ktc = SimpleNamespace(kv_connector_extra_config={"socket": daemon.socket}, kv_load_failure_policy="recompute")
+    side = KVStoreConnectorScheduler(parse_config(ktc, vllm_config, True), vllm_config,
+                                     kv_config(sliding(64), mamba()))
+    request = request_of(12, 12 * BLOCK + 1)
+    store(side, 0, request, [8, 9])          # the window before block 10
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)              # no state there
+    store(side, 1, request, [9])             # the state after block 9
+    assert side.get_num_new_matched_tokens(request, 0) == (10 * BLOCK, True)
