@@ -213,7 +213,7 @@ def test_tenants_are_read_from_the_file_and_their_secrets_never_printed(tmp_path
     ([{"name": "a"}], "tenants[0]: give uids, a secret or both"),
     ([{"name": "a", "secret": "x", "host": "a lot"}], "tenants[0].host: expected a size"),
     ([{"name": "a", "secret": "x", "ssd": [1]}], "tenants[0].ssd: expected a size"),
-    ([{"name": "a", "secret": "x", "policy": "fifo"}], "tenants[0].policy: must be one of lru, workflow"),
+    ([{"name": "a", "secret": "x", "policy": "fifo"}], "tenants[0].policy: must be one of lru, history, workflow"),
 ])
 def test_each_invalid_tenant_has_its_own_message(tmp_path, tenants, fragment):
     with pytest.raises(ConfigError) as e:

@@ -31,7 +31,7 @@ SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "hello": {"namespace": ("map", False), "client": ("str", False), "tenant": ("str", False),
               "secret": ("str", False)},
     "segments": {"ids": ("ints", True)},
-    "lookup": {**_KEYS, **_CONTEXT, "residual": ("int", False)},
+    "lookup": {**_KEYS, **_CONTEXT, "residual": ("int", False), "mask": ("bool", False)},
     "reserve": {**_KEYS, **_CONTEXT},
     "commit": {**_KEYS, **_CONTEXT, "crcs": ("ints", False), "durable": ("bool", False),
                "timeout_ms": ("int", False)},
