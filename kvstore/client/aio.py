@@ -95,6 +95,9 @@ class AsyncNamespace:
     async def lookup(self, hashes: Sequence[bytes], context: ContextLike = None) -> int:
         return await self._owner._run(self.sync.lookup, hashes, context)
 
+    async def held(self, hashes: Sequence[bytes], context: ContextLike = None) -> list[bool]:
+        return await self._owner._run(self.sync.held, hashes, context)
+
     async def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32, durable: bool = False,
                   durable_timeout_s: float | None = None, context: ContextLike = None) -> PutResult:
         """Namespace.put; with `durable`, the awaitable completes once the blocks are on disk (or at the

@@ -15,6 +15,7 @@ async def test_async_clients_roundtrip_concurrently(daemon):
             r = await ns.put(hs, [block(seed * 100 + i) for i in range(16)])
             assert r.stored == 16
             assert await ns.lookup(hs) == 16
+            assert await ns.held([hs[0], hashes(1, start=999_999)[0]]) == [True, False]
             outs = [bytearray(GEOM.full_bytes) for _ in hs]
             assert await ns.get(hs, outs) == 16
             return [bytes(o) for o in outs]
