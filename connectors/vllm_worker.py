@@ -176,6 +176,8 @@ class KVStoreConnectorWorker(ConnectorSide):
         """A load of vLLM's asynchronous kind (hybrid models): every block of one group copied into the engine's
         pages now, all its layers, and checked against its writer's CRC-32C. False where any block is missing,
         altered or could not be copied: vLLM then recomputes the request from its start."""
+        if not t.hashes:                  # all this group needs lies in the engine's local hit
+            return True
         ns = self.link.namespace(t.adapter, t.group) if self.link is not None else None
         if ns is None:
             return False

@@ -144,3 +144,15 @@ def test_a_model_without_full_attention_is_answered_from_its_other_groups(daemon
     assert side.get_num_new_matched_tokens(request, 0) == (0, False)              # no state there
     store(side, 1, request, [9])             # the state after block 9
     assert side.get_num_new_matched_tokens(request, 0) == (10 * BLOCK, True)
+
+
+def test_a_negative_window_checkpoint_is_refused_with_one_line_and_none_used(caplog):
+    ktc = SimpleNamespace(kv_connector_extra_config={"window_checkpoint_blocks": -4},
+                          kv_load_failure_policy="recompute")
+    with caplog.at_level(logging.WARNING, logger="vllm.kvstore"):
+        config = parse_config(ktc, engine_config(), True)
+    assert config.window_checkpoint_blocks == 0
+    assert [r.getMessage() for r in caplog.records] == \
+        ["kvstore: window_checkpoint_blocks -4 is negative; using 0 (none)"]
+    ktc.kv_connector_extra_config["window_checkpoint_blocks"] = 16
+    assert parse_config(ktc, engine_config(), True).window_checkpoint_blocks == 16
