@@ -30,7 +30,7 @@ MIN_SGLANG := 24
 MIN_TRITON := 2
 MIN_MOONCAKE := 10
 
-.PHONY: serve test unit stress bench lint clean wheel sglang-env venvs
+.PHONY: serve test unit stress bench lint clean wheel sglang-env venvs gpu-check
 
 $(STAMP): $(SRC)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -151,6 +151,12 @@ lint: $(STAMP) $(VLLM_STAMP)
 # page and plots under bench/results/. bench/README.md explains each figure.
 bench: $(STAMP) $(VLLM_STAMP)
 	bash bench/run_all.sh
+
+# Every GPU path that needs no engine, in one command (bench/gpu_check.py: CUDA tests, SGLang's device layouts, the
+# Triton kernel, bench_gpu_copy, the donated tier over CUDA IPC), one JSON under OUT. Without CUDA: a dry run in .venv
+# (every GPU step skipped), which make test runs (tests/test_gpu_check.py).
+gpu-check:
+	bash bench/gpu_check.sh $(or $(OUT),bench/results/gpu-check)
 
 clean:
 	rm -rf $(VENV) .venv-sglang $(WHEEL_VENV) build *.egg-info kvstore/*.so

@@ -19,11 +19,12 @@ BLOCK_BYTES = 8192      # bytes one program copies
 
 
 @triton.jit
-def _copy_runs(table, n_runs, run_words, WIDE: tl.constexpr, ALIGN16: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # noqa: E501
+def _copy_runs(table, n_runs, run_words, src_shift, dst_shift, WIDE: tl.constexpr, ALIGN16: tl.constexpr,  # type: ignore[no-untyped-def]  # noqa: E501
+               BLOCK: tl.constexpr):
     r = tl.program_id(0)
     part = tl.program_id(1)
-    src_at = tl.load(table + r)
-    dst_at = tl.load(table + n_runs + r)
+    src_at = tl.load(table + r) + src_shift
+    dst_at = tl.load(table + n_runs + r) + dst_shift
     offs = part * BLOCK + tl.arange(0, BLOCK)
     if ALIGN16:
         offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
@@ -40,13 +41,15 @@ def _copy_runs(table, n_runs, run_words, WIDE: tl.constexpr, ALIGN16: tl.constex
     tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
-def chunk_copy_kernel(vectorize: bool = True) -> Callable[[Any, int, int], None]:
-    """`copy(table, run_bytes, align)`: table is an int64 [2, n] tensor on the GPU (sources, then destinations),
-    `align` the alignment every address and the run length share (see `alignment`); the copy is queued on the
-    current stream. 8-byte words where everything is 8-aligned, else bytes; `vectorize=False` never tells the
-    compiler about 16-byte alignment (plain 8-byte accesses)."""
+def chunk_copy_kernel(vectorize: bool = True) -> Callable[..., None]:
+    """`copy(table, run_bytes, align, src_shift=0, dst_shift=0)`: table is an int64 [2, n] tensor on the GPU
+    (sources, then destinations), each address moved by its row's shift (so one table serves every layer of a
+    transfer: the layers differ by where their tensor and their slot range start); `align` the alignment every
+    address, shift and the run length share (see `alignment`); the copy is queued on the current stream. 8-byte
+    words where everything is 8-aligned, else bytes; `vectorize=False` never tells the compiler about 16-byte
+    alignment (plain 8-byte accesses)."""
 
-    def copy(table: Any, run_bytes: int, align: int) -> None:
+    def copy(table: Any, run_bytes: int, align: int, src_shift: int = 0, dst_shift: int = 0) -> None:
         n = int(table.shape[1])
         if n == 0:
             return
@@ -55,7 +58,7 @@ def chunk_copy_kernel(vectorize: bool = True) -> Callable[[Any, int, int], None]
         words = run_bytes // word
         block = max(16, min(BLOCK_BYTES // word, triton.next_power_of_2(words)))
         grid = (n, triton.cdiv(words, block))
-        _copy_runs[grid](table, n, words, WIDE=wide, ALIGN16=vectorize and align % 16 == 0,
+        _copy_runs[grid](table, n, words, src_shift, dst_shift, WIDE=wide, ALIGN16=vectorize and align % 16 == 0,
                          BLOCK=block)
 
     return copy

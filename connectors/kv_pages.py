@@ -35,6 +35,7 @@ COPY_ENGINES = ("auto", "kernel", "copy")
 # right after, but a layer larger than about half the last-level cache would not be there anyway, and regular
 # stores first read every line they write (one-pass copy + CRC-32C of 128 KiB pages: 9.9 GB/s, 12.7 streamed here).
 STREAM_LOAD_BYTES = 16 << 20
+TABLES_KEPT = 16             # transfers whose run tables the CUDA mover keeps (loads and saves of a step)
 
 
 class LayerPages:
@@ -69,11 +70,13 @@ class LayerPages:
         self.offsets = offsets * es
         self.block_stride = int(kv.stride(0)) * es
         self.base = int(kv.storage_offset()) * es
+        # what makes two layers' runs sit at the same offsets from their first page (a transfer's table is shared)
+        self.run_key = (self.block_stride, self.chunk_bytes, self.offsets.tobytes())
         dense_bytes = int(np.prod(sizes, dtype=np.int64)) * es
         if self.page_bytes != dense_bytes or len(set(self.offsets.tolist())) < self.chunks:
             raise ValueError(f"a KV page overlaps itself (shape {tuple(kv.shape)}, strides {tuple(kv.stride())})")
 
-    def run_starts(self, block_ids: Sequence[int]) -> np.ndarray:
+    def run_starts(self, block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Byte offsets (from the storage's start) of every run of the given blocks, block by block."""
         ids = np.asarray(block_ids, dtype=np.int64)
         return (self.base + ids[:, None] * self.block_stride + self.offsets[None, :]).reshape(-1)
@@ -85,6 +88,24 @@ class LayerPages:
             raise ValueError(f"{blocks} pages to move but only {len(slots)} slots")
         cb = self.chunk_bytes
         return [s[a + k * cb:a + (k + 1) * cb] for s in slots[:blocks] for k in range(self.chunks)]
+
+
+class RunTable:
+    """One transfer's runs on the GPU, for every layer of it: row 0 the sources, row 1 the destinations, each an
+    address less its layer's shift (a run's offset from its layer tensor's first page, a slot's start: a layer adds
+    where its tensor's pages and its range in the slot begin). Holds the slot list it was made from: the same list
+    object (a lease's views; a streaming lease only appends) means the same addresses, and while it is held its id
+    cannot name another list."""
+
+    __slots__ = ("slots", "gpu", "bits", "slot_bytes")
+
+    def __init__(self, slots: Sequence[np.ndarray], gpu: Any, bits: int, slot_bytes: int) -> None:
+        self.slots, self.gpu, self.bits, self.slot_bytes = slots, gpu, bits, slot_bytes
+
+
+def _align(bits: int) -> int:
+    """The largest of 16, 8 and 1 dividing every address, shift and the run length OR-ed into `bits`."""
+    return 16 if not bits & 15 else 8 if not bits & 7 else 1
 
 
 def storage_bytes(kv: Any) -> Any:
@@ -159,6 +180,7 @@ class CudaMover:
         self.registered: dict[int, int] = {}     # address of a pinned segment -> its bytes
         self.events: dict[int, Any] = {}
         self._flat: dict[int, Any] = {}
+        self._tables: dict[tuple[Any, ...], RunTable] = {}
         self._kernels: list[Any] = []
         if engine != "copy":
             try:
@@ -188,6 +210,7 @@ class CudaMover:
 
     def unpin(self, sid: int, arr: np.ndarray) -> None:
         """Let go of a segment about to be unmapped; copies still queued may read it, so they finish first."""
+        self._tables.clear()              # their slot views would keep the mapping exported
         if self.registered.pop(arr.ctypes.data, None) is not None:
             self.sync()
             self.torch.cuda.cudart().cudaHostUnregister(arr.ctypes.data)
@@ -214,18 +237,16 @@ class CudaMover:
         if self.engine == "kernel?":
             self._prove(pages)
         flat = self._gpu_flat(pages)
-        runs = pages.slot_runs(slots, a, len(block_ids))
         if self._kernel is not None:
-            from kvstore.connectors.cuda_copy import alignment
-
-            dev = pages.run_starts(block_ids) + flat.data_ptr()
-            host = np.fromiter((r.ctypes.data for r in runs), dtype=np.int64, count=len(runs))
-            src, dst = (host, dev) if to_device else (dev, host)
-            # the table goes through the caching pinned allocator, so its upload is queued too (a pageable upload
-            # would wait for every copy queued before it)
-            table = self.torch.from_numpy(np.stack([src, dst])).pin_memory().to(self.device, non_blocking=True)
-            self._kernel(table, pages.chunk_bytes, alignment(pages.chunk_bytes, src, dst))
+            table = self._table(pages, block_ids, slots, to_device)
+            if a < 0 or a + pages.page_bytes > table.slot_bytes:
+                raise ValueError(f"a layer range at {a} (+{pages.page_bytes}) outside slots of {table.slot_bytes} "
+                                 f"bytes")
+            dev_shift = flat.data_ptr() + pages.base
+            src, dst = (a, dev_shift) if to_device else (dev_shift, a)
+            self._kernel(table.gpu, pages.chunk_bytes, _align(table.bits | src | dst), src, dst)
             return
+        runs = pages.slot_runs(slots, a, len(block_ids))
         cb = pages.chunk_bytes
         for start, run in zip(pages.run_starts(block_ids).tolist(), runs):
             gpu, cpu = flat[start:start + cb], self.torch.from_numpy(run)
@@ -233,6 +254,35 @@ class CudaMover:
                 gpu.copy_(cpu, non_blocking=True)
             else:
                 cpu.copy_(gpu, non_blocking=True)
+
+    def _table(self, pages: LayerPages, block_ids: Sequence[int], slots: Sequence[np.ndarray],
+               to_device: bool) -> RunTable:
+        """The transfer's run addresses on the GPU, made at its first layer and reused by the others (see
+        RunTable): the per-layer cost is then one kernel launch, not a table of every run built in Python."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        key = (pages.run_key, ids.tobytes(), id(slots), to_device)
+        hit = self._tables.get(key)
+        if hit is not None and hit.slots is slots:
+            return hit
+        n = len(ids)
+        if len(slots) < n:
+            raise ValueError(f"{n} pages to move but only {len(slots)} slots")
+        slot_at = np.fromiter((s.ctypes.data for s in slots[:n]), dtype=np.int64, count=n)
+        host = (slot_at[:, None] + np.arange(pages.chunks, dtype=np.int64)[None, :] * pages.chunk_bytes).reshape(-1)
+        dev = pages.run_starts(ids) - pages.base
+        src, dst = (host, dev) if to_device else (dev, host)
+        both = np.stack([src, dst])
+        table = RunTable(slots, self._upload(both), int(np.bitwise_or.reduce(both.reshape(-1))) | pages.chunk_bytes,
+                         min(int(s.nbytes) for s in slots[:n]))
+        if len(self._tables) >= TABLES_KEPT:
+            self._tables.pop(next(iter(self._tables)))
+        self._tables[key] = table
+        return table
+
+    def _upload(self, table: np.ndarray) -> Any:
+        """The table on the GPU, through the caching pinned allocator, so the upload is queued on the stream too (a
+        pageable upload would wait for every copy queued before it)."""
+        return self.torch.from_numpy(table).pin_memory().to(self.device, non_blocking=True)
 
     def _prove(self, pages: LayerPages) -> None:
         """Copy device -> registered shared memory -> device through the kernel and compare, vectorised first,
@@ -295,3 +345,4 @@ class CudaMover:
 
     def sync(self) -> None:
         self.stream.synchronize()
+        self._tables.clear()

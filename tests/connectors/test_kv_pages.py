@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvstore.connectors.kv_pages import CpuMover, LayerPages  # noqa: E402
+from kvstore.connectors.kv_pages import CudaMover as CudaMoverBase  # noqa: E402
 from kvstore.protocol.geometry import Geometry  # noqa: E402
 from tests.conftest import spec  # noqa: E402
 
@@ -119,6 +120,73 @@ def test_cuda_mover_round_trip_through_the_daemon(daemon, layout: str, engine: s
     _round_trip(daemon, layout, make, device="cuda:0")
     assert movers[0].engine == engine          # the kernel proved itself byte-exact (else it would say "copy")
     assert not movers[0].registered            # close() unpinned every segment
+
+
+class HostKernelMover(CudaMoverBase):  # type: ignore[misc,valid-type]
+    """CudaMover's kernel path — one run table per transfer, shared by its layers, each layer adding where its
+    tensor and its slot range start — with the GPU kernel replaced by the same copies done here (memmove over the
+    table the mover built and the shifts it passed). What cannot exist on this machine is the kernel; the address
+    arithmetic it is handed, for every layout, is the mover's own and is checked byte-exact."""
+
+    def __init__(self) -> None:
+        self.torch, self.device = torch, torch.device("cpu")
+        self.registered, self.events, self._flat, self._tables = {}, {}, {}, {}
+        self._kernels, self.engine, self._kernel = [], "kernel", self._copy
+        self.uploads = 0
+
+    def _upload(self, table):
+        self.uploads += 1
+        return torch.from_numpy(table.copy())
+
+    def _copy(self, table, run_bytes: int, align: int, src_shift: int, dst_shift: int) -> None:
+        import ctypes
+
+        src, dst = table.numpy()
+        for s, d in zip((src + src_shift).tolist(), (dst + dst_shift).tolist()):
+            assert s % align == 0 and d % align == 0 and run_bytes % align == 0
+            ctypes.memmove(d, s, run_bytes)
+
+    def load_layer(self, layer, pages, block_ids, slots, a, crcs=None) -> None:
+        self._move(pages, block_ids, slots, a, to_device=True)
+
+    def save_layer(self, pages, block_ids, slots, a, crcs=None) -> None:
+        self._move(pages, block_ids, slots, a, to_device=False)
+
+    def wait_layer(self, layer: int) -> None:
+        pass
+
+    def sync(self) -> None:
+        self._tables.clear()
+
+    def pin(self, client) -> None:
+        pass
+
+    def close(self) -> None:
+        self._tables.clear()
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "LHBNC", "BLHNC"])
+def test_cuda_movers_run_table_is_built_once_a_transfer_and_lands_every_byte(daemon, layout: str) -> None:
+    movers: list[HostKernelMover] = []
+
+    def make() -> HostKernelMover:
+        movers.append(HostKernelMover())
+        return movers[-1]
+
+    _round_trip(daemon, layout, make)
+    assert movers[0].uploads == 2          # one table for the save's layers, one for the load's
+
+
+def test_cuda_mover_refuses_a_layer_range_past_the_slot() -> None:
+    kvs, _ = make_kv("LBNHC")
+    pages = LayerPages(kvs[0], BLOCKS)
+    slots = [np.zeros(GEO.full_bytes, dtype=np.uint8) for _ in range(2)]
+    mover = HostKernelMover()
+    with pytest.raises(ValueError, match="outside slots of"):
+        mover.save_layer(pages, [0, 1], slots, GEO.full_bytes - GEO.layer_bytes + 1)
+    with pytest.raises(ValueError, match="3 pages to move but only 2 slots"):
+        mover.save_layer(pages, [0, 1, 2], slots, 0)
+    assert not slots[0].any()
 
 
 @pytest.mark.parametrize("kv_layout,page", [("LBHNC", "heads,tokens,2*dim"), ("LBNHC", "tokens,heads,2*dim"),
