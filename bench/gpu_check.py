@@ -37,6 +37,7 @@ import time
 import traceback
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -318,6 +319,69 @@ def copy_kernel(check: Check) -> dict[str, Any]:
     return {"cases": cases}
 
 
+def kernel_sweep(check: Check) -> dict[str, Any]:
+    """The kernel alone (GPU time, CUDA events) moving 256 MiB as scattered runs between registered host memory
+    and the device, per program size and warps, against torch's `copy_` of 256 MiB from pinned memory: what the
+    kernel can reach, apart from the mover's per-layer work (bench_gpu_copy measures both together)."""
+    check.need_cuda()
+    import mmap
+    import statistics
+
+    import numpy as np
+    import torch
+
+    from kvstore.connectors.cuda_copy import chunk_copy_kernel
+    from kvstore.connectors.kv_pages import REGISTER_FLAGS
+
+    total = 256 << 20
+    cudart = torch.cuda.cudart()
+    buf = mmap.mmap(-1, total)
+    host = np.frombuffer(buf, dtype=np.uint8)
+    if int(cudart.cudaHostRegister(host.ctypes.data, total, REGISTER_FLAGS)):
+        raise RuntimeError("cudaHostRegister failed")
+    dev = torch.empty(total, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    rng = np.random.default_rng(3)
+
+    def gpu_ms(fn: Callable[[], None], reps: int = 5) -> float:
+        times = []
+        for _ in range(reps + 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times[1:])
+
+    try:
+        host[:] = 1
+        rows = []
+        limit = {"h2d_GBps": total / gpu_ms(lambda: dev.copy_(pinned, non_blocking=True)) / 1e6,
+                 "d2h_GBps": total / gpu_ms(lambda: pinned.copy_(dev, non_blocking=True)) / 1e6}
+        for run_bytes in (65536, 8192):
+            n = total // run_bytes
+            h_at = host.ctypes.data + rng.permutation(n).astype(np.int64) * run_bytes
+            d_at = dev.data_ptr() + np.arange(n, dtype=np.int64) * run_bytes
+            to_dev = torch.from_numpy(np.stack([h_at, d_at])).cuda()
+            to_host = torch.from_numpy(np.stack([d_at, h_at])).cuda()
+            for block_bytes in (8192, 16384, 32768):
+                for warps in (4, 8):
+                    k = chunk_copy_kernel(True, block_bytes, warps)
+                    h2d = total / gpu_ms(partial(k, to_dev, run_bytes, 16)) / 1e6
+                    d2h = total / gpu_ms(partial(k, to_host, run_bytes, 16)) / 1e6
+                    rows.append({"run_bytes": run_bytes, "block_bytes": block_bytes, "warps": warps,
+                                 "h2d_GBps": round(h2d, 2), "d2h_GBps": round(d2h, 2),
+                                 "h2d_vs_copy": round(h2d / limit["h2d_GBps"], 3),
+                                 "d2h_vs_copy": round(d2h / limit["d2h_GBps"], 3)})
+                    print(f"   runs {run_bytes >> 10} KiB, {block_bytes >> 10} KiB x {warps} warps: "
+                          f"H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s", flush=True)
+        return {"limit": limit, "rows": rows}
+    finally:
+        torch.cuda.synchronize()
+        cudart.cudaHostUnregister(host.ctypes.data)
+
+
 # ----- 5. and 6. the GPU benchmarks -----
 def gpu_copy(check: Check) -> dict[str, Any]:
     check.need_cuda()
@@ -368,7 +432,8 @@ def donated_cuda(check: Check) -> dict[str, Any]:
 
 
 STEPS: dict[str, Step] = {"environment": environment, "cuda_tests": cuda_tests, "sglang_layouts": sglang_layouts,
-                          "copy_kernel": copy_kernel, "gpu_copy": gpu_copy, "donated_cuda": donated_cuda}
+                          "copy_kernel": copy_kernel, "kernel_sweep": kernel_sweep, "gpu_copy": gpu_copy,
+                          "donated_cuda": donated_cuda}
 
 
 def main() -> int:

@@ -41,13 +41,15 @@ def _copy_runs(table, n_runs, run_words, src_shift, dst_shift, WIDE: tl.constexp
     tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
-def chunk_copy_kernel(vectorize: bool = True) -> Callable[..., None]:
+def chunk_copy_kernel(vectorize: bool = True, block_bytes: int = BLOCK_BYTES,
+                      num_warps: int = 4) -> Callable[..., None]:
     """`copy(table, run_bytes, align, src_shift=0, dst_shift=0)`: table is an int64 [2, n] tensor on the GPU
     (sources, then destinations), each address moved by its row's shift (so one table serves every layer of a
     transfer: the layers differ by where their tensor and their slot range start); `align` the alignment every
     address, shift and the run length share (see `alignment`); the copy is queued on the current stream. 8-byte
     words where everything is 8-aligned, else bytes; `vectorize=False` never tells the compiler about 16-byte
-    alignment (plain 8-byte accesses)."""
+    alignment (plain 8-byte accesses). `block_bytes` (a power of two) is what one program copies, with
+    `num_warps` warps."""
 
     def copy(table: Any, run_bytes: int, align: int, src_shift: int = 0, dst_shift: int = 0) -> None:
         n = int(table.shape[1])
@@ -56,10 +58,10 @@ def chunk_copy_kernel(vectorize: bool = True) -> Callable[..., None]:
         wide = align % 8 == 0
         word = 8 if wide else 1
         words = run_bytes // word
-        block = max(16, min(BLOCK_BYTES // word, triton.next_power_of_2(words)))
+        block = max(16, min(block_bytes // word, triton.next_power_of_2(words)))
         grid = (n, triton.cdiv(words, block))
         _copy_runs[grid](table, n, words, src_shift, dst_shift, WIDE=wide, ALIGN16=vectorize and align % 16 == 0,
-                         BLOCK=block)
+                         BLOCK=block, num_warps=num_warps)
 
     return copy
 
