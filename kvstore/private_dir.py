@@ -25,9 +25,11 @@ class NotPrivateDir(OSError):
     """The directory cannot be made private to us; the message says why and what to do instead."""
 
 
-def ensure_private_dir(path: str, what: str) -> None:
+def ensure_private_dir(path: str, what: str, group: int | None = None) -> None:
     """Create `path` 0700, or check that it is a real directory of ours that is not shared and tighten it to
-    0700. `what` names it in messages ("ssd directory", "socket directory"). Raises NotPrivateDir."""
+    0700. `what` names it in messages ("ssd directory", "socket directory"). With `group` (a gid), the directory
+    is that group's and 0710: its members may reach a socket inside by name, not list or write it. Raises
+    NotPrivateDir."""
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except FileExistsError:
@@ -41,7 +43,13 @@ def ensure_private_dir(path: str, what: str) -> None:
         if st.st_mode & (stat.S_ISVTX | stat.S_IWOTH):
             raise NotPrivateDir(f"{what} {path} is shared (world-writable or sticky, like /tmp); use a private "
                                 f"directory inside it, e.g. {os.path.join(path, 'kvstore')}")
-        if stat.S_IMODE(st.st_mode) & 0o077:
+        mode = stat.S_IMODE(st.st_mode)
+        if group is not None:
+            if st.st_gid != group:
+                os.fchown(fd, -1, group)
+            if mode != 0o710:
+                os.fchmod(fd, 0o710)
+        elif mode & 0o077 and mode != 0o710:     # 0710 is server.socket_group's layout: left alone
             os.fchmod(fd, 0o700)
     finally:
         os.close(fd)
@@ -66,7 +74,7 @@ class NotASocket(OSError):
     """Something other than a socket is at the path."""
 
 
-def listen_private(path: str, backlog: int) -> socket.socket:
+def listen_private(path: str, backlog: int, mode: int = 0o600, group: int | None = None) -> socket.socket:
     """Listen on a Unix socket at `path`, mode 0600 from its creation (its directory checked by the caller): a stale
     socket (nobody answers) is replaced; a live one (SocketServed) or any other file (NotASocket) is not."""
     if os.path.lexists(path) and not stat.S_ISSOCK(os.lstat(path).st_mode):
@@ -86,6 +94,8 @@ def listen_private(path: str, backlog: int) -> socket.socket:
         sock.bind(path)
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    if group is not None:
+        os.chown(path, -1, group)
+    os.chmod(path, mode)
     sock.listen(backlog)
     return sock

@@ -39,6 +39,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.system)
 
 
+ADMIN_SECRET = "test-admin-secret"      # each test daemon's server.admin_secret (DaemonProc.client passes it)
+
+
 class DaemonProc:
     def __init__(self, capacity: str = "16MiB", segment: str = "1MiB", env: dict[str, str] | None = None,
                  argv: list[str] | None = None) -> None:
@@ -46,7 +49,8 @@ class DaemonProc:
         self.dir = tempfile.mkdtemp(prefix="kvs-")
         self.socket = os.path.join(self.dir, "run", "kvstore.sock")
         self.env = {**os.environ, "KVSTORE_SERVER_SOCKET": self.socket, "KVSTORE_POOL_CAPACITY": capacity,
-                    "KVSTORE_POOL_SEGMENT_BYTES": segment, "KVSTORE_LOG_LEVEL": "debug", **(env or {})}
+                    "KVSTORE_POOL_SEGMENT_BYTES": segment, "KVSTORE_LOG_LEVEL": "debug",
+                    "KVSTORE_SERVER_ADMIN_SECRET": ADMIN_SECRET, **(env or {})}
         self.log_path = os.path.join(self.dir, "daemon.log")
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -81,7 +85,14 @@ class DaemonProc:
             return f.read()
 
     def client(self, **kw: object) -> Client:
+        """A client of the daemon's own user; with the admin secret the daemon was given (the admin role where
+        tenants have secrets), unless `admin_secret` says otherwise."""
+        kw.setdefault("admin_secret", self.env.get("KVSTORE_SERVER_ADMIN_SECRET") or "")
         return Client(self.socket, **kw)  # type: ignore[arg-type]
+
+    def cli_env(self) -> dict[str, str]:
+        """The environment for `kvstore` CLI commands against this daemon as its admin."""
+        return {**os.environ, "KVSTORE_ADMIN_SECRET": self.env.get("KVSTORE_SERVER_ADMIN_SECRET", "")}
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         assert self.proc is not None

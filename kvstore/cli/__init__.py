@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", help="daemon socket (default: the configured one)")
     p.add_argument("--tenant", help="speak for this tenant (default: KVSTORE_TENANT, else your user's); its secret, "
                                     "if it has one, from KVSTORE_TENANT_SECRET")
+    p.add_argument("--admin-secret-file", help="the daemon's admin secret (server.admin_secret_file), for admin "
+                                               "commands where tenants have secrets (default: KVSTORE_ADMIN_SECRET, "
+                                               "else the file KVSTORE_ADMIN_SECRET_FILE names)")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the daemon in the foreground")
     s.add_argument("--config", help="YAML file over the embedded default (configs/default.yaml)")

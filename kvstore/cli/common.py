@@ -12,11 +12,31 @@ from kvstore.histogram import BUCKETS
 def client(args: argparse.Namespace) -> Any:
     from kvstore.client import Client
 
+    secret = admin_secret(args)
     if args.socket:
-        return Client(args.socket, tenant=args.tenant)
+        return Client(args.socket, tenant=args.tenant, admin_secret=secret)
     from kvstore.daemon.config import load_config
 
-    return Client(load_config().server.socket, tenant=args.tenant)
+    return Client(load_config().server.socket, tenant=args.tenant, admin_secret=secret)
+
+
+def admin_secret(args: argparse.Namespace) -> str | None:
+    """The admin secret a command's hello carries: --admin-secret-file, else KVSTORE_ADMIN_SECRET(_FILE) (the
+    client reads those), else the daemon's configuration as this user can load it (server.admin_secret, or the
+    file server.admin_secret_file names, where readable)."""
+    import os
+
+    if getattr(args, "admin_secret_file", None):
+        with open(args.admin_secret_file) as f:
+            return f.read().strip() or None
+    if os.environ.get("KVSTORE_ADMIN_SECRET") or os.environ.get("KVSTORE_ADMIN_SECRET_FILE"):
+        return None
+    from kvstore.daemon.config import ConfigError, load_config
+
+    try:
+        return load_config(os.environ.get("KVSTORE_CONFIG")).server.admin_secret or None
+    except (ConfigError, OSError):
+        return None
 
 
 def table_of(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

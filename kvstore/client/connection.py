@@ -55,13 +55,13 @@ __all__ = ["MAX_FDS", "NS_FIELDS", "QUIET_S", "RECV_BYTES", "REPLAYABLE", "Clien
 
 class Client(AdminCalls, SegmentMaps):
     def __init__(self, path: str | None = None, copy_threads: int = 1, timeout: float | None = 30.0,
-                 tenant: str | None = None, secret: str | None = None) -> None:
-        super().__init__(path, timeout, tenant, secret)          # connected (NoDaemon if none listens)
+                 tenant: str | None = None, secret: str | None = None, admin_secret: str | None = None) -> None:
+        super().__init__(path, timeout, tenant, secret, admin_secret)   # connected (NoDaemon if none listens)
         self._spaces: weakref.WeakSet[Namespace] = weakref.WeakSet()   # said hello to: again after a reconnect
         self.copier = Copier(copy_threads)
         self.max_keys = 1024
         self.lease_s = 60.0                   # the daemon's reservation lease (hello says): renew() before it ends
-        if self.tenant:
+        if self.tenant or self.admin_secret:
             try:
                 self.call("hello", **self._credentials())    # refused here, not at the first namespace
             except BaseException:

@@ -49,8 +49,9 @@ def _ident(fd: int) -> tuple[int, int]:
 class SegmentMaps(Wire):
     """The connection, and the daemon's segments it has mapped."""
 
-    def __init__(self, path: str | None, timeout: float | None, tenant: str | None, secret: str | None) -> None:
-        super().__init__(path, timeout, tenant, secret)
+    def __init__(self, path: str | None, timeout: float | None, tenant: str | None, secret: str | None,
+                 admin_secret: str | None = None) -> None:
+        super().__init__(path, timeout, tenant, secret, admin_secret)
         self._segments: dict[int, _Mapped] = {}
         self.generation = -1
         # called with (segment id, its mapped bytes) just before a segment is unmapped: whoever registered the

@@ -59,6 +59,18 @@ class KVStoreError(Exception):
         self.message = message
 
 
+def admin_secret_from_env() -> str | None:
+    """The admin secret for this process's hellos: KVSTORE_ADMIN_SECRET, else the file KVSTORE_ADMIN_SECRET_FILE
+    names (the daemon's server.admin_secret; needed for the admin role where tenants have secrets)."""
+    if os.environ.get("KVSTORE_ADMIN_SECRET"):
+        return os.environ["KVSTORE_ADMIN_SECRET"]
+    path = os.environ.get("KVSTORE_ADMIN_SECRET_FILE")
+    if not path:
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
 def _kernel_timeout(sock: socket.socket, timeout: float | None) -> None:
     """A connected socket made blocking, its `timeout` kept by the kernel (SO_RCVTIMEO, SO_SNDTIMEO): Python's own
     timeout waits in poll() before each recv and send, an extra syscall and a slower wake-up, measured here at
@@ -76,10 +88,12 @@ class Wire:
     """One connection to the daemon at `path` (else KVSTORE_SERVER_SOCKET, else the default socket), speaking for
     `tenant`; connects at once (NoDaemon if none listens)."""
 
-    def __init__(self, path: str | None, timeout: float | None, tenant: str | None, secret: str | None) -> None:
+    def __init__(self, path: str | None, timeout: float | None, tenant: str | None, secret: str | None,
+                 admin_secret: str | None = None) -> None:
         self.path = path or os.environ.get("KVSTORE_SERVER_SOCKET") or default_socket_path()
         self.tenant = tenant if tenant is not None else os.environ.get("KVSTORE_TENANT") or None
         self.secret = secret if secret is not None else os.environ.get("KVSTORE_TENANT_SECRET") or None
+        self.admin_secret = admin_secret if admin_secret is not None else admin_secret_from_env()
         self.timeout = timeout
         self.sock = self._connect()
         self._quiet_since = time.monotonic()
@@ -122,6 +136,8 @@ class Wire:
         out = {"tenant": self.tenant} if self.tenant else {}
         if self.tenant and self.secret:
             out["secret"] = self.secret
+        if self.admin_secret:
+            out["admin_secret"] = self.admin_secret
         return out
 
     # ----- requests and replies -----

@@ -49,6 +49,14 @@ class ServerConfig:
     reservation_lease_s: float = 60.0   # an uncommitted reservation older than this is aborted
     min_block_bytes: int = 512          # a namespace whose full block is smaller is refused
     idle_timeout_s: float = 600.0       # a connection pinning nothing that sends nothing this long is closed
+    pin_lease_s: float = 300.0          # a pin held longer is dropped (its reader's late copy fails its CRC check)
+    max_connections_per_uid: int = 0   # 0: max_connections // 2 (one user cannot lock the others out)
+    max_connections_per_tenant: int = 0  # 0: max_connections // 2
+    socket_group: str = ""              # a group (name or gid) whose members may connect: engines under own uids
+    socket_mode: str = "auto"           # the socket's mode: auto = 0600, 0660 with socket_group
+    admin_secret: str = ""              # where tenants have secrets, the admin role needs this too (hello)
+    admin_secret_file: str = ""         # the same, read from a file (at start)
+    max_failed_hellos: int = 10         # per uid per minute: then hellos with credentials are refused unchecked
 
 
 @dataclass(slots=True)
@@ -223,6 +231,8 @@ def _build(raw: dict[str, Any], errors: list[str]) -> Config:
 def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
     if _is_size(section, key):
         return 0 if value == "auto" else parse_size(value)
+    if (section, key) == ("server", "socket_mode"):
+        return _socket_mode(value)
     if (section, key) == ("server", "admin_uids"):
         if value == "auto":
             return [os.getuid()]
@@ -240,6 +250,71 @@ def _coerce(section: str, key: str, value: Any, typ: Any) -> Any:
     if typ in ("str", str) and not isinstance(value, str):
         raise ValueError(f"expected a string, got {value!r}")
     return value
+
+
+def _socket_mode(value: Any) -> str:
+    """`auto`, or an octal mode: YAML reads an unquoted 0660 as the integer 432, an environment variable gives the
+    string "0660"; either way the result is the octal string."""
+    if value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 0o777:
+        return f"0{value:o}"
+    if isinstance(value, str) and value.isdigit() and set(value) <= set("01234567") and int(value, 8) <= 0o777:
+        return f"0{int(value, 8):o}"
+    raise ValueError(f"expected auto or an octal mode such as 0660, got {value!r}")
+
+
+def socket_mode(s: ServerConfig) -> int:
+    """The socket's mode bits: server.socket_mode, or 0600 (0660 where a socket_group may connect)."""
+    if s.socket_mode == "auto":
+        return 0o660 if s.socket_group else 0o600
+    return int(s.socket_mode, 8)
+
+
+def socket_gid(s: ServerConfig) -> int | None:
+    """server.socket_group as a gid (None: none); ValueError naming it if no such group."""
+    import grp
+
+    if not s.socket_group:
+        return None
+    if s.socket_group.isdigit():
+        return int(s.socket_group)
+    try:
+        return grp.getgrnam(s.socket_group).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {s.socket_group!r}") from None
+
+
+def _check_access(s: ServerConfig) -> list[str]:
+    """The socket's group and mode, and the admin secret (read from its file here, once)."""
+    errors = []
+    try:
+        socket_gid(s)
+    except ValueError as e:
+        errors.append(f"server.socket_group: {e}")
+    if socket_mode(s) & 0o007 and not s.socket_group:
+        errors.append(f"server.socket_mode: {s.socket_mode} lets every local user connect; name the users' group "
+                      "in server.socket_group instead (other users need a distinct uid and tenancy)")
+    if s.admin_secret and s.admin_secret_file:
+        errors.append("server.admin_secret and server.admin_secret_file: set one, not both")
+    elif s.admin_secret_file:
+        try:
+            with open(s.admin_secret_file) as f:
+                s.admin_secret = f.read().strip()
+        except OSError as e:
+            errors.append(f"server.admin_secret_file: cannot read {s.admin_secret_file}: {e.strerror}")
+        else:
+            if not s.admin_secret:
+                errors.append(f"server.admin_secret_file: {s.admin_secret_file} is empty")
+    if not 1 <= s.max_failed_hellos <= 100000:
+        errors.append(f"server.max_failed_hellos: must be 1..100000, got {s.max_failed_hellos}")
+    for name in ("max_connections_per_uid", "max_connections_per_tenant"):
+        v = getattr(s, name)
+        if not 0 <= v <= s.max_connections:
+            errors.append(f"server.{name}: must be 0..server.max_connections ({s.max_connections}), got {v}")
+    if not 1 <= s.pin_lease_s <= 86400:
+        errors.append(f"server.pin_lease_s: must be 1..86400 seconds, got {s.pin_lease_s}")
+    return errors
 
 
 def _check(cfg: Config) -> list[str]:
@@ -262,6 +337,7 @@ def _check(cfg: Config) -> list[str]:
     if s.shutdown_timeout_s < 0:
         errors.append(f"server.shutdown_timeout_s: must not be negative, got {s.shutdown_timeout_s}")
     errors += _check_limits(s)
+    errors += _check_access(s)
     if p.capacity == 0:
         p.capacity = auto_capacity()
     if p.segment_bytes < 1 << 20:

@@ -24,7 +24,7 @@ from typing import Any
 from kvstore import __version__
 from kvstore.daemon import admin, read_ops, write_ops
 from kvstore.daemon.state import State
-from kvstore.daemon.tenants import Conn, resolve, tenant_of
+from kvstore.daemon.tenants import Conn, check_admin_secret, resolve, tenant_of
 from kvstore.index import Holdings
 from kvstore.protocol import Code, ProtocolError
 from kvstore.protocol.geometry import GeometryError
@@ -48,10 +48,10 @@ def op_ping(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_hello(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
-    _fix_tenant(st, h, m.get("tenant"), m.get("secret"))
+    _fix_tenant(st, h, m.get("tenant"), m.get("secret"), m.get("admin_secret"))
     reply: dict[str, Any] = {"version": __version__, "pid": os.getpid(), "generation": st.pool.generation,
                              "max_keys": st.config.server.max_keys_per_request, "tenant": h.tenant,
-                             "reservation_lease_s": st.config.server.reservation_lease_s}
+                             "reservation_lease_s": st.config.server.reservation_lease_s, "admin": h.admin}
     if "namespace" in m:
         try:
             spec = NamespaceSpec.from_dict(m["namespace"])
@@ -69,19 +69,40 @@ def op_hello(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
-def _fix_tenant(st: State, h: Conn, name: str | None, secret: str | None) -> None:
-    """The connection's tenant, fixed at its first hello; a later hello may repeat its name, not change it."""
-    if h.tenant is None:
-        h.tenant = resolve(st.config, h.peer, name, secret)
-    elif name and name != h.tenant:
-        raise ProtocolError(Code.FORBIDDEN, f"hello: this connection speaks for tenant {h.tenant!r} since its first "
-                                            f"hello; open another connection for tenant {name[:64]!r}")
+def _fix_tenant(st: State, h: Conn, name: str | None, secret: str | None, admin_secret: str | None) -> None:
+    """The connection's tenant, fixed at its first hello (counted against the tenant's connection cap); a later
+    hello may repeat its name, not change it. An `admin_secret` gives the admin role (kvstore.daemon.tenants).
+    Credentials are checked only until they succeed, and each failure counts for the uid (HelloGuard)."""
+    guard = st.access.guard
+    checking = (h.tenant is None and bool(name or secret)) or (admin_secret is not None and not h.admin)
+    if checking:
+        guard.check(h)
+    admin = False
+    try:
+        if admin_secret is not None and not h.admin:
+            admin = check_admin_secret(st.config, h.peer, admin_secret)
+        if h.tenant is None:
+            tenant = resolve(st.config, h.peer, name, secret)
+            st.access.enter_tenant(h, tenant)
+            h.tenant = tenant
+        elif name and name != h.tenant:
+            raise ProtocolError(Code.FORBIDDEN, f"hello: this connection speaks for tenant {h.tenant!r} since its "
+                                                f"first hello; open another connection for tenant {name[:64]!r}")
+    except ProtocolError as e:
+        if e.code == Code.FORBIDDEN:
+            guard.failed(h, e.message)
+        raise
+    if admin:
+        h.admin = True
 
 
 def op_segments(st: State, h: Conn, m: dict[str, Any]) -> Reply:
     """Handles (memfds, sent with SCM_RIGHTS) of the segments asked for that still exist and hold the connection's
     own tenant's blocks (others are left out, as if gone), and the live ids of its tenant's segments."""
-    tenant = tenant_of(st.config, h)
+    if h.tenant is None:
+        raise ProtocolError(Code.FORBIDDEN, "segments: say hello first (its tenant decides which segments are "
+                                            "this connection's)")
+    tenant = h.tenant
     ids = m["ids"][:MAX_FDS_PER_REPLY]
     found = [seg for i in ids if (seg := st.pool.segments.get(i)) is not None and seg.tenant == tenant]
     fds = [os.dup(s.fd) for s in found]

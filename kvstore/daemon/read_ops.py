@@ -224,7 +224,14 @@ def op_renew(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_release(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
-    st.index.release(m["slots"], h)
+    """Unpin; a slot whose pin the daemon dropped at its lease (server.pin_lease_s) is let go of quietly: its
+    reader's copy was checked against its CRC, and the lease is what a reader learns from a failed check."""
+    slots = m["slots"]
+    expired = getattr(h, "expired_pins", None)
+    if expired:
+        slots = [g for g in slots if g not in expired or h.pins[g]]
+        expired.difference_update(m["slots"])
+    st.index.release(slots, h)
     return {"n": len(m["slots"])}
 
 

@@ -26,7 +26,7 @@ from types import FrameType
 
 from kvstore.daemon import process
 from kvstore.daemon.admin import snapshot
-from kvstore.daemon.config import Config
+from kvstore.daemon.config import Config, socket_gid, socket_mode
 from kvstore.daemon.metrics import start_prometheus
 from kvstore.daemon.session import Session
 from kvstore.daemon.state import State, build_state
@@ -52,26 +52,27 @@ class SocketInUse(StartupError):
     pass
 
 
-def prepare_socket_dir(path: str) -> None:
-    """The socket's directory: ours alone (0700), never a shared one like /tmp (kvstore.private_dir)."""
+def prepare_socket_dir(path: str, group: int | None = None) -> None:
+    """The socket's directory: ours alone (0700; 0710 of server.socket_group), never a shared one like /tmp
+    (kvstore.private_dir)."""
     d = os.path.dirname(path) or "."
     try:
-        ensure_private_dir(d, "socket directory")
+        ensure_private_dir(d, "socket directory", group)
     except NotPrivateDir as e:
         raise StartupError(f"{e}; or set server.socket / KVSTORE_SERVER_SOCKET") from None
 
 
-def bind_unix(path: str) -> socket.socket:
+def bind_unix(path: str, mode: int = 0o600, group: int | None = None) -> socket.socket:
     try:
-        return _bind_unix(path)
+        return _bind_unix(path, mode, group)
     except OSError as e:
         raise StartupError(f"cannot listen at {path}: {e.strerror or e}") from None
 
 
-def _bind_unix(path: str) -> socket.socket:
-    prepare_socket_dir(path)
+def _bind_unix(path: str, mode: int, group: int | None) -> socket.socket:
+    prepare_socket_dir(path, group)
     try:
-        return listen_private(path, 128)
+        return listen_private(path, 128, mode, group)
     except NotASocket:
         raise StartupError(f"{path} exists and is not a socket; refusing to replace it (remove it or set "
                            f"server.socket / KVSTORE_SERVER_SOCKET to another path)") from None
@@ -104,7 +105,7 @@ class Daemon:
         # checksumming: Python's default switch interval (5 ms) would be the latency of a critical read.
         sys.setswitchinterval(float(os.environ.get("KVSTORE_SWITCH_INTERVAL", "0.0005")))
         process.harden()
-        self.listener = bind_unix(cfg.server.socket)
+        self.listener = bind_unix(cfg.server.socket, socket_mode(cfg.server), socket_gid(cfg.server))
         self.listener.settimeout(0.2)
         try:
             if cfg.metrics.enabled:
@@ -118,6 +119,7 @@ class Daemon:
                 self._close_refused(now)
                 if now >= self._next_sweep:
                     self._expire_reservations(now)
+                    self._expire_pins(now)
                     self._retire_idle_workflows()
                     self._predict()
                 self._drain_moves()
@@ -146,6 +148,32 @@ class Daemon:
             log.warning("client %s left %d reservation(s) uncommitted for %g s (server.reservation_lease_s): "
                         "aborted; its later commit of them gets not_found. Commit or abort each reservation "
                         "within the lease", session.peer, n, self.config.server.reservation_lease_s)
+
+    def _expire_pins(self, now: float) -> None:
+        """Drop pins held past server.pin_lease_s (each from when this sweep first saw it): a reader that keeps its
+        connection busy still cannot keep memory from eviction, reclaim or another tenant's quota for good."""
+        lease = self.config.server.pin_lease_s
+        dropped: list[tuple[Session, int]] = []
+        with self.state.lock:
+            for session, _ in list(self.sessions.values()):
+                h = session.holdings
+                if not h.pins and not h.pin_seen:
+                    continue
+                for gid in [g for g in h.pin_seen if not h.pins[g]]:
+                    del h.pin_seen[gid]
+                old = [g for g in h.pins if now - h.pin_seen.setdefault(g, now) >= lease]
+                if old:
+                    self.state.index.release([g for g in old for _ in range(h.pins[g])], h)
+                    for g in old:
+                        del h.pin_seen[g]
+                    if len(h.expired_pins) > 65536:
+                        h.expired_pins.clear()
+                    h.expired_pins.update(old)
+                    self.state.counters["pins_expired"] += len(old)
+                    dropped.append((session, len(old)))
+        for session, n in dropped:
+            log.warning("client %s held %d pin(s) for %g s (server.pin_lease_s): dropped; its copies out of those "
+                        "slots fail their CRC check if the slots were reused", session.peer, n, lease)
 
     def _retire_idle_workflows(self) -> None:
         """Workflows and sessions idle past hints.idle_s are retired: O(retired), under the state lock. The keys
@@ -219,26 +247,30 @@ class Daemon:
         secs = self.config.server.send_timeout_s
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(secs), int(secs % 1 * 1e6)))
         st = self.state
+        peer = Peer.of(conn)
         with st.lock:
-            full = st.connections >= self.config.server.max_connections
-            if full:
+            why = None
+            if st.connections >= self.config.server.max_connections:
+                why = (f"the daemon serves at most {self.config.server.max_connections} connections; try again "
+                       "later")
+            else:
+                why = st.access.uid_full(peer)
+            if why:
                 st.metrics.refused_connections += 1
             else:
                 st.connections += 1
-        if full:
-            log.warning("refused a client: %d connections is the cap (server.max_connections)", st.connections)
-            self._refuse(conn)
+        if why:
+            log.warning("refused a client (%s): %s", peer, why)
+            self._refuse(conn, why)
             return
-        peer = Peer.of(conn)
         session = Session(st, conn, peer)
         t = threading.Thread(target=self._run_session, args=(session,), name=f"conn-{peer.pid}", daemon=True)
         self.sessions[id(session)] = (session, t)
         t.start()
 
-    def _refuse(self, conn: socket.socket) -> None:
+    def _refuse(self, conn: socket.socket, why: str) -> None:
         try:
-            conn.sendall(encode(error(0, Code.TOO_MANY_CONNECTIONS, f"the daemon serves at most "
-                                      f"{self.config.server.max_connections} connections; try again later")))
+            conn.sendall(encode(error(0, Code.TOO_MANY_CONNECTIONS, why)))
             conn.shutdown(socket.SHUT_WR)
         except OSError:
             conn.close()

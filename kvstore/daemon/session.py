@@ -50,6 +50,8 @@ class Session:
         self.holdings = Conn(peer=peer, admin=is_admin(state.config, peer), held_share=cfg.max_held_fraction,
                              reserved_share=cfg.max_reserved_fraction,
                              max_namespaces=cfg.max_namespaces_per_connection)
+        with state.lock:
+            state.access.connected(self.holdings)
         self.in_request = False
         self._frames = FrameReader(cfg.max_frame_bytes)
         self._limits = Limits.for_requests(cfg.max_frame_bytes, cfg.max_keys_per_request)
@@ -72,6 +74,7 @@ class Session:
                     log.info("client %s left holding %d reservation(s) and %d pin(s): released", self.peer,
                              len(self.holdings.reserved), sum(self.holdings.pins.values()))
                 self.state.index.disconnect(self.holdings)
+                self.state.access.disconnected(self.holdings)
                 self.state.connections -= 1
             self.sock.close()
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from threading import Condition, Lock
 
+from kvstore.daemon.access import Access
 from kvstore.daemon.config import Config
 from kvstore.daemon.hints import Hints
 from kvstore.daemon.metrics import OpMetrics
@@ -67,6 +68,10 @@ class State:
     metrics: OpMetrics = field(default_factory=OpMetrics)
     connections: int = 0
     started: float = field(default_factory=time.time)
+    access: Access = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.access = Access(self.config.server)
 
     def defer_copies(self) -> None:
         """Demotion copies of blocks this thread evicts wait until `copy_deferred` (after the lock)."""

@@ -13,10 +13,10 @@ exist, and — as decisions handed to movers — which blocks leave the host poo
 from kvstore.index.books import Index
 from kvstore.index.capacity import Eviction, EvictionSink, EvictPlan, ResizeResult
 from kvstore.index.errors import InvalidRequest, NotHeld, OverLimit, Refused, TooLarge, UnknownNamespace
-from kvstore.index.namespaces import Holdings, NamespaceEntry
+from kvstore.index.namespaces import HoldGroup, Holdings, NamespaceEntry
 from kvstore.index.sharing import GroupMismatch, NotAPair
 from kvstore.index.sweep import SlotCursor
 
-__all__ = ["EvictPlan", "Eviction", "EvictionSink", "GroupMismatch", "Holdings", "Index", "InvalidRequest",
-           "NamespaceEntry", "NotAPair", "NotHeld", "OverLimit", "Refused", "ResizeResult", "SlotCursor", "TooLarge",
-           "UnknownNamespace"]
+__all__ = ["EvictPlan", "Eviction", "EvictionSink", "GroupMismatch", "HoldGroup", "Holdings", "Index",
+           "InvalidRequest", "NamespaceEntry", "NotAPair", "NotHeld", "OverLimit", "Refused", "ResizeResult",
+           "SlotCursor", "TooLarge", "UnknownNamespace"]

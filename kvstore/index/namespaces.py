@@ -63,12 +63,58 @@ class Holdings:
     leases: OrderedDict[bytes, float] = field(default_factory=OrderedDict)   # stores' reservations → lease end
     refresh: dict[bytes, list[bytes]] = field(default_factory=dict)   # reserved key → blocks stored already before
     #                                                                    it, refreshed at its commit (Index.reserve)
-    held_bytes: int = 0         # bytes of the slots it reserves or pins (each slot once)
+    _held: int = 0              # held_bytes: bytes of the slots it reserves or pins (each slot once)
     held_share: float = 0.0     # at most this share of the pool's capacity held at once (0: no cap)
-    reserved_bytes: int = 0     # bytes of its store reservations not committed yet
+    _reserved: int = 0          # reserved_bytes: bytes of its store reservations not committed yet
     reserved_share: float = 0.0  # at most this share of the pool reserved for stores at once (0: no cap)
     max_namespaces: int = 0     # namespaces it may say hello to (0: no cap)
     tenant: str | None = None   # fixed at the connection's first hello
+    groups: tuple[HoldGroup, ...] = ()   # its tenant's and its user's sums: held to the same shares (`join`)
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    @held_bytes.setter
+    def held_bytes(self, value: int) -> None:
+        for g in self.groups:
+            g.held += value - self._held
+        self._held = value
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved
+
+    @reserved_bytes.setter
+    def reserved_bytes(self, value: int) -> None:
+        for g in self.groups:
+            g.reserved += value - self._reserved
+        self._reserved = value
+
+    def join(self, group: HoldGroup) -> None:
+        """Count this holder's bytes in `group` too, from now on (what it holds already included)."""
+        if group not in self.groups:
+            group.held += self._held
+            group.reserved += self._reserved
+            self.groups = (*self.groups, group)
+
+    def over(self, share: float, capacity: int, nbytes: int, reserved: bool = False) -> bool:
+        """Whether `nbytes` more would take it, or one of its groups, over `share` of `capacity` (held bytes, or
+        with `reserved` the reservations not committed yet)."""
+        room = share * capacity
+        if (self._reserved if reserved else self._held) + nbytes > room:
+            return True
+        return any((g.reserved if reserved else g.held) + nbytes > room for g in self.groups)
+
+
+class HoldGroup:
+    """The bytes held and reserved by several holders together: a tenant's connections, or one user's. Without
+    them a share is per connection, and two connections hold twice as much (issue 29)."""
+
+    __slots__ = ("name", "held", "reserved")
+
+    def __init__(self, name: str) -> None:
+        self.name, self.held, self.reserved = name, 0, 0
 
 
 class Namespaces:

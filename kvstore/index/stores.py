@@ -67,7 +67,7 @@ class Stores:
         self._drain_step()
         gids, status = [], []
         waiting: list[bytes] = []                    # blocks stored already, since the last one reserved
-        room = holder.reserved_share * self.pool.capacity if holder.reserved_share else None
+        share = holder.reserved_share
         # A put never drops its own chain's blocks to store later ones (they would follow a hole), nor blocks
         # worth more than its own (`Allocation.allocate`); with a lower tier an eviction demotes instead of
         # dropping, so there the chain may overflow the pool (its head read back from below).
@@ -79,8 +79,8 @@ class Stores:
                 gids.append(0)
                 status.append(EXISTS if key in self.table else NO_SPACE)
                 continue
-            if room is not None and holder.reserved_bytes + ns.slot_bytes > room and key not in self.table \
-                    and key not in self.pending:
+            if share and key not in self.table and key not in self.pending \
+                    and holder.over(share, self.pool.capacity, ns.slot_bytes, reserved=True):
                 self.counters["held_cap"] += 1           # server.max_reserved_fraction: the rest waits for commits
                 gids.append(0)
                 status.append(NO_SPACE)
@@ -132,7 +132,7 @@ class Stores:
 
     def at_cap(self, holder: Holdings, nbytes: int) -> bool:
         """Whether `nbytes` more would take the holder over its share of the pool."""
-        return bool(holder.held_share) and holder.held_bytes + nbytes > holder.held_share * self.pool.capacity
+        return bool(holder.held_share) and holder.over(holder.held_share, self.pool.capacity, nbytes)
 
     def may_hold(self, holder: Holdings, nbytes: int) -> bool:
         """Whether the holder may reserve or pin `nbytes` more within its share of the pool; counts a refusal."""

@@ -23,7 +23,7 @@ _HINT: Schema = {"kind": ("id", True), "workflow": ("id", False), "session": ("i
 SCHEMAS: dict[str, Schema] = {
     "ping": {},
     "hello": {"namespace": ("map", False), "client": ("str", False), "tenant": ("str", False),
-              "secret": ("str", False)},
+              "secret": ("str", False), "admin_secret": ("str", False)},
     "segments": {"ids": ("ints", True)},
     "lookup": {**_KEYS, **_CONTEXT, "residual": ("int", False), "mask": ("bool", False)},
     "reserve": {**_KEYS, **_CONTEXT},

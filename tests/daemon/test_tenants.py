@@ -111,12 +111,13 @@ def test_a_tenant_allowed_only_to_other_users_is_refused(tmp_path, daemons):
 
 def test_the_tenant_comes_from_the_environment_and_the_default_tenant_keeps_digests(tmp_path, daemons, monkeypatch):
     d = tenant_daemon(tmp_path, daemons, admin=True)
-    with Client(d.socket, tenant="a", secret="secret-a") as a, Client(d.socket) as plain:
+    with Client(d.socket, tenant="a", secret="secret-a") as a, Client(d.socket) as plain, d.client() as admin:
         ns_a = a.namespace(spec())
         assert ns_a.put(hashes(2), [block(0), block(1)]).stored == 2
         ns = plain.namespace(spec())                            # no tenant named: the default tenant ""
         assert plain.call("hello")["tenant"] == ""
-        digests = {n["id"]: n["digest"] for n in plain.list()["namespaces"]}
+        assert [n["id"] for n in plain.list()["namespaces"]] == [ns.id]   # no admin: its own tenant's only
+        digests = {n["id"]: n["digest"] for n in admin.list()["namespaces"]}
         assert digests[ns.id] == spec().digest().hex()          # as before tenants: SSD records stay readable
         assert digests[ns_a.id] != spec().digest().hex()
         assert ns.lookup(hashes(2)) == 0
@@ -134,15 +135,17 @@ def test_a_tenants_blocks_on_ssd_stay_its_own(tmp_path, daemons):
     with Client(d.socket, tenant="a", secret="secret-a") as a, Client(d.socket, tenant="b", secret="secret-b") as b:
         ns_a, ns_b = a.namespace(spec()), b.namespace(spec())
         assert ns_a.put(hs, want).stored == 16
-        a.evict(everything=True)                                # an admin: every block goes to SSD
-        ssd_settled(a)
+        with d.client() as admin:                               # uid and admin secret: every block goes to SSD
+            admin.evict(everything=True)
+            ssd_settled(admin)
+            listing = admin.list()                              # the admin sees both tenants
         assert ns_b.lookup(hs) == 0                             # no hit from SSD either
         outs = [bytearray(GEOM.full_bytes) for _ in hs]
         assert ns_a.get(hs, outs) == 16 and [bytes(o) for o in outs] == want
-        listing = a.list()                                      # the admin sees both tenants
         assert {n["tenant"] for n in listing["namespaces"]} == {"a", "b"}
+        assert {n["tenant"] for n in a.list()["namespaces"]} == {"a"}    # the daemon's uid alone: no admin
     r = subprocess.run([sys.executable, "-m", "kvstore", "--socket", d.socket, "ls"], capture_output=True, text=True,
-                       timeout=60)
+                       env=d.cli_env(), timeout=60)
     rows = [line.split()[:3] for line in r.stdout.splitlines()[2:]]
     assert r.stdout.split()[:3] == ["ns", "tenant", "model"]
     assert [t for _, t, _ in rows] == ["a"]                     # b's namespace, empty and unused, was forgotten
@@ -181,13 +184,16 @@ def test_a_delete_of_blocks_below_races_no_get_into_bringing_them_back(tmp_path,
         assert sum(ns.lookup([h]) for h in hs) == 0                # gone from every tier, none brought back
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second user")
-def as_nobody(d: DaemonProc, act: Callable[[Client], dict[str, object]]) -> dict[str, object]:
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second user (as_nobody)")
+
+
+def as_nobody(d: DaemonProc, act: Callable[[Client], dict[str, object]], open_up: bool = True) -> dict[str, object]:
     """Run `act` with a client of the daemon in a forked child that setuid()s to nobody; what it returned (or the
-    error it raised, as {"error": repr}), through a pipe."""
+    error it raised, as {"error": repr}), through a pipe. `open_up` opens the socket and its directories to every
+    user first (tests only); without it the daemon's own modes decide. Tests using it are marked `needs_root`."""
     import json
 
-    for path, mode in ((d.dir, 0o755), (os.path.dirname(d.socket), 0o755), (d.socket, 0o666)):
+    for path, mode in ((d.dir, 0o755), (os.path.dirname(d.socket), 0o755), (d.socket, 0o666)) if open_up else ():
         os.chmod(path, mode)                                  # let the other user reach the socket (tests only)
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -211,6 +217,7 @@ def as_nobody(d: DaemonProc, act: Callable[[Client], dict[str, object]]) -> dict
     return out
 
 
+@needs_root
 def test_another_user_gets_a_tenant_of_its_own_and_no_admin_role(start_daemon):
     """A second uid (a forked child that setuid()s to nobody), with nothing configured: the kernel's credentials
     give it tenant uid:65534, no admin role, and none of the daemon user's segments or blocks."""
@@ -241,6 +248,7 @@ def test_another_user_gets_a_tenant_of_its_own_and_no_admin_role(start_daemon):
         assert mine.get(hashes(4), outs) == 4 and [bytes(o) for o in outs] == [block(i) for i in range(4)]
 
 
+@needs_root
 def test_a_daemon_refusing_unknown_tenants_refuses_another_user(start_daemon):
     """tenancy.unknown: refuse — a uid no tenant lists (a forked child as nobody) is refused at hello with the
     setting named; the daemon's own user is still served."""

@@ -29,7 +29,7 @@ _CONTEXT = {"wf": ("id", False), "agent": ("id", False)}
 SCHEMAS: dict[str, dict[str, tuple[str, bool]]] = {
     "ping": {}, "stats": {}, "renew": {}, "tenants": {},
     "hello": {"namespace": ("map", False), "client": ("str", False), "tenant": ("str", False),
-              "secret": ("str", False)},
+              "secret": ("str", False), "admin_secret": ("str", False)},
     "segments": {"ids": ("ints", True)},
     "lookup": {**_KEYS, **_CONTEXT, "residual": ("int", False), "mask": ("bool", False)},
     "reserve": {**_KEYS, **_CONTEXT},

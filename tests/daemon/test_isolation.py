@@ -1,0 +1,235 @@
+"""A hostile neighbour against a live daemon (issue 29): no admin by the uid alone where tenants have secrets, no
+tenant entered without its secret, failed hellos throttled and logged, connections and held memory capped per
+tenant and per user, pins with a lease, and a socket other users reach only through a named group. Each test makes
+the attack and checks that it fails and that the victim is still served."""
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import yaml
+
+from kvstore.client import Client, KVStoreError
+from tests.conftest import GEOM, DaemonProc, block, hashes, spec
+from tests.daemon.test_tenants import as_nobody, needs_root
+
+SECRETS = {"a": "secret-a", "b": "secret-b"}
+
+
+def start(tmp_path: Path, daemons: list[DaemonProc], tenants: list[dict] | None = None, capacity: str = "16MiB",
+          **env: str) -> DaemonProc:
+    conf = tmp_path / "kvstore.yaml"
+    conf.write_text(yaml.safe_dump({"tenants": tenants if tenants is not None else
+                                    [{"name": n, "secret": s} for n, s in SECRETS.items()]}))
+    d = DaemonProc(capacity=capacity, env={"KVSTORE_CONFIG": str(conf), **env}).start()
+    daemons.append(d)
+    return d
+
+
+def tenant(d: DaemonProc, name: str, **kw: object) -> Client:
+    return Client(d.socket, tenant=name, secret=SECRETS[name], **kw)  # type: ignore[arg-type]
+
+
+def refused(call, *args, code: str = "forbidden", **kw) -> str:
+    with pytest.raises(KVStoreError) as e:
+        call(*args, **kw)
+    assert e.value.code == code, e.value
+    return e.value.message
+
+
+def test_a_tenant_on_the_daemons_uid_is_not_admin_without_the_admin_secret(tmp_path, daemons):
+    """Before, every tenant was admin by uid: tenant b listed a's keys, set a's quota to 0 and evicted a's blocks."""
+    d = start(tmp_path, daemons)
+    with tenant(d, "a") as a, tenant(d, "b") as b:
+        ns_a = a.namespace(spec())
+        assert ns_a.put(hashes(4), [block(i) for i in range(4)]).stored == 4
+        assert "admin role" in refused(b.list, ns_a.id)
+        assert "admin role" in refused(b.call, "tenant_quota", tenant="a", host=0)
+        assert "admin role" in refused(b.evict, everything=True)
+        assert [n["tenant"] for n in b.list()["namespaces"]] == []          # a's namespace is not even named
+        assert "wrong admin secret" in refused(tenant, d, "b", admin_secret="guess")
+        with d.client() as admin:                                          # uid and admin secret: the operator
+            assert admin.call("hello")["admin"] is True
+            assert {n["tenant"] for n in admin.list()["namespaces"]} == {"a"}
+        outs = [bytearray(GEOM.full_bytes) for _ in range(4)]
+        assert ns_a.get(hashes(4), outs) == 4 and [bytes(o) for o in outs] == [block(i) for i in range(4)]
+
+
+def test_where_no_admin_secret_is_configured_nobody_is_admin_beside_secret_tenants(tmp_path, daemons):
+    d = start(tmp_path, daemons, KVSTORE_SERVER_ADMIN_SECRET="")
+    with d.client() as c:
+        assert c.call("hello")["admin"] is False
+        assert "admin role" in refused(c.evict, everything=True)
+    assert "no admin secret is configured" in refused(Client, d.socket, admin_secret="anything")
+
+
+def test_a_tenant_with_a_secret_is_never_entered_without_it(tmp_path, daemons):
+    """Before, a hello naming no tenant landed in the first tenant listing the caller's uid, secret or not, and a
+    `segments` before any hello handed out that tenant's segment fds."""
+    me = os.getuid()
+    d = start(tmp_path, daemons, [{"name": "a", "secret": "secret-a", "uids": [me]}])
+    with Client(d.socket, tenant="a", secret="secret-a") as a:
+        ns = a.namespace(spec())
+        assert ns.put(hashes(4), [block(i) for i in range(4)]).stored == 4
+        live = a.call("segments", ids=[])["live"]
+    with Client(d.socket, admin_secret="") as plain:
+        assert "which has a secret" in refused(plain.namespace, spec())
+        assert "say hello first" in refused(plain.call, "segments", ids=live)       # no fd before a hello
+
+
+def raw_hellos(path: str, frames: list[dict]) -> tuple[list[dict], bool]:
+    """Send hellos one at a time on one raw connection: the replies, and whether the daemon then closed it."""
+    replies: list[dict] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        for i, fields in enumerate(frames, 1):
+            body = msgpack.packb({"v": 1, "op": "hello", "id": i, **fields})
+            try:
+                s.sendall(struct.pack("<I", len(body)) + body)
+                head = s.recv(4)
+            except (BrokenPipeError, ConnectionResetError):
+                return replies, True
+            if not head:
+                return replies, True
+            (n,) = struct.unpack("<I", head)
+            data = b""
+            while len(data) < n:
+                data += s.recv(n - len(data))
+            replies.append(msgpack.unpackb(data, raw=False))
+        s.settimeout(2)
+        try:
+            return replies, s.recv(1) == b""
+        except TimeoutError:
+            return replies, False
+
+
+def test_failed_hellos_close_the_connection_and_throttle_the_uid(tmp_path, daemons):
+    """Before, wrong-secret hellos ran at ~5,700/s on one connection with no throttle and no log line."""
+    d = start(tmp_path, daemons, KVSTORE_SERVER_MAX_FAILED_HELLOS="5")
+    wrong, right = {"tenant": "a", "secret": "guess"}, {"tenant": "a", "secret": "secret-a"}
+    replies, closed = raw_hellos(d.socket, [wrong] * 3 + [right])
+    assert [r["error"]["code"] for r in replies] == ["forbidden"] * 4 and not closed   # answered, never closed
+    assert "no more credentials are checked" in replies[3]["error"]["message"]         # past 3: unchecked
+    replies, closed = raw_hellos(d.socket, [wrong] * 2)                                # the uid's 4th and 5th
+    assert [r["error"]["code"] for r in replies] == ["forbidden"] * 2 and not closed
+    # past 5 in a minute, even the right secret is refused unchecked (a guesser learns nothing more)
+    message = refused(Client, d.socket, tenant="a", secret="secret-a")
+    assert "too many failed hellos from uid" in message and "server.max_failed_hellos" in message
+    log = d.read_log()
+    assert log.count("failed hello from pid") >= 5 and f"(uid {os.getuid()})" in log
+    with Client(d.socket, admin_secret="") as plain:           # no credentials to check: served as before
+        assert plain.namespace(spec()).put(hashes(2), [block(0), block(1)]).stored == 2
+
+
+def test_one_tenant_cannot_take_every_connection(tmp_path, daemons):
+    """Before, one client holding server.max_connections connections locked every other tenant out."""
+    d = start(tmp_path, daemons, KVSTORE_SERVER_MAX_CONNECTIONS="8", KVSTORE_SERVER_MAX_CONNECTIONS_PER_UID="8",
+              KVSTORE_SERVER_MAX_CONNECTIONS_PER_TENANT="3")
+    held = [tenant(d, "a") for _ in range(3)]
+    try:
+        assert "server.max_connections_per_tenant" in refused(tenant, d, "a", code="too_many_connections")
+        with tenant(d, "b") as b:                              # the neighbour still gets in
+            assert b.namespace(spec()).put(hashes(2), [block(0), block(1)]).stored == 2
+    finally:
+        for c in held:
+            c.close()
+
+
+def test_a_users_connections_are_capped_below_the_daemons(tmp_path, daemons):
+    d = start(tmp_path, daemons, [], KVSTORE_SERVER_MAX_CONNECTIONS="8", KVSTORE_SERVER_MAX_CONNECTIONS_PER_UID="2")
+    first = Client(d.socket)
+    deadline = time.monotonic() + 10
+    while first.stats()["connections"] > 1:                     # the readiness probe's session ends asynchronously
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    second = Client(d.socket)
+    try:
+        assert second.ping()["pong"]
+        third = Client(d.socket)
+        message = refused(third.ping, code="too_many_connections")
+        assert "uid" in message and "server.max_connections_per_uid" in message
+        third.close()
+        assert first.ping()["pong"] and second.ping()["pong"]
+        assert first.stats()["counters"]["refused_connections"] >= 1
+    finally:
+        first.close()
+        second.close()
+
+
+def test_held_and_reserved_memory_is_capped_per_tenant_not_per_connection(tmp_path, daemons):
+    """Before, max_reserved_fraction was per connection: two connections of one tenant reserved the whole pool."""
+    d = start(tmp_path, daemons, capacity="4MiB", KVSTORE_SERVER_MAX_HELD_FRACTION="0.5",
+              KVSTORE_SERVER_MAX_RESERVED_FRACTION="0.5")
+    pool_blocks = (4 << 20) // GEOM.full_bytes                  # 512
+    with tenant(d, "a") as a1, tenant(d, "a") as a2, tenant(d, "b") as b:
+        r1 = a1.namespace(spec()).reserve(hashes(pool_blocks, tag=b"1"))
+        r2 = a2.namespace(spec()).reserve(hashes(pool_blocks, tag=b"2"))
+        assert len(r1.reserved) + len(r2.reserved) == pool_blocks // 2          # the tenant's half, together
+        rb = b.namespace(spec()).reserve(hashes(pool_blocks, tag=b"3"))
+        assert len(rb.reserved) == pool_blocks // 2                             # the other half is b's to take
+        for r in (r1, r2, rb):
+            r.abort()
+
+
+def test_a_pin_has_a_lease(tmp_path, daemons):
+    """Before, a connection holding pins was never closed for idleness and pins had no lease: one pinned block per
+    segment kept every segment from reclaim for as long as the neighbour stayed connected."""
+    d = start(tmp_path, daemons, [], KVSTORE_SERVER_PIN_LEASE_S="1")
+    with d.client() as c:
+        ns = c.namespace(spec())
+        assert ns.put(hashes(8), [block(i) for i in range(8)]).stored == 8
+        lease = ns.acquire(hashes(8))
+        assert len(lease) == 8 and c.stats()["pinned"] == 8
+        deadline = time.monotonic() + 20
+        while c.stats()["pinned"]:
+            assert time.monotonic() < deadline, "pins outlived their lease"
+            time.sleep(0.1)
+        assert c.stats()["counters"]["pins_expired"] == 8
+        lease.release()                                        # its release is a no-op now, not an error
+        assert ns.delete(hashes(8)) == 8                       # nothing keeps the blocks
+        assert "server.pin_lease_s" in d.read_log()
+
+
+def test_the_socket_is_reached_through_a_group_and_never_opened_to_everyone(tmp_path, daemons):
+    gid = os.getgid()
+    d = start(tmp_path, daemons, [], KVSTORE_SERVER_SOCKET_GROUP=str(gid))
+    run = os.path.dirname(d.socket)
+    assert stat.S_IMODE(os.stat(run).st_mode) == 0o710 and os.stat(run).st_gid == gid
+    assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o660 and os.stat(d.socket).st_gid == gid
+    bad = DaemonProc(env={"KVSTORE_SERVER_SOCKET_MODE": "0666"})
+    r = bad_start(bad)
+    assert "lets every local user connect" in r
+
+
+def bad_start(d: DaemonProc) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvstore", "serve"], env=d.env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0
+    return out.stderr
+
+
+@needs_root
+def test_another_user_connects_only_through_the_socket_group(tmp_path, daemons):
+    """Engines under their own uids: nobody (gid 65534) reaches a daemon whose socket_group is 65534, and the
+    daemon of a plain configuration refuses it at the directory."""
+    d = start(tmp_path, daemons, [], KVSTORE_SERVER_SOCKET_GROUP="65534")
+    os.chmod(d.dir, 0o711)                                   # the test's own temporary parent: traversable
+
+    def act(c: Client) -> dict[str, object]:
+        return {"tenant": c.call("hello")["tenant"]}
+
+    assert as_nobody(d, act, open_up=False) == {"tenant": "uid:65534"}
+    (tmp_path / "p").mkdir()
+    plain = start(tmp_path / "p", daemons, [])
+    os.chmod(plain.dir, 0o711)
+    assert "PermissionError" in str(as_nobody(plain, act, open_up=False).get("error"))
