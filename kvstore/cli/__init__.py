@@ -9,6 +9,7 @@ from typing import Any
 
 from kvstore.cli.books import cmd_evict, cmd_flush, cmd_ls, cmd_resize, cmd_tenants, cmd_verify
 from kvstore.cli.hints import cmd_hint, cmd_workflows
+from kvstore.cli.rates import SORTS
 from kvstore.cli.serve import cmd_serve
 from kvstore.cli.stats import cmd_ping, cmd_stats
 from kvstore.cli.top import cmd_top
@@ -47,11 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="YAML file over the embedded default (configs/default.yaml)")
     s.add_argument("--capacity", help="host pool size, e.g. 8GiB (overrides the configuration)")
     s.set_defaults(func=cmd_serve)
-    c = sub.add_parser("top", help="live traffic per path and lane: throughput, queues, latency")
-    c.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
-    c.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0: until Ctrl-C)")
-    c.add_argument("--json", action="store_true", help="one JSON object per refresh, one per line")
-    c.set_defaults(func=cmd_top)
+    _top_parser(sub)
     for name, func, text in (("stats", cmd_stats, "capacity, use and counters per tier"),
                              ("ping", cmd_ping, "check that the daemon answers")):
         c = sub.add_parser(name, help=text)
@@ -95,6 +92,20 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_verify)
     return p
+
+
+def _top_parser(sub: Any) -> None:
+    c = sub.add_parser("top", help="live: ops, hit rates per tier, tenants and namespaces, movement between tiers, "
+                                   "traffic lanes; q quits, s cycles the sort")
+    c.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    c.add_argument("--count", type=int, default=0, help="stop after this many refreshes (0: until q or Ctrl-C)")
+    c.add_argument("--sort", choices=SORTS, default="activity", help="order of the tenant and namespace rows "
+                   "(activity: blocks looked up per second, for a namespace the change in its blocks)")
+    c.add_argument("--tenant", dest="only_tenant", metavar="NAME", help="only this tenant's rows ('' for the default "
+                   "tenant); `kvstore --tenant NAME top` instead speaks as that tenant")
+    c.add_argument("--ns", help="only the namespaces with this id, model or share group (and their tenants' rows)")
+    c.add_argument("--json", action="store_true", help="one JSON object per refresh, one per line")
+    c.set_defaults(func=cmd_top)
 
 
 def _hint_parsers(sub: Any) -> None:

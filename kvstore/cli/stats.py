@@ -88,10 +88,16 @@ def _workflows_lines(w: dict[str, Any], rates: dict[str, Any]) -> str:
     if "blocks" in w:
         lines.append(f"host blocks: {w['blocks']['retired']} retired, {w['blocks']['active']} active")
     for op, r in rates.items():
-        lines.append(f"{op} hit rate: host {pct(r['host'])}, lower tiers {pct(r['lower'])}, miss {pct(r['miss'])}")
+        lines.append(f"{op} hit rate: {hit_split(r)}")
     lines.append(f"hit-rate ceiling: {pct(ceiling['hit_rate'])} ({ceiling['distinct']} distinct of "
                  f"{ceiling['looked_up']} blocks looked up)")
     return "\n".join(lines)
+
+
+def hit_split(r: dict[str, float | None]) -> str:
+    """A hit rate as `stats` and `top` both say it: the shares found in the host pool, in a lower tier, missed
+    (kvstore.daemon.admin.hit_rates defines them; `top` applies it to an interval's counters)."""
+    return f"host {pct(r['host'])}, lower tiers {pct(r['lower'])}, miss {pct(r['miss'])}"
 
 
 def _traffic_table(paths: list[dict[str, Any]]) -> str:
