@@ -187,8 +187,8 @@ def _movement(m: dict[str, Any]) -> list[str]:
     if m["write_through"]:
         w = m["write_through"]
         lines.append(f"write-through {'on' if w['enabled'] else 'off'}: {w['pending']} block(s) on their way to "
-                     f"disk, oldest {w['oldest_pending_s']:.2f} s; {w['synced']} synced, lag p50 "
-                     f"{us(w['lag_p50_s'])}, p99 {us(w['lag_p99_s'])}")
+                     f"disk, oldest {w['oldest_pending_s']:.2f} s; {w['synced']} synced"
+                     + (f", lag p50 {us(w['lag_p50_s'])}, p99 {us(w['lag_p99_s'])}" if w["synced"] else ""))
     if m["remote"]:
         r = m["remote"]
         lines.append(f"remote store {'up' if r['up'] else 'DOWN'}: puts {r['puts_per_s']:.0f}/s, gets "
@@ -200,4 +200,5 @@ def _movement(m: dict[str, Any]) -> list[str]:
 def _paths(rows: list[dict[str, Any]]) -> str:
     return table_of(["path", "lane", "bytes/s", "ops/s", "queued", "in flight", "p50", "p99", "busy"],
                     [[r["path"], r["lane"], rate_of(r["bytes_per_s"]), f"{r['transfers_per_s']:.0f}", r["queued"],
-                      r["in_flight"], us(r["p50_s"]), us(r["p99_s"]), r["rejected"]] for r in rows])
+                      r["in_flight"], *([us(r["p50_s"]), us(r["p99_s"])] if r["transfers_per_s"] else ["-", "-"]),
+                      r["rejected"]] for r in rows])
