@@ -27,6 +27,8 @@ CLEAR = "\x1b[H\x1b[2J"
 
 
 def cmd_top(args: argparse.Namespace) -> int:
+    if not args.interval > 0:
+        raise ValueError(f"--interval must be above 0 seconds, got {args.interval:g}")
     order = args.sort
     keyed = not args.json and sys.stdin.isatty() and sys.stdout.isatty()
     try:

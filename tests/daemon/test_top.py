@@ -164,13 +164,13 @@ def test_top_json_is_one_object_an_interval_with_the_documented_fields(loaded):
     assert len(frames) == 3 and all(set(f) == DOCUMENTED for f in frames)
     f = frames[-1]
     assert f["daemon"]["state"] == "ready" and f["daemon"]["tiers"]["host"]["capacity_bytes"] == 16 << 20
-    assert 0.4 < f["seconds"] < 2.0
+    assert 0.4 < f["seconds"] < 5.0
     o = f["ops"]
     assert o["lookups_per_s"] > 0 and o["lookup_blocks_per_s"] > 0 and o["put_blocks_per_s"] > 0
     assert o["bytes_exact"] and o["get_bytes_per_s"] == pytest.approx(o["get_blocks_per_s"] * GEOM.full_bytes)
     shares = f["hit_rates"]["lookup"]
     assert sum(shares.values()) == pytest.approx(1.0) and shares["lower"] == 0.0 and shares["miss"] > 0
-    assert f["hit_rates"]["acquire"]["host"] == 1.0                   # every get finds its blocks
+    assert f["hit_rates"]["acquire"]["host"] > 0.9                   # the gets read hot blocks
     assert set(f["since_start"]) == {"hit_rates", "ceiling"}
     tenants = {r["tenant"]: r for r in f["tenants"]}
     for t in ("a", "b"):
@@ -195,6 +195,9 @@ def test_top_filters_to_a_tenant_or_a_namespace_and_prints_plain_lines_into_a_pi
     r = subprocess.run([sys.executable, "-m", "kvstore", "top", "--sort", "fastest"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "invalid choice: 'fastest'" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvstore", "--socket", loaded.socket, "top", "--interval", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stderr) == (1, "kvstore: --interval must be above 0 seconds, got 0\n")
 
 
 def test_an_interval_counts_from_zero_after_a_restart_and_marks_estimated_bytes():
