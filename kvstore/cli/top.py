@@ -33,6 +33,8 @@ def cmd_top(args: argparse.Namespace) -> int:
     keyed = not args.json and sys.stdin.isatty() and sys.stdout.isatty()
     try:
         with client(args) as c, Keys(keyed) as keys:
+            hello = c.call("hello")                     # whose rows the daemon shows us: all, or our tenant's
+            viewer = {"tenant": hello.get("tenant"), "admin": hello.get("admin", True)}
             before, shown, n = sample(c), None, 0
             while args.count <= 0 or n < args.count:
                 deadline = time.monotonic() + args.interval
@@ -43,7 +45,7 @@ def cmd_top(args: argparse.Namespace) -> int:
                     if shown is not None:
                         show(select(shown, order, args.only_tenant, args.ns), args, keyed)
                 after = sample(c)
-                shown, before, n = interval(before, after), after, n + 1
+                shown, before, n = {**interval(before, after), "viewer": viewer}, after, n + 1
                 show(select(shown, order, args.only_tenant, args.ns), args, keyed)
     except KeyboardInterrupt:
         pass
@@ -113,7 +115,8 @@ class Keys:
 
 
 def render(f: dict[str, Any], every: float, keyed: bool) -> list[str]:
-    lines = [*_head(f["daemon"], every), f"sort: {f['sort']}" + (" (s: next sort, q: quit)" if keyed else ""), ""]
+    keys = " (s: next sort, q: quit)" if keyed else ""
+    lines = [*_head(f["daemon"], every), *_viewer(f["viewer"]), f"sort: {f['sort']}{keys}", ""]
     lines += _ops(f).splitlines() + [""]
     if f["tenants"]:
         lines += _tenants(f["tenants"]).splitlines() + [""]
@@ -132,6 +135,13 @@ def _head(d: dict[str, Any], every: float) -> list[str]:
                       for name, t in d["tiers"].items())
     return [f"kvstore top — up {_duration(d['uptime_s'])}, {state}, every {every:g} s; {d['connections']} "
             f"connection(s), {d['namespaces']} namespace(s)", f"used: {tiers}"]
+
+
+def _viewer(v: dict[str, Any]) -> list[str]:
+    if v["admin"]:
+        return []
+    return [f"not the admin: tenant {v['tenant'] or '(default)'}'s rows only (all of them with the admin secret: "
+            "--admin-secret-file, or KVSTORE_ADMIN_SECRET)"]
 
 
 def _duration(s: float) -> str:

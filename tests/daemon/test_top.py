@@ -68,9 +68,10 @@ def loaded(tmp_path: Path, daemons: list[DaemonProc]) -> Iterator[DaemonProc]:
         t.join(timeout=30)
 
 
-def top(d: DaemonProc, *args: str) -> list[str]:
+def top(d: DaemonProc, *args: str, admin: bool = True) -> list[str]:
+    """`kvstore top` into a pipe, as the daemon's admin (with its admin secret: tenants have secrets) or not."""
     r = subprocess.run([sys.executable, "-m", "kvstore", "--socket", d.socket, "top", "--interval", "0.5", *args],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, env=d.cli_env() if admin else None)
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()
 
@@ -82,7 +83,7 @@ class Terminal:
         self.master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 200, 0, 0))
         self.proc = subprocess.Popen([sys.executable, "-m", "kvstore", "--socket", d.socket, "top", *args],
-                                     stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+                                     stdin=slave, stdout=slave, stderr=slave, close_fds=True, env=d.cli_env())
         os.close(slave)
         self.output = ""
 
@@ -155,7 +156,7 @@ def test_top_in_a_terminal_shows_live_rates_per_tenant_and_namespace_and_keys_wo
 
 
 DOCUMENTED = {"time", "seconds", "daemon", "ops", "hit_rates", "since_start", "tenants", "namespaces", "movement",
-              "paths", "sort"}
+              "paths", "sort", "viewer"}
 
 
 def test_top_json_is_one_object_an_interval_with_the_documented_fields(loaded):
@@ -171,7 +172,7 @@ def test_top_json_is_one_object_an_interval_with_the_documented_fields(loaded):
     shares = f["hit_rates"]["lookup"]
     assert sum(shares.values()) == pytest.approx(1.0) and shares["lower"] == 0.0 and shares["miss"] > 0
     assert f["hit_rates"]["acquire"]["host"] > 0.9                   # the gets read hot blocks
-    assert set(f["since_start"]) == {"hit_rates", "ceiling"}
+    assert set(f["since_start"]) == {"hit_rates", "ceiling"} and f["viewer"] == {"tenant": "", "admin": True}
     tenants = {r["tenant"]: r for r in f["tenants"]}
     for t in ("a", "b"):
         assert tenants[t]["lookup_blocks_per_s"] > 0 and 0 < tenants[t]["hit_rate"] < 1, tenants[t]
@@ -192,6 +193,10 @@ def test_top_filters_to_a_tenant_or_a_namespace_and_prints_plain_lines_into_a_pi
     text = "\n".join(top(loaded, "--count", "1", "--tenant", "b", "--sort", "name"))
     assert "\x1b" not in text and text.startswith("kvstore top — up ") and "sort: name\n" in text
     assert set(tenant_rows(text)) == {"b"}
+    (mine,) = [json.loads(line) for line in top(loaded, "--json", "--count", "1", admin=False)]
+    assert mine["viewer"] == {"tenant": "", "admin": False}              # the daemon's user without the secret:
+    assert not {r["tenant"] for r in mine["tenants"] + mine["namespaces"]} & {"a", "b"}   # its own tenant's only
+    assert "not the admin: tenant (default)'s rows only" in "\n".join(top(loaded, "--count", "1", admin=False))
     r = subprocess.run([sys.executable, "-m", "kvstore", "top", "--sort", "fastest"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "invalid choice: 'fastest'" in r.stderr
