@@ -3,14 +3,16 @@ its reservations, opens namespaces without end, asks for tiny blocks, sends over
 namespace gets a clear status or loses its connection, and the others keep storing and reading byte-exact blocks."""
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import tempfile
 import time
 
 import msgpack
 import pytest
 
-from kvstore.client import KVStoreError
+from kvstore.client import Client, KVStoreError
 from kvstore.protocol import VERSION, ReserveStatus
 from kvstore.protocol.geometry import Geometry
 from tests.conftest import GEOM, DaemonProc, block, hashes, spec, ssd_settled
@@ -28,9 +30,15 @@ def wait_for(predicate, what: str, timeout: float = 20.0) -> None:
 def test_a_client_that_reserves_until_no_space_and_idles_leaves_the_others_room(start_daemon):
     """Before, one connection could reserve every slot of the pool and sit on them: every other writer got
     no_space. By default (server.max_reserved_fraction 0.5) its uncommitted reservations hold half the pool at
-    most."""
-    d = start_daemon("4MiB")
-    hostile, other = d.client(), d.client()
+    most — per tenant (issue 29): its tenant's other connections share that half; another tenant keeps the rest."""
+    import yaml
+
+    conf = os.path.join(tempfile.mkdtemp(), "kvstore.yaml")
+    with open(conf, "w") as f:
+        yaml.safe_dump({"tenants": [{"name": "hostile", "secret": "h"}, {"name": "other", "secret": "o"}]}, f)
+    d = start_daemon("4MiB", env={"KVSTORE_CONFIG": conf})
+    hostile, other = Client(d.socket, tenant="hostile", secret="h"), Client(d.socket, tenant="other", secret="o")
+    accomplice = Client(d.socket, tenant="hostile", secret="h")
     try:
         ns = hostile.namespace(spec())
         held, refused, batch = 0, False, 0
@@ -42,6 +50,8 @@ def test_a_client_that_reserves_until_no_space_and_idles_leaves_the_others_room(
             batch += 1
         assert held == 2 * PER_MIB                           # half of the 4 MiB pool
         assert other.stats()["counters"]["held_cap"] >= 1
+        more = accomplice.namespace(spec()).reserve(hashes(8, tag=b"accomplice"))
+        assert more.reserved == [] and ReserveStatus.NO_SPACE in more.status   # a second connection gains nothing
         mine = other.namespace(spec())
         hs, want = hashes(3 * PER_MIB), [block(i) for i in range(3 * PER_MIB)]
         for i in range(0, len(hs), PER_MIB):                 # more than the room left: the others evict their own
@@ -53,6 +63,7 @@ def test_a_client_that_reserves_until_no_space_and_idles_leaves_the_others_room(
     finally:
         hostile.close()
         other.close()
+        accomplice.close()
 
 
 def test_an_acquire_gets_the_prefix_within_the_cap(start_daemon):

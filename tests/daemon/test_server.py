@@ -54,7 +54,7 @@ def first_client(d: DaemonProc) -> Client:
     daemon's only one."""
     deadline = time.monotonic() + 10
     while True:
-        c = d.client()
+        c = Client(d.socket)
         try:
             if c.stats()["connections"] == 1:
                 return c
@@ -135,10 +135,10 @@ def test_connection_cap_refuses_cleanly_counts_and_recovers(start_daemon):
     d = start_daemon(env={"KVSTORE_SERVER_MAX_CONNECTIONS": "3"})
     held = [first_client(d)]
     refused = held[0].stats()["counters"]["refused_connections"]
-    held += [d.client(), d.client()]
+    held += [Client(d.socket), Client(d.socket)]
     assert all(c.ping()["pong"] for c in held)      # three clients served
 
-    fourth = d.client()                             # connect() succeeds: the refusal comes as an error frame
+    fourth = Client(d.socket)                           # connect() succeeds: the refusal comes as an error frame
     with pytest.raises(KVStoreError) as e:
         fourth.ping()
     assert e.value.code == "too_many_connections"
@@ -153,7 +153,7 @@ def test_connection_cap_refuses_cleanly_counts_and_recovers(start_daemon):
 
     held.pop().close()                              # one leaves: a newcomer is served
     settle(held[0], 2)
-    with d.client() as newcomer:
+    with Client(d.socket) as newcomer:
         assert newcomer.ping()["pong"] is True
         assert newcomer.stats()["counters"]["refused_connections"] == refused + 1
     for c in held:
