@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm
 MOONCAKE_STAMP := $(VENV)/.mooncake
-SRC := pyproject.toml setup.py native/kvindex.c native/kvcopy.c native/kvbind.c
+SRC := pyproject.toml setup.py native/kvindex.c native/kvcopy.c native/kvuring.c native/kvbind.c
 # Every build of kvstore from this tree (editable installs into each venv, the wheel) compiles native/*.c under
 # build/ and copies the modules into kvstore/: one at a time, also under make -j and beside tests/setup_sglang_env.sh.
 LOCKED := flock $(CURDIR)/.kvstore-build.lock

@@ -23,6 +23,8 @@ setup(
     ext_modules=[
         Extension("kvstore._kvindex", ["native/kvindex.c"], extra_compile_args=["-O2"], optional=True),
         Extension("kvstore._kvcopy", ["native/kvcopy.c"], extra_compile_args=["-O2"], optional=True),
+        # io_uring over the kernel ABI (no liburing): the SSD tier's ring; without it the SSD tier uses threads
+        Extension("kvstore._kvuring", ["native/kvuring.c"], extra_compile_args=["-O2"], optional=True),
         # not a Python module: an LD_PRELOAD library for the remote tier's listening sockets (native/kvbind.c)
         Extension("kvstore._kvbind", ["native/kvbind.c"], extra_compile_args=["-O2"], libraries=["dl"],
                   optional=True),
