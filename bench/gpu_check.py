@@ -122,7 +122,7 @@ def environment(check: Check) -> dict[str, Any]:
     from kvstore import checksum
 
     row["kvstore"] = os.path.dirname(kvstore.__file__)
-    row["native"] = {name: _imports(f"kvstore.{name}") for name in ("_kvindex", "_kvcopy")}
+    row["native"] = {name: _imports(f"kvstore.{name}") for name in ("_kvindex", "_kvcopy", "_kvuring")}
     row["fused_copy_crc"] = bool(checksum.FUSED)
     if check.cuda:
         import torch

@@ -25,7 +25,7 @@ def test_the_dry_run_skips_every_gpu_step_and_writes_its_json(tmp_path) -> None:
     steps = result["steps"]
     assert set(steps) == set(STEPS)
     assert steps["environment"]["status"] == "ok" and steps["environment"]["cuda"] is False
-    assert steps["environment"]["native"] == {"_kvindex": True, "_kvcopy": True}
+    assert steps["environment"]["native"] == {"_kvindex": True, "_kvcopy": True, "_kvuring": True}
     for name in GPU_STEPS:
         assert steps[name]["status"] == "skipped" and steps[name]["reason"] == "skipped: no CUDA", name
     assert result["summary"] == {name: steps[name]["status"] for name in STEPS}

@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"policy"},
     {"workflows", "traffic"},
     {"protocol", "checksum", "units", "histogram", "hll", "workers", "private_dir", "testpoints", "_kvindex",
-     "_kvcopy"},
+     "_kvcopy", "_kvuring"},
 ]
 PEERS_APART = [("daemon", "client")]          # same layer, and still no arrow between them
 

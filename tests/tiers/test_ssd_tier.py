@@ -281,8 +281,8 @@ def test_cli_ls_ssd_and_resize_ssd(ssd_dir, daemons):
 
 @pytest.mark.parametrize("io", ["io_uring", "threads"])
 def test_records_move_the_same_through_io_uring_and_threads(ssd_dir, daemons, io):
-    """ssd.io: promotions and demotions go through a ring per worker (when liburing's probe passes here, as it does
-    on this machine's kernel) or os.preadv/pwritev, with the same bytes; a restart finds them."""
+    """ssd.io: promotions and demotions go through a ring per worker (when the native ring's probe passes here, as
+    it does on this machine's kernel) or os.preadv/pwritev, with the same bytes; a restart finds them."""
     from kvstore.tiers.ssd import uring
 
     d = start(ssd_dir, daemons, KVSTORE_SSD_IO=io)

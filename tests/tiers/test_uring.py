@@ -3,10 +3,10 @@ io_uring and through the forced os.preadv/os.pwritev fallback (KVSTORE_NO_URING=
 from __future__ import annotations
 
 import errno
-import importlib.util
 import mmap
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstore.tiers.ssd import uring
+from kvstore.tiers.ssd import uring, uring_probe
 
 MiB = 1 << 20
 REC = 2 * MiB
@@ -279,8 +279,8 @@ def test_threads_each_own_ring(ddir: str, backend: dict[str, int]) -> None:
 
 
 def test_export_counts_restored(ddir: str, backend: dict[str, int]) -> None:
-    """liburing's Iovec leaks one buffer export per memoryview; the module gives each back after completion.
-    Many ops later the caller's view has its old reference count and its mapping still closes."""
+    """Each op's buffer export is given back when its completion is reaped: many ops later the caller's view has
+    its old reference count and its mapping still closes."""
     fd = dfile(ddir, 64 * 4096)
     try:
         m = mmap.mmap(-1, 4096)
@@ -319,63 +319,93 @@ def test_wait_releases_gil() -> None:
     assert float(p.stdout.split()[1]) >= 0.25
 
 
-def test_interrupted_wait_parks_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """If waiting is interrupted while the kernel still owns a buffer, the buffer stays pinned (its mapping cannot
-    be closed under the kernel) and the thread moves on to a fresh ring."""
+def test_an_interrupted_wait_closes_the_ring_before_releasing_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal handler's exception during a wait (KeyboardInterrupt) comes out of preadv; the thread's ring is
+    closed first — the read in flight cancelled and waited for — so the mapping is released, never freed under the
+    kernel, and the next op runs on a fresh ring."""
     monkeypatch.delenv("KVSTORE_NO_URING", raising=False)
     if not uring.available():
         pytest.skip(uring.REASON)
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
     r, w = os.pipe()
-    r2, w2 = os.pipe()
     m = mmap.mmap(-1, 4096)
-    real = uring._Ring.reap
+    os.write(w, b"hi")
+    assert uring.preadv(r, [bytearray(2)], 0) == 2                # this thread has a ring now
+    old_ring = uring._tls.ring
+    main = threading.main_thread().ident
+    assert main is not None
 
-    def interrupted(self):  # type: ignore[no-untyped-def]
+    def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    os.write(w2, b"hi")
-    assert uring.preadv(r2, [bytearray(2)], 0) == 2              # this thread has a ring now
-    old_ring = uring._tls.ring
-    assert old_ring is not None
-    orphans = len(uring._ORPHANS)
-    monkeypatch.setattr(uring._Ring, "reap", interrupted)
+    old = signal.signal(signal.SIGUSR1, handler)
     try:
+        threading.Timer(0.2, lambda: signal.pthread_kill(main, signal.SIGUSR1)).start()
         with pytest.raises(KeyboardInterrupt):
-            uring.preadv(r, [m], 0)                              # in flight: nothing written to the pipe yet
+            uring.preadv(r, [m], 0)                               # waits: nothing written to the pipe
     finally:
-        monkeypatch.setattr(uring._Ring, "reap", real)
-    assert len(uring._ORPHANS) == orphans + 1 and uring._ORPHANS[-1][0] is old_ring
-    assert getattr(uring._tls, "ring", None) is None
-    with pytest.raises(BufferError):
-        m.close()                                                # still exported: pinned, not freed
-    os.write(w, b"abc")                                          # let the parked read finish in the kernel
-    os.write(w2, b"xy")
+        signal.signal(signal.SIGUSR1, old)
+    assert old_ring.closed and getattr(uring._tls, "ring", None) is None
+    m.close()                                                     # the cancelled read holds no export
+    os.write(w, b"xy")
     buf = bytearray(2)
-    assert uring.preadv(r2, [buf], 0) == 2 and buf == b"xy"      # the next op works, on a new ring
+    assert uring.preadv(r, [buf], 0) == 2 and buf == b"xy"        # the next op works, on a new ring
     assert uring._tls.ring is not None and uring._tls.ring is not old_ring
-    for fd in (r, w, r2, w2):
-        os.close(fd)
+    os.close(r)
+    os.close(w)
 
 
 def test_probe_agrees_with_a_raw_ring() -> None:
-    """Where a raw ring can be set up by hand, the probe must have chosen io_uring; where it cannot, the probe must
-    say why and fall back. By hand in a child process: a binding built for CPU instructions this machine lacks dies
-    of SIGILL (liburing 2026.3.30 on a CPU without AVX-512), which would take the test run with it."""
-    if importlib.util.find_spec("liburing") is None:
-        pytest.skip("liburing not installed")
-    code = "import liburing as L; r = L.Ring(); L.io_uring_queue_init(4, r); L.io_uring_queue_exit(r)"
-    raw = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    """Where a Ring can be set up by hand, the probe must have chosen io_uring; where the kernel refuses it, the
+    probe must say so with the errno and fall back."""
+    try:
+        import kvstore._kvuring as native
+    except ImportError:
+        pytest.skip("kvstore._kvuring not built")
     old = os.environ.pop("KVSTORE_NO_URING", None)
     try:
-        if raw.returncode == 0:
+        try:
+            native.Ring(4).close()
+        except OSError as e:
+            assert not uring.available()
+            assert "refused io_uring_setup" in uring.REASON and errno.errorcode[e.errno] in uring.REASON
+        else:
             assert uring.available(), uring.REASON
             assert "io_uring in use" in uring.REASON
-        else:
-            assert not uring.available()
-            assert uring.REASON.startswith("io_uring unavailable: liburing") and "child process" in uring.REASON
     finally:
         if old is not None:
             os.environ["KVSTORE_NO_URING"] = old
+
+
+@pytest.mark.parametrize("err, words", [(errno.EPERM, "io_uring_disabled"), (errno.ENOSYS, "no io_uring")])
+def test_a_kernel_refusal_falls_back_with_the_errno(monkeypatch: pytest.MonkeyPatch, err: int, words: str) -> None:
+    """io_uring_setup refused (EPERM from kernel.io_uring_disabled or seccomp, ENOSYS): the fallback, and REASON
+    names the errno; a binding that is not built says so too."""
+    class Refused:
+        class Ring:
+            def __init__(self, depth: int) -> None:
+                raise OSError(err, os.strerror(err))
+
+    monkeypatch.delenv("KVSTORE_NO_URING", raising=False)
+    for name in ("_state", "_probe_reason", "_native"):            # the real verdict comes back after the test
+        monkeypatch.setattr(uring, name, getattr(uring, name))
+    monkeypatch.setattr(uring, "_state", None)
+    monkeypatch.setattr(uring, "load_binding", lambda: Refused)
+    assert not uring.available() and uring.backend() == "os"
+    assert errno.errorcode[err] in uring.REASON and words in uring.REASON
+    fd = os.open(os.devnull, os.O_RDONLY)
+    try:
+        assert uring.preadv(fd, [bytearray(8)], 0) == 0             # the fallback serves the call
+    finally:
+        os.close(fd)
+
+    def unbuilt() -> None:
+        raise uring_probe.Unusable("the native binding kvstore._kvuring is not built (no module)")
+
+    monkeypatch.setattr(uring, "_state", None)
+    monkeypatch.setattr(uring, "load_binding", unbuilt)
+    assert not uring.available() and "not built" in uring.REASON
 
 
 def test_env_switch_forces_fallback() -> None:

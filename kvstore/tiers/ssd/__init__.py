@@ -9,6 +9,6 @@
   daemon serves), `writes` (placement at the cap, payload then header, sync policy), `reads` (verified reads),
   `zeroing` (records wiped before reuse), `room` (eviction and punching at the cap, SSD quotas) and `removal`
   (durable deletes, resize);
-- `record`: the record format and its one check; `uring` (with `uring_probe`): io_uring where it works, else
-  threads.
+- `record`: the record format and its one check; `uring` (with `uring_probe`, over native/kvuring.c): io_uring
+  where it works, else threads.
 """

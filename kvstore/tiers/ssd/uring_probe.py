@@ -1,65 +1,47 @@
-"""The checks behind `uring.available()`, in the order uring._probe runs them: `check_binding` (a ring set up in a
-child process, since a binding built for CPU instructions this machine lacks dies of SIGILL; then the import, the
-functions uring.py calls, and what the binding does with buffer exports), then `io_probe`, a test O_DIRECT read and
-write through a ring of uring.py. A binding or a kernel that fails any of them is not used. This module holds no
-state: the verdict, REASON and the rings are uring.py's.
+"""The checks behind `uring.available()`, in the order uring._probe runs them: `load_binding` (the native
+kvstore._kvuring is built), a Ring set up (the kernel may refuse: `refusal` turns its errno into a line for the log),
+then `io_probe`, a test O_DIRECT read and write through that ring. A kernel or a build that fails any of them is not
+used. This module holds no state: the verdict, REASON and the rings are uring.py's.
 
-`give_back_export` undoes the one buffer export per memoryview that liburing 2026.3.30's `Iovec` takes and never
-releases (measured by `iovec_semantics`), so that an mmap is not pinned for good by every op.
+No child process: kvstore._kvuring is compiled on the build machine with plain -O2 (no -march), so it has no
+instruction the CPU may lack (the liburing wheel it replaces held AVX-512 code and died of SIGILL without it).
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+
+# Why the kernel refused io_uring_setup, by errno: what an operator should look at.
+_REFUSALS = {
+    errno.ENOSYS: "this kernel has no io_uring (or one older than 5.5)",
+    errno.EPERM: "refused by kernel.io_uring_disabled or a seccomp filter (a container runtime's default)",
+    errno.EACCES: "refused by a security module",
+    errno.ENOMEM: "no memory for the rings (RLIMIT_MEMLOCK on kernels before 5.12)",
+}
 
 
-class _PyBuffer(ctypes.Structure):
-    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
-                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
-                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+class Unusable(Exception):
+    """Why io_uring is not used (the text after "io_uring unavailable: " in uring.REASON)."""
 
 
-_PyBuffer_Release = ctypes.pythonapi.PyBuffer_Release
-_PyBuffer_Release.argtypes = [ctypes.POINTER(_PyBuffer)]
-_PyBuffer_Release.restype = None
+def load_binding() -> ModuleType:
+    """kvstore._kvuring, or Unusable if it was not built (setup.py builds it as optional)."""
+    try:
+        import kvstore._kvuring as native
+    except ImportError as e:
+        raise Unusable(f"the native binding kvstore._kvuring is not built ({e})") from e
+    return native
 
 
-def give_back_export(mv: memoryview) -> None:
-    """Undo one PyObject_GetBuffer(mv) that was never released: a memoryview's releasebuffer only counts its
-    exports down, and PyBuffer_Release then drops the reference the buffer held."""
-    pb = _PyBuffer()
-    pb.obj = mv
-    _PyBuffer_Release(ctypes.byref(pb))
-
-
-
-def iovec_semantics(L: Any) -> bool:
-    """True if Iovec leaks exactly one export per memoryview, False if it keeps none after it is gone; else
-    raise (a binding this module does not understand is not used)."""
-    mv = memoryview(bytearray(64))
-    base = sys.getrefcount(mv)
-    iov = L.Iovec([mv, mv])
-    del iov
-    left = sys.getrefcount(mv) - base
-    if left == 0:
-        mv.release()
-        return False
-    if left == 2:
-        give_back_export(mv)
-        give_back_export(mv)
-        if sys.getrefcount(mv) - base == 0:
-            mv.release()             # BufferError here would mean the count is not what we think
-            return True
-    raise RuntimeError(f"Iovec keeps {left} references to 2 buffers; not a behaviour this module knows")
+def refusal(e: OSError) -> str:
+    """The kernel's refusal of a ring, with its errno, as a line for the log."""
+    name = errno.errorcode.get(e.errno or 0, str(e.errno))
+    why = _REFUSALS.get(e.errno or 0, e.strerror or "")
+    return f"the kernel refused io_uring_setup ({name}: {why})"
 
 
 def io_probe(run: Callable[[str, int, memoryview, int], int]) -> str:
@@ -104,55 +86,3 @@ def io_probe(run: Callable[[str, int, memoryview, int], int]) -> str:
         return how
     finally:
         os.unlink(path)
-
-
-class Unusable(Exception):
-    """Why liburing is not used (the text after "io_uring unavailable: " in uring.REASON)."""
-
-
-_CHILD_PROBE = "import liburing as L; r = L.Ring(); L.io_uring_queue_init(8, r); L.io_uring_queue_exit(r)"
-
-NEED = ("Ring", "Cqe", "Iovec", "io_uring_queue_init", "io_uring_queue_exit", "io_uring_get_sqe",
-        "io_uring_prep_readv", "io_uring_prep_writev", "io_uring_submit", "io_uring_peek_cqe", "io_uring_cqe_seen")
-
-
-def child_probe() -> str | None:
-    """None if a child process can load liburing and set up a ring; else why not. Why a child first: a binding
-    built for CPU instructions this machine lacks dies of SIGILL, which no except clause catches (liburing
-    2026.3.30's wheel holds AVX-512 code: on an AMD EPYC without it, `Ring()` killed the daemon at start)."""
-    try:
-        p = subprocess.run([sys.executable, "-c", _CHILD_PROBE], capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"the child probe could not run ({type(e).__name__}: {e})"
-    if p.returncode < 0:
-        try:
-            name = signal.Signals(-p.returncode).name
-        except ValueError:
-            name = str(-p.returncode)
-        return (f"liburing killed a child process with {name} (its binary uses CPU instructions this machine "
-                f"lacks, or the kernel refused the ring)")
-    if p.returncode != 0:
-        tail = p.stderr.decode(errors="replace").strip().splitlines()
-        return f"liburing failed in a child process ({tail[-1] if tail else f'exit {p.returncode}'})"
-    return None
-
-
-def check_binding() -> tuple[Any, bool, str]:
-    """(liburing, whether its Iovec leaks one export per memoryview, its version) once the child probe passed, it
-    imports and has every function in NEED; else Unusable saying which check failed."""
-    crashed = child_probe()
-    if crashed is not None:
-        raise Unusable(crashed)
-    try:
-        import liburing as L
-    except Exception as e:                       # ImportError, or a broken wheel
-        raise Unusable(f"cannot import liburing ({type(e).__name__}: {e})") from e
-    version = getattr(L, "__version__", "?")
-    missing = [x for x in NEED if not hasattr(L, x)]
-    if missing:
-        raise Unusable(f"liburing {version} lacks {', '.join(missing)}")
-    try:
-        leaks = iovec_semantics(L)
-    except Exception as e:
-        raise Unusable(f"liburing {version}: {e}") from e
-    return L, leaks, version
