@@ -25,7 +25,9 @@
  *                                submits what is prepped, then returns every completion there is as (tag, result),
  *                                waiting with the GIL released until at least min(min_complete, in flight) are
  *                                there. result: bytes moved (a short read is its byte count), 0 for fsync, or
- *                                -errno: one op's failure is its result, never an exception.
+ *                                -errno: one op's failure is its result, never an exception. A signal during the
+ *                                wait returns the completions already reaped, if any (the handler runs next), else
+ *                                raises the handler's exception (the ops stay in flight, their buffers held).
  *     register_buffers(bufs) / unregister_buffers(), register_files(fds) / unregister_files()
  *     close()                    cancels what is in flight, waits for it, frees the ring. Idempotent.
  *     fd, depth, inflight, space, closed: read-only attributes.
@@ -529,8 +531,9 @@ static PyObject *ring_submit(Ring *r, PyObject *Py_UNUSED(ignored))
     return PyLong_FromLong(n);
 }
 
-/* Blocks (GIL released) until a completion is there; 0, or -1 with a Python exception set. */
-static int wait_one(Ring *r, int signals)
+/* Blocks (GIL released) until a completion is there: 0; 1 if a signal came while the caller `has` completions
+ * to hand back (they are returned, and the interpreter runs the handler right after); -1 with an exception set. */
+static int wait_one(Ring *r, Py_ssize_t has)
 {
     for (;;) {
         int n = enter(r, r->queued, 1, IORING_ENTER_GETEVENTS);
@@ -539,7 +542,9 @@ static int wait_one(Ring *r, int signals)
             return 0;
         }
         if (n == -EINTR) {
-            if (signals && PyErr_CheckSignals() < 0)
+            if (has)
+                return 1;
+            if (PyErr_CheckSignals() < 0)
                 return -1;
             continue;
         }
@@ -575,12 +580,15 @@ static PyObject *ring_wait(Ring *r, PyObject *args, PyObject *kw)
         Py_ssize_t have = PyList_GET_SIZE(out);
         if (have >= want || r->depth == r->nfree)
             return out;
-        if (wait_one(r, 1) < 0)
+        int w = wait_one(r, have);
+        if (w < 0)
             goto fail;
+        if (w > 0)
+            return out;
     }
 fail:
-    /* already-reaped completions are lost to the caller, but their buffers are released and slots free */
-    Py_DECREF(out);
+    Py_DECREF(out);                   /* empty after a signal (never drops a completion); after a MemoryError
+                                       * the ones reaped are lost to the caller, their buffers released */
     return NULL;
 }
 
@@ -814,8 +822,11 @@ static PyObject *ring_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     memset(&p, 0, sizeof(p));
     r->fd = sys_setup((unsigned)depth, &p);
     if (r->fd < 0) {
+        char msg[128];
+        int err = errno;
+        snprintf(msg, sizeof(msg), "io_uring_setup: %s", strerror(err));
         r->fd = -1;
-        os_error(errno, NULL);
+        os_error(err, msg);
         goto fail;
     }
     if (!(p.features & IORING_FEAT_NODROP)) {
