@@ -8,6 +8,10 @@ The engine (or an agent framework) says which workflow, agent and session each r
 many (`retire`). `value(wid)` is the workflow's K-step lookahead Σ γ^(k-1)·P(running at step k), timed by how soon
 its next call is expected (predictor.Gaps); `expect(wid)` the probability and due time of its next call. Policies
 register `retire_hooks` and `change_hooks` to re-group their blocks when a workflow ends or is called.
+
+Per tenant (issue 29): each tenant's workflows are learned by its own `Model` (a TransitionModel and its Gaps, made
+at the tenant's first hint, bounded by `Bounds`), so one tenant's hints never change the lookahead — and so the
+eviction order — of another's workflows, nor clear its cached lookaheads. `footprint` sums the books' sizes.
 """
 from __future__ import annotations
 
@@ -34,14 +38,34 @@ class Workflow:
     seen: float = 0.0
     agents: dict[str, int] = field(default_factory=dict)    # agent → its bit in a block's agent mask
     num: int = 0                                             # its number (1..2**32-1) in the compact books' tags
+    tenant: str = ""                                         # whose model learns from it and scores it
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What one tenant's model may keep (kvstore.workflows.predictor's docstring; hints.model_* in the config)."""
+    max_keys: int = 4096                 # (type, agent) pairs counted, and gap statistics kept
+    max_successors: int = 16             # named successors per pair; the lookahead's agents per step
+    max_bytes: int = 4 << 20             # the estimate of the counts' bytes, and of the gaps' (each)
+
+
+@dataclass(slots=True)
+class Model:
+    """One tenant's predictor and gaps between calls."""
+    predictor: TransitionModel
+    gaps: Gaps
 
 
 class Workflows:
     """The hints' books: which workflows are active, what each called last, and its lookahead value."""
 
     def __init__(self, predictor: TransitionModel | None = None, horizon: int = 3, gamma: float = 0.7,
-                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic, timed: bool = True) -> None:
-        self.predictor = predictor or TransitionModel(horizon)
+                 idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic, timed: bool = True,
+                 bounds: Bounds | None = None) -> None:
+        self.bounds = bounds or Bounds()
+        self.models: dict[str, Model] = {}      # tenant → its model; "" the default (a predictor given: its)
+        if predictor is not None:
+            self.models[""] = Model(predictor, Gaps(max_keys=self.bounds.max_keys, max_bytes=self.bounds.max_bytes))
         self.horizon = horizon
         self.gamma = gamma
         self.idle_s = idle_s
@@ -49,7 +73,6 @@ class Workflows:
         self.active: dict[str, Workflow] = {}
         self.ignored = 0                        # hints about unknown workflows, counted and dropped
         self._value: dict[str, float] = {}
-        self.gaps = Gaps()                      # seconds between a workflow's calls, per (type, agent)
         self.timed = timed                      # weigh each value by how soon the workflow is expected back
         self.nums: dict[int, Workflow] = {}                   # the active workflows by number
         self.version = 0                                        # bumps with every hint that may change a value
@@ -57,23 +80,43 @@ class Workflows:
         self._next_num = 0                                      # of `active` and `nums`)
         self.change_hooks: list[Callable[[Workflow], None]] = []   # each policy's: the workflow's value may change
 
-    def begin(self, wid: str, wtype: str = "") -> Workflow:
+    def model(self, tenant: str = "") -> Model:
+        """The tenant's model, made at its first use."""
+        m = self.models.get(tenant)
+        if m is None:
+            b = self.bounds
+            m = self.models[tenant] = Model(TransitionModel(self.horizon, b.max_keys, b.max_successors, b.max_bytes),
+                                            Gaps(max_keys=b.max_keys, max_bytes=b.max_bytes))
+        return m
+
+    @property
+    def predictor(self) -> TransitionModel:
+        """The default tenant's predictor (a daemon's tenants each have their own: `model`)."""
+        return self.model().predictor
+
+    @property
+    def gaps(self) -> Gaps:
+        """The default tenant's gaps between calls."""
+        return self.model().gaps
+
+    def begin(self, wid: str, wtype: str = "", tenant: str = "") -> Workflow:
         w = self.active.get(wid)
         if w is None:
             self._next_num = self._next_num % 0xFFFFFFFF + 1      # 32-bit, never 0 (an empty tag)
             w = self.active[wid] = self.nums[self._next_num] = Workflow(wid, wtype, seen=self.clock(),
-                                                                          num=self._next_num)
+                                                                          num=self._next_num, tenant=tenant)
             self._value.pop(wid, None)
             self.version += 1
         return w
 
-    def call(self, wid: str, agent: str, wtype: str = "") -> Workflow:
+    def call(self, wid: str, agent: str, wtype: str = "", tenant: str = "") -> Workflow:
         """Agent `agent` of workflow `wid` is invoked (a workflow not begun yet begins here)."""
-        w = self.begin(wid, wtype)
-        self.predictor.called(wid, w.wtype, w.agent, agent)
+        w = self.begin(wid, wtype, tenant)
+        m = self.model(w.tenant)
+        m.predictor.called(wid, w.wtype, w.agent, agent)
         now = self.clock()
         if w.steps:
-            self.gaps.observe(w.wtype, w.agent, now - w.seen)
+            m.gaps.observe(w.wtype, w.agent, now - w.seen)
         w.agent = agent
         w.steps += 1
         w.seen = now
@@ -89,7 +132,7 @@ class Workflows:
         if w is None:
             self.ignored += 1
             return
-        self.predictor.ended(wid, w.wtype, w.agent)
+        self.model(w.tenant).predictor.ended(wid, w.wtype, w.agent)
         self._retire(w)
 
     def retire(self, wid: str) -> bool:
@@ -110,6 +153,7 @@ class Workflows:
         return idle
 
     def _retire(self, w: Workflow) -> None:
+        self.model(w.tenant).predictor.forget(w.wid)
         self.nums.pop(w.num, None)
         self._value.pop(w.wid, None)
         self.version += 1
@@ -126,16 +170,17 @@ class Workflows:
             w = self.active.get(wid)
             if w is None:
                 return 0.0
-            ahead = self.predictor.lookahead(w.wtype, w.agent, self.horizon)
+            ahead = self.model(w.tenant).predictor.lookahead(w.wtype, w.agent, self.horizon)
             alive = survival(ahead)
             got = self._value[wid] = sum(self.gamma ** k * alive[k] for k in range(len(alive)))
         if not self.timed:
             return got
-        mean = self.gaps.mean
+        w = self.active[wid]
+        gaps = self.model(w.tenant).gaps
+        mean = gaps.mean
         if mean is None:
             return got
-        w = self.active[wid]
-        due = self.gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
+        due = gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
         return got if due is None else got * mean / (due + 0.05 * mean)
 
     def expect(self, wid: str) -> tuple[float, float | None]:
@@ -145,8 +190,17 @@ class Workflows:
         w = self.active.get(wid)
         if w is None:
             return 0.0, None
-        p = survival(self.predictor.lookahead(w.wtype, w.agent, 1))[0]
-        return p, self.gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
+        m = self.model(w.tenant)
+        p = survival(m.predictor.lookahead(w.wtype, w.agent, 1))[0]
+        return p, m.gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
+
+    def alive(self, wid: str) -> list[float]:
+        """P(the workflow still runs at each of the next `horizon` steps), from its tenant's model ([] if it is not
+        active): what its lookahead says, for `kvstore workflows`."""
+        w = self.active.get(wid)
+        if w is None:
+            return []
+        return survival(self.model(w.tenant).predictor.lookahead(w.wtype, w.agent, self.horizon))
 
     def agent_value(self, wid: str, mask: int) -> float:
         """The value for a block only the agents in `mask` touched (the plain PBKV score, without inheritance)."""
@@ -154,8 +208,20 @@ class Workflows:
         if w is None:
             return 0.0
         names = [a for a, bit in w.agents.items() if mask >> bit & 1]
-        ahead = self.predictor.lookahead(w.wtype, w.agent, self.horizon)
+        ahead = self.model(w.tenant).predictor.lookahead(w.wtype, w.agent, self.horizon)
         return sum(self.gamma ** k * sum(d.get(a, 0.0) for a in names) for k, d in enumerate(ahead))
+
+
+    def footprint(self) -> dict[str, int]:
+        """The books' sizes over every tenant: models, their pairs, successors, bytes (estimated), pending
+        predictions, gap keys, and the work counters of their lookaheads (kvstore.workflows.predictor)."""
+        out = {"models": len(self.models), "active": len(self.active), "gap_keys": 0, "bytes": 0}
+        for m in self.models.values():
+            for k, v in m.predictor.stats().items():
+                out[k] = max(out.get(k, 0), v) if k == "max_expansions" else out.get(k, 0) + v
+            out["gap_keys"] += len(m.gaps)
+            out["bytes"] += m.gaps.bytes()
+        return out
 
 
 def agent_names(w: Workflow, mask: int) -> list[str]:

@@ -9,18 +9,33 @@ Markov chain with END absorbing. With no counts yet for a (type, agent) it falls
 that agent, then to "continues" (so a workflow nobody has seen end yet is treated as live, never as retired).
 
 It also keeps its own score: top-1 accuracy of the 1-step and 3-step predictions, checked as the calls arrive.
+
+Bounded (hint strings come from clients; the daemon keeps one model per tenant, kvstore.workflows.books): at most
+`max_keys` (type, agent) pairs and `max_bytes` of them (an estimate: `footprint`), the least recently counted pair
+forgotten beyond either; at most `max_successors` named successors per pair — a newcomer beyond them takes the place
+of the rarest, whose count goes to OTHER (a successor alive but unnamed; END is always kept); and a lookahead keeps
+the `max_successors` likeliest agents of each step, the rest of the mass as OTHER. So one lookahead expands at most
+K·(max_successors+2)² successor pairs however wide the graph the hints drew (`max_expansions` in `stats`), and a
+workflow's pending predictions go with it (`forget`, at its end or retirement).
 """
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 START = "<start>"
 END = "<end>"
+OTHER = "<other>"             # the successors pooled beyond max_successors: alive, no agent named
 ANY = ""                      # the type-agnostic counts
+KEY_BYTES = 480               # a (type, agent) pair's books (the Counter, its tuple and map entry), past its strings
+SUCCESSOR_BYTES = 120         # one successor's entry in a Counter, past its name
+STR_BYTES = 49                # a str's own header (CPython, ASCII)
+GAP_KEY_BYTES = 1600          # a gap key's books past its samples: the deque, the sorted copies, its tuple (strings
+GAP_SAMPLE_BYTES = 80         # of up to 256 bytes each); a sample: its float, in the deque and the sorted copies
 
 
 class Predictor(Protocol):
@@ -47,17 +62,44 @@ class Accuracy:
 class TransitionModel:
     """The default predictor (module docstring)."""
 
-    def __init__(self, horizon: int = 3) -> None:
-        self.counts: dict[tuple[str, str], Counter[str]] = {}
+    def __init__(self, horizon: int = 3, max_keys: int = 4096, max_successors: int = 16,
+                 max_bytes: int = 4 << 20) -> None:
+        self.counts: OrderedDict[tuple[str, str], Counter[str]] = OrderedDict()   # least recently counted first
         self.horizon = horizon
+        self.max_keys = max_keys
+        self.max_successors = max_successors
+        self.max_bytes = max_bytes
+        self.bytes = 0                          # the estimate of the counts' bytes (module docstring)
         self.accuracy = Accuracy()
+        self.work: Counter[str] = Counter()     # pooled, forgotten, pruned, lookaheads, expansions
+        self.max_expansions = 0                 # the most successor pairs one lookahead expanded
         self._cache: dict[tuple[str, str, int], list[dict[str, float]]] = {}
         self._pending: dict[str, list[tuple[int, int, str]]] = {}   # workflow → (steps left, k, agent)
 
     def observe(self, wtype: str, prev: str, agent: str) -> None:
         for t in (wtype, ANY) if wtype else (ANY,):
-            self.counts.setdefault((t, prev), Counter())[agent] += 1
+            self._count((t, prev), agent)
+        while len(self.counts) > 1 and (len(self.counts) > self.max_keys or self.bytes > self.max_bytes):
+            key, c = self.counts.popitem(last=False)
+            self.bytes -= _key_bytes(key, c)
+            self.work["forgotten"] += 1
         self._cache.clear()
+
+    def _count(self, key: tuple[str, str], agent: str) -> None:
+        c = self.counts.get(key)
+        if c is None:
+            c = self.counts[key] = Counter()
+            self.bytes += _key_bytes(key, c)
+        else:
+            self.counts.move_to_end(key)
+        if agent not in c:
+            if agent not in (END, OTHER) and len(c) - (END in c) - (OTHER in c) >= self.max_successors:
+                rare = min((a for a in c if a not in (END, OTHER)), key=c.__getitem__)
+                c[OTHER] += c.pop(rare)                 # the rarest named successor: pooled, unnamed
+                self.bytes -= SUCCESSOR_BYTES + STR_BYTES + len(rare)
+                self.work["pooled"] += 1
+            self.bytes += SUCCESSOR_BYTES + STR_BYTES + len(agent)
+        c[agent] += 1
 
     def next_of(self, wtype: str, agent: str) -> dict[str, float]:
         """One step: the distribution of what follows `agent` in a workflow of `wtype`."""
@@ -71,12 +113,15 @@ class TransitionModel:
         key = (wtype, agent, k)
         got = self._cache.get(key)
         if got is None:
+            if len(self._cache) >= self.max_keys:
+                self._cache.clear()
             got = self._cache[key] = self._propagate(wtype, agent, k)
         return got
 
     def _propagate(self, wtype: str, agent: str, k: int) -> list[dict[str, float]]:
         out = []
         dist = {agent: 1.0}
+        expanded = 0
         for _ in range(k):
             step: dict[str, float] = {}
             for a, p in dist.items():
@@ -86,11 +131,34 @@ class TransitionModel:
                 nxt = self.next_of(wtype, a)
                 if not nxt:
                     step[a] = step.get(a, 0.0) + p     # unknown successor: alive, agent unknown (kept as is)
+                expanded += len(nxt)
                 for b, q in nxt.items():
                     step[b] = step.get(b, 0.0) + p * q
-            dist = step
+            dist = self._prune(step)
             out.append(dist)
+        self.work["lookaheads"] += 1
+        self.work["expansions"] += expanded
+        self.max_expansions = max(self.max_expansions, expanded)
         return out
+
+    def _prune(self, step: dict[str, float]) -> dict[str, float]:
+        """The step's `max_successors` likeliest agents, END, and the rest of the mass as OTHER (alive)."""
+        named = [a for a in step if a not in (END, OTHER)]
+        if len(named) <= self.max_successors:
+            return step
+        keep = sorted(named, key=step.__getitem__, reverse=True)[:self.max_successors]
+        out = {a: step[a] for a in keep}
+        if END in step:
+            out[END] = step[END]
+        out[OTHER] = 1.0 - math.fsum(out.values())
+        self.work["pruned"] += len(named) - len(keep)
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """The books' size (pairs, successors, the bytes estimate) and the work counters (module docstring)."""
+        return {"keys": len(self.counts), "successors": sum(len(c) for c in self.counts.values()),
+                "bytes": self.bytes, "pending": len(self._pending), "max_expansions": self.max_expansions,
+                **{k: self.work[k] for k in ("pooled", "forgotten", "pruned", "lookaheads", "expansions")}}
 
     # ----- its own score -----
     def called(self, wid: str, wtype: str, prev: str, agent: str) -> None:
@@ -109,11 +177,21 @@ class TransitionModel:
 
     def ended(self, wid: str, wtype: str, last: str) -> None:
         self.observe(wtype, last, END)
+        self.forget(wid)
+
+    def forget(self, wid: str) -> None:
+        """The workflow is gone (ended or retired): its pending predictions go with it, unscored."""
         self._pending.pop(wid, None)
 
 
+def _key_bytes(key: tuple[str, str], c: Counter[str]) -> int:
+    """The estimate of one pair's books: its own and its successors' (module docstring)."""
+    return (KEY_BYTES + 2 * STR_BYTES + len(key[0]) + len(key[1])
+            + sum(SUCCESSOR_BYTES + STR_BYTES + len(a) for a in c))
+
+
 def _top(dist: dict[str, float]) -> str:
-    agents = {a: p for a, p in dist.items() if a != END}
+    agents = {a: p for a, p in dist.items() if a not in (END, OTHER)}
     return max(agents, key=lambda a: agents[a]) if agents else END
 
 
@@ -132,12 +210,13 @@ class Gaps:
     `keep` gaps of the key (its empirical distribution): under memoryless gaps it stays near the mean whatever e is,
     and the score falls back to the plain lookahead order. A workflow that has waited longer than every gap seen is
     treated as ever less likely to come back soon (residual = mean + how far past the largest gap it is).
-    Keys are bounded (`max_keys`, the oldest-made goes): hint strings come from clients.
+    Keys are bounded (`max_keys`, the oldest-made goes, and `max_bytes`: each key's books are estimated at
+    GAP_KEY_BYTES + `keep` × GAP_SAMPLE_BYTES, full): hint strings come from clients.
     """
 
-    def __init__(self, keep: int = 64, max_keys: int = 4096) -> None:
+    def __init__(self, keep: int = 64, max_keys: int = 4096, max_bytes: int = 4 << 20) -> None:
         self.keep = keep
-        self.max_keys = max_keys
+        self.max_keys = max(1, min(max_keys, max_bytes // (GAP_KEY_BYTES + keep * GAP_SAMPLE_BYTES)))
         self._samples: dict[tuple[str, str], deque[float]] = {}
         self._sorted: dict[tuple[str, str], tuple[list[float], list[float]]] = {}   # sorted gaps, suffix sums
         self.total = 0.0                      # over every key: the mean gap is the scale of the score
@@ -157,6 +236,13 @@ class Gaps:
                 s = self._samples[key] = deque(maxlen=self.keep)
             s.append(gap)
             self._sorted.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def bytes(self) -> int:
+        """The estimate of the books' bytes: every key counted full (the class docstring)."""
+        return len(self._samples) * (GAP_KEY_BYTES + self.keep * GAP_SAMPLE_BYTES)
 
     @property
     def mean(self) -> float | None:
