@@ -71,14 +71,21 @@ class PoolConfig:
 @dataclass(slots=True)
 class MetricsConfig:
     enabled: bool = False
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"             # loopback; another address only with a token_file
     port: int = 9464
+    token_file: str = ""                # a file (absolute path, not readable by others) holding the bearer token
+    per_tenant: bool = False            # serve the kvstore_tenant_* series (they name every tenant)
 
 
 @dataclass(slots=True)
 class HintsConfig:
+    SIZES = ("model_bytes",)
     idle_s: float = 600.0               # a workflow or session without activity this long is retired
-    max_workflows: int = 100000         # active at once; beyond it the least recently active one is retired
+    max_workflows: int = 100000         # active at once, all tenants; beyond it the busiest tenant's oldest retires
+    tenant_workflows: int = 100000      # active at once per tenant; beyond it its least recently active retires
+    model_keys: int = 4096              # per tenant: (type, agent) pairs its predictor and gap statistics keep
+    model_successors: int = 16          # per pair: successors named (the rest pooled); a lookahead's agents a step
+    model_bytes: int = 4 << 20          # per tenant: the estimate of its predictor's bytes, and of its gaps' (each)
 
 
 @dataclass(slots=True)
@@ -348,13 +355,7 @@ def _check(cfg: Config) -> list[str]:
         errors.append(f"pool.small_segment_slots: must be 0..1048576, got {p.small_segment_slots}")
     if p.pair_eviction not in ("decoupled", "coupled"):
         errors.append(f"pool.pair_eviction: must be decoupled or coupled, got {p.pair_eviction!r}")
-    try:
-        if not ipaddress.ip_address(m.host).is_loopback:
-            errors.append(f"metrics.host: must be a loopback address (the endpoint has no auth), got {m.host}")
-    except ValueError:
-        errors.append(f"metrics.host: not an IP address: {m.host!r}")
-    if not 1 <= m.port <= 65535:
-        errors.append(f"metrics.port: must be 1..65535, got {m.port}")
+    errors += _check_metrics(m)
     for name in ("traffic", "prefetch", *tier_registry.sections()):      # each checks itself
         errors += cfg.section(name).check()
     errors += _check_hints(cfg.hints)
@@ -388,4 +389,31 @@ def _check_hints(h: HintsConfig) -> list[str]:
         errors.append(f"hints.idle_s: must be 0.05..604800 seconds, got {h.idle_s}")
     if not 1 <= h.max_workflows <= 10_000_000:
         errors.append(f"hints.max_workflows: must be 1..10000000, got {h.max_workflows}")
+    if not 1 <= h.tenant_workflows <= 10_000_000:
+        errors.append(f"hints.tenant_workflows: must be 1..10000000, got {h.tenant_workflows}")
+    if not 16 <= h.model_keys <= 1 << 20:
+        errors.append(f"hints.model_keys: must be 16..1048576, got {h.model_keys}")
+    if not 1 <= h.model_successors <= 256:
+        errors.append(f"hints.model_successors: must be 1..256, got {h.model_successors}")
+    if not 64 << 10 <= h.model_bytes <= 1 << 30:
+        errors.append(f"hints.model_bytes: must be 64KiB..1GiB, got {h.model_bytes}")
+    return errors
+
+
+def _check_metrics(m: MetricsConfig) -> list[str]:
+    errors = []
+    try:
+        if not ipaddress.ip_address(m.host).is_loopback and not m.token_file:
+            errors.append(f"metrics.host: a non-loopback address needs metrics.token_file (every local user and "
+                          f"host could read the metrics), got {m.host}")
+    except ValueError:
+        errors.append(f"metrics.host: not an IP address: {m.host!r}")
+    if not 1 <= m.port <= 65535:
+        errors.append(f"metrics.port: must be 1..65535, got {m.port}")
+    if m.token_file:
+        from kvstore.daemon.metrics import read_token
+        try:
+            read_token(m.token_file)
+        except ValueError as e:
+            errors.append(f"metrics.token_file: {e}")
     return errors

@@ -13,15 +13,21 @@ after its end, a kind this daemon does not know, a priority word it does not kno
   workflow. A workflow retired for idleness, whose end never came, begins again at its next call (a long tool
   call is not an end).
 - Activity — a hint, or a request naming the workflow in its context (`touch`) — keeps a workflow active; one
-  without activity for hints.idle_s is retired by `sweep` (the server loop's tick), and beyond
-  hints.max_workflows the least recently active one is retired at once. Both walk `recent`, ordered by activity,
-  from its old end: a sweep costs O(workflows retired), never O(workflows).
+  without activity for hints.idle_s is retired by `sweep` (the server loop's tick). Each tenant has its own
+  `recent`, ordered by activity: beyond hints.tenant_workflows a tenant's least recently active workflow is
+  retired at once, and beyond hints.max_workflows (every tenant's) the least recently active of the tenant holding
+  the most — so one tenant's flood of hints retires its own workflows, never a quieter tenant's. Both walk from
+  the old end: a sweep costs O(tenants + workflows retired), never O(workflows). Ended ids are kept per tenant
+  alike (bounded by the same two caps).
+- Each tenant's hints teach its own model (kvstore.workflows: `Workflows.model`, bounded by hints.model_keys,
+  model_successors and model_bytes), so what one tenant's workflows do never changes another's lookahead.
 - What the policy does not need (the step, the agents expected next, the priority) is kept here for
   `kvstore workflows`, per workflow; each call of an active workflow is told to `on_call` (the predictive prefetch:
   a call re-arms its prefetch, and one naming the agents expected `next` asks for it at once).
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -31,6 +37,7 @@ from typing import Any
 from kvstore.daemon.config import HintsConfig
 from kvstore.protocol import Code, ProtocolError
 from kvstore.workflows import Touch, Workflows
+from kvstore.workflows.books import Bounds
 from kvstore.workflows.predictor import START
 
 SESSION = "session:"                 # a chat session's workflow id: SESSION + its id
@@ -65,13 +72,15 @@ class Hints:
                  on_call: Callable[[str, bool], None] | None = None,
                  prefetch_stats: Callable[[], dict[str, Any]] | None = None) -> None:
         self.flows = workflows
+        workflows.bounds = Bounds(cfg.model_keys, cfg.model_successors, cfg.model_bytes)   # before any model
         self.on_call = on_call                  # (books' id, whether the call names agents expected next)
         self.prefetch_stats = prefetch_stats    # the predictive prefetch's figures, shown with the hints
         self.idle_s = cfg.idle_s
         self.max_workflows = cfg.max_workflows
+        self.tenant_workflows = cfg.tenant_workflows
         self.clock = clock
-        self.recent: OrderedDict[str, Info] = OrderedDict()    # active workflows, least recently active first
-        self.ended: OrderedDict[str, float] = OrderedDict()    # ended ids → when; forgotten after idle_s
+        self.recent: dict[str, OrderedDict[str, Info]] = {}    # tenant → active workflows, least recently active
+        self.ended: dict[str, OrderedDict[str, float]] = {}    # tenant → ended ids → when; forgotten after idle_s
         self.kinds: Counter[str] = Counter()                   # hints received, by kind
         self.ignored: Counter[str] = Counter()                 # hints (and contexts) ignored, by reason
         self.retired: Counter[str] = Counter()                 # workflows retired: ended, idle, over_max
@@ -92,31 +101,31 @@ class Hints:
                 why = "priority"              # the rest of the hint applies
             prio = PRIORITIES.get(prio)
         if kind in ("end", "session_end"):
-            return self._end(name, wid)
-        if kind == "call" and wid in self.ended:
+            return self._end(tenant, name, wid)
+        if kind == "call" and wid in self.ended.get(tenant, ()):
             return self._ignored(name, wid, "ended")
-        self.ended.pop(wid, None)
+        self._forget(self.ended, tenant, wid)
         if kind == "call":
-            self.flows.call(wid, m.get("agent", ""), wtype)
+            self.flows.call(wid, m.get("agent", ""), wtype, tenant)
         else:
-            self.flows.begin(wid, wtype)
-        info = self._active(wid)
+            self.flows.begin(wid, wtype, tenant)
+        info = self._active(tenant, wid)
         if kind == "call":
             info.step, info.next = m.get("step"), list(m.get("next", ()))
         if prio is not None:
             info.priority = prio
-        self._cap()
+        self._cap(tenant)
         if kind == "call" and self.on_call is not None and wid in self.flows.active:
             self.on_call(wid, bool(info.next))
         return self._reply(name, wid, why)
 
-    def _end(self, name: str, wid: str) -> dict[str, Any]:
+    def _end(self, tenant: str, name: str, wid: str) -> dict[str, Any]:
         if wid not in self.flows.active:
-            return self._ignored(name, wid, "ended" if wid in self.ended else "unknown_workflow")
-        self.recent.pop(wid, None)
+            return self._ignored(name, wid, "ended" if wid in self.ended.get(tenant, ()) else "unknown_workflow")
+        self._forget(self.recent, tenant, wid)
         self.flows.end(wid)
         self.retired["ended"] += 1
-        self._remember_end(wid)
+        self._remember_end(tenant, wid)
         return self._reply(name, wid, "")
 
     def _ignored(self, name: str, wid: str, why: str) -> dict[str, Any]:
@@ -130,11 +139,12 @@ class Hints:
             reply["ignored"] = why
         return reply
 
-    def _active(self, wid: str) -> Info:
-        """The workflow's info, marked active now (the most recent)."""
-        info = self.recent.pop(wid, None) or Info(self.clock())
+    def _active(self, tenant: str, wid: str) -> Info:
+        """The workflow's info, marked active now (its tenant's most recent)."""
+        mine = self.recent.setdefault(tenant, OrderedDict())
+        info = mine.pop(wid, None) or Info(self.clock())
         info.seen = self.clock()
-        self.recent[wid] = info
+        mine[wid] = info
         return info
 
     # ----- a request's context -----
@@ -146,12 +156,13 @@ class Hints:
         if not name:
             return None
         wid = scoped(tenant, name)
-        info = self.recent.get(wid)
-        if info is None:
-            self.ignored["ended_context" if wid in self.ended else "unknown_context"] += 1
+        mine = self.recent.get(tenant)
+        info = mine.get(wid) if mine is not None else None
+        if mine is None or info is None:
+            self.ignored["ended_context" if wid in self.ended.get(tenant, ()) else "unknown_context"] += 1
             return None
         info.seen = self.clock()
-        self.recent.move_to_end(wid)
+        mine.move_to_end(wid)
         return Touch(wid, m.get("agent", ""))
 
     # ----- retirement -----
@@ -160,59 +171,94 @@ class Hints:
         ends older than it; the number retired."""
         now = self.clock()
         n = 0
-        while self.recent:
-            wid, info = next(iter(self.recent.items()))
-            if now - info.seen <= self.idle_s:
-                break
-            self._retire(wid, "idle")
-            n += 1
-        while self.ended and now - next(iter(self.ended.values())) > self.idle_s:
-            self.ended.popitem(last=False)
+        for tenant, mine in list(self.recent.items()):
+            while mine:
+                wid, info = next(iter(mine.items()))
+                if now - info.seen <= self.idle_s:
+                    break
+                self._retire(tenant, wid, "idle")
+                n += 1
+        for tenant, ended in list(self.ended.items()):
+            while ended and now - next(iter(ended.values())) > self.idle_s:
+                ended.popitem(last=False)
+            if not ended:
+                del self.ended[tenant]
         return n
 
-    def _cap(self) -> None:
-        while len(self.recent) > self.max_workflows:
-            self._retire(next(iter(self.recent)), "over_max")
+    def _cap(self, tenant: str) -> None:
+        """Retire beyond the caps: the tenant's own least recently active, then the busiest tenant's."""
+        mine: OrderedDict[str, Info] = self.recent.get(tenant, OrderedDict())
+        while len(mine) > self.tenant_workflows:
+            self._retire(tenant, next(iter(mine)), "over_max")
+        while _total(self.recent) > self.max_workflows:
+            busiest = max(self.recent, key=lambda t: len(self.recent[t]))
+            self._retire(busiest, next(iter(self.recent[busiest])), "over_max")
 
-    def _retire(self, wid: str, why: str) -> None:
+    def _retire(self, tenant: str, wid: str, why: str) -> None:
         """Retire a workflow whose end never came: its blocks become retired blocks, the predictor learns no end."""
-        self.recent.pop(wid, None)
+        self._forget(self.recent, tenant, wid)
         self.flows.retire(wid)
         self.retired[why] += 1
 
-    def _remember_end(self, wid: str) -> None:
-        self.ended[wid] = self.clock()
-        self.ended.move_to_end(wid)
-        while len(self.ended) > self.max_workflows:
-            self.ended.popitem(last=False)
+    def _remember_end(self, tenant: str, wid: str) -> None:
+        ended = self.ended.setdefault(tenant, OrderedDict())
+        ended[wid] = self.clock()
+        ended.move_to_end(wid)
+        while len(ended) > self.tenant_workflows:
+            ended.popitem(last=False)
+        while _total(self.ended) > self.max_workflows:
+            busiest = max(self.ended, key=lambda t: len(self.ended[t]))
+            self._forget(self.ended, busiest, next(iter(self.ended[busiest])))
+
+    @staticmethod
+    def _forget(books: dict[str, OrderedDict[str, Any]], tenant: str, wid: str) -> None:
+        mine = books.get(tenant)
+        if mine is not None:
+            mine.pop(wid, None)
+            if not mine:
+                del books[tenant]
 
     # ----- inspection -----
     def rows(self, tenant: str | None, limit: int) -> list[dict[str, Any]]:
-        """Active workflows, the most recently active first: all tenants' (tenant None) or one tenant's."""
+        """Active workflows, the most recently active first: all tenants' (tenant None) or one tenant's. `alive`:
+        the probability that each of the next steps comes, from the tenant's own model."""
         now = self.clock()
+        books = self.recent if tenant is None else {tenant: self.recent.get(tenant, OrderedDict())}
+        ordered = heapq.merge(*(reversed(mine.items()) for mine in books.values()),
+                              key=lambda item: item[1].seen, reverse=True)
         out = []
-        for wid in reversed(self.recent):
-            owner, name = unscoped(wid)
-            if tenant is not None and owner != tenant:
-                continue
-            w, info = self.flows.active.get(wid), self.recent[wid]
+        for wid, info in ordered:
+            w = self.flows.active.get(wid)
             if w is None:
                 continue
-            out.append({"workflow": name, "tenant": owner, "type": w.wtype,
+            out.append({"workflow": unscoped(wid)[1], "tenant": w.tenant, "type": w.wtype,
                         "agent": "" if w.agent == START else w.agent, "steps": w.steps, "step": info.step,
-                        "next": info.next, "priority": info.priority, "idle_s": round(now - info.seen, 3)})
+                        "next": info.next, "priority": info.priority, "idle_s": round(now - info.seen, 3),
+                        "alive": [round(p, 4) for p in self.flows.alive(wid)]})
             if len(out) >= limit:
                 break
         return out
 
     def stats(self) -> dict[str, Any]:
-        acc = self.flows.predictor.accuracy
+        """The books over every tenant (no tenant named): workflows, hints, the predictors' accuracy, and the size
+        of the hint state (`state`: entries, the bytes estimate, the lookahead work counters)."""
+        hits: Counter[int] = Counter()
+        total: Counter[int] = Counter()
+        for m in self.flows.models.values():
+            hits.update(m.predictor.accuracy.hits)
+            total.update(m.predictor.accuracy.total)
+        state = {**self.flows.footprint(), "tenants": len(self.recent), "ended": _total(self.ended)}
         return {"active": len(self.flows.active), "retired": sum(self.retired.values()),
                 "retired_by": {r: self.retired[r] for r in ("ended", "idle", "over_max")},
                 "ignored": dict(self.ignored), "hints": dict(self.kinds),
-                "accuracy": {"top1_1": acc.rate(1), "top1_3": acc.rate(3)},
-                "predictions": {"top1_1": acc.total[1], "top1_3": acc.total[3]},
+                "accuracy": {"top1_1": hits[1] / total[1] if total[1] else None,
+                             "top1_3": hits[3] / total[3] if total[3] else None},
+                "predictions": {"top1_1": total[1], "top1_3": total[3]}, "state": state,
                 "prefetch": self.prefetch_stats() if self.prefetch_stats is not None else None}
+
+
+def _total(books: dict[str, OrderedDict[str, Any]]) -> int:
+    return sum(len(mine) for mine in books.values())
 
 
 def _target(kind: str, m: dict[str, Any], tenant: str) -> tuple[str, str, str]:
