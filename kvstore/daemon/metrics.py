@@ -1,12 +1,29 @@
 """Numbers the daemon keeps about itself: op latency histograms and errors by code, plus a Prometheus endpoint that
-serves exactly what `kvstore stats` shows (the same snapshot function feeds both)."""
+serves what `kvstore stats` shows (the same snapshot function feeds both).
+
+What the endpoint tells whom (issue 29). It listens on loopback (metrics.host; another address only with a token),
+so every local user can reach it: by default it serves the daemon's own figures and no series that names a tenant
+(`kvstore_tenant_*`: names, quotas, usage). `metrics.per_tenant: true` adds them; `metrics.token_file` makes every
+request carry `Authorization: Bearer <the file's token>` (else 401, compared in constant time). The token file must
+be the daemon user's own and readable by nobody else (`read_token`). `serve_metrics(cfg, snapshot)` starts it from
+the metrics section.
+"""
 from __future__ import annotations
 
+import errno
+import hmac
+import ipaddress
+import os
+import stat
+import threading
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from kvstore.histogram import BUCKETS, Histogram
+
+if TYPE_CHECKING:
+    from kvstore.daemon.config import MetricsConfig
 
 
 class OpMetrics:
@@ -23,9 +40,42 @@ class OpMetrics:
         h.observe(seconds)
 
 
-def start_prometheus(host: str, port: int, snapshot: Callable[[], dict[str, Any]]) -> Any:
-    """Serve /metrics on loopback from `snapshot()` (the stats op's reply). Returns the HTTP server."""
-    from prometheus_client import CollectorRegistry, start_http_server
+def read_token(path: str) -> str:
+    """The bearer token in `path`: ValueError (the message says what to do) unless the path is absolute, a regular
+    file of the daemon's user that neither group nor others may read, holding one token of 16 to 4096 printable
+    characters."""
+    if not os.path.isabs(path):
+        raise ValueError(f"must be an absolute path, got {path!r}")
+    try:
+        st = os.stat(path)
+        with open(path, encoding="ascii") as f:
+            token = f.read(8192).strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ValueError(f"{path} must be a file of this user readable by nobody else (chmod 600)")
+    if not 16 <= len(token) <= 4096 or not token.isprintable() or " " in token:
+        raise ValueError(f"{path} must hold one token of 16 to 4096 printable characters, no spaces")
+    return token
+
+
+def serve_metrics(cfg: MetricsConfig, snapshot: Callable[[], dict[str, Any]]) -> Any:
+    """Serve /metrics as the metrics section says (module docstring). Returns the HTTP server."""
+    try:
+        token = read_token(cfg.token_file) if cfg.token_file else ""
+    except ValueError as e:                     # checked at load; changed since
+        raise OSError(errno.EACCES, f"metrics.token_file: {e}") from None
+    return start_prometheus(cfg.host, cfg.port, snapshot, token=token, per_tenant=cfg.per_tenant)
+
+
+def start_prometheus(host: str, port: int, snapshot: Callable[[], dict[str, Any]], token: str = "",
+                     per_tenant: bool = False) -> Any:
+    """Serve /metrics at host:port from `snapshot()` (the stats op's reply): tenants' series only with
+    `per_tenant`, every request with the bearer `token` where one is given; a non-loopback host without a token
+    is refused (OSError). Returns the HTTP server (`shutdown()` stops it)."""
+    if not token and not ipaddress.ip_address(host).is_loopback:
+        raise OSError(errno.EACCES, "a non-loopback address needs metrics.token_file")
+    from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     class Collector:
@@ -55,7 +105,8 @@ def start_prometheus(host: str, port: int, snapshot: Callable[[], dict[str, Any]
                                     value=host.get("retiring_bytes", 0))
             yield from _workflow_metrics(s.get("workflows") or {}, s.get("hit_rates") or {})
             yield from _remote_metrics(next((t for t in s["tiers"] if t["tier"] == "remote"), None))
-            yield from _tenant_metrics(s.get("tenants") or {})
+            if per_tenant:
+                yield from _tenant_metrics(s.get("tenants") or {})
             wt = s.get("write_through") or {}
             if "lag" in wt:
                 yield GaugeMetricFamily("kvstore_durable_pending_blocks", "blocks on their way to disk",
@@ -68,8 +119,34 @@ def start_prometheus(host: str, port: int, snapshot: Callable[[], dict[str, Any]
 
     registry = CollectorRegistry()
     registry.register(Collector())  # type: ignore[arg-type]
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server
+    return _serve(host, port, registry, token)
+
+
+def _serve(host: str, port: int, registry: Any, token: str) -> Any:
+    """prometheus_client's WSGI server (as its start_wsgi_server), the app behind the bearer check."""
+    from wsgiref.simple_server import make_server
+
+    from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
+
+    class Server(ThreadingWSGIServer):
+        daemon_threads = True
+
+    Server.address_family, addr = _get_best_family(host, port)
+    app = make_wsgi_app(registry)
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if token and not hmac.compare_digest(given, expected):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"),
+                                                ("WWW-Authenticate", 'Bearer realm="kvstore"')])
+            return [b"401 Unauthorized: this endpoint needs its bearer token\n"]
+        return app(environ, start_response)  # type: ignore[no-any-return]
+
+    httpd = make_server(addr, port, guarded, Server, handler_class=_SilentHandler)
+    threading.Thread(target=httpd.serve_forever, name="kvstore-metrics", daemon=True).start()
+    return httpd
 
 
 def _cumulative(h: dict[str, Any]) -> list[tuple[str, int]]:

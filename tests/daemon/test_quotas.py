@@ -297,7 +297,8 @@ def test_quota_changes_need_the_admin_role(tmp_path, daemons):
 def test_prometheus_shows_each_tenants_figures(tmp_path, daemons):
     port = free_port()
     d = quota_daemon(tmp_path, daemons, {"a": "4MiB", "b": "2MiB"},
-                     env={"KVSTORE_METRICS_ENABLED": "true", "KVSTORE_METRICS_PORT": str(port)})
+                     env={"KVSTORE_METRICS_ENABLED": "true", "KVSTORE_METRICS_PORT": str(port),
+                          "KVSTORE_METRICS_PER_TENANT": "true"})
     a, b = Tenant(d, "a"), Tenant(d, "b")
     try:
         assert a.put(0, 8 * PER_SEG) == 8 * PER_SEG           # a borrows 4 MiB: the whole pool

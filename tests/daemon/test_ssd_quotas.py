@@ -57,7 +57,8 @@ def flood(d: DaemonProc) -> None:
 def test_a_busy_tenant_never_pushes_a_quiet_one_below_its_ssd_quota(tmp_path, daemons):
     port = free_port()
     d = ssd_quota_daemon(tmp_path, daemons, 8, env={"KVSTORE_METRICS_ENABLED": "true",
-                                                    "KVSTORE_METRICS_PORT": str(port)})
+                                                    "KVSTORE_METRICS_PORT": str(port),
+                                                    "KVSTORE_METRICS_PER_TENANT": "true"})
     flood(d)
     r = rows(d)
     assert (r["a"]["ssd_used_bytes"], r["b"]["ssd_used_bytes"]) == (8 * RECORD, 8 * RECORD)
