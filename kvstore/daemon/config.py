@@ -404,8 +404,8 @@ def _check_metrics(m: MetricsConfig) -> list[str]:
     errors = []
     try:
         if not ipaddress.ip_address(m.host).is_loopback and not m.token_file:
-            errors.append(f"metrics.host: a non-loopback address needs metrics.token_file (every local user and "
-                          f"host could read the metrics), got {m.host}")
+            errors.append(f"metrics.host: must be a loopback address (the endpoint has no auth) unless "
+                          f"metrics.token_file is set, got {m.host}")
     except ValueError:
         errors.append(f"metrics.host: not an IP address: {m.host!r}")
     if not 1 <= m.port <= 65535:

@@ -154,3 +154,16 @@ def test_a_huge_fan_out_costs_a_bounded_lookahead(two_tenants: Tenants) -> None:
         assert s["lookaheads"] >= successors, s                     # every call computed one ...
         assert 0 < s["max_expansions"] <= horizon * (cap + 2) ** 2, s   # ... each bounded
         assert s["successors"] <= s["keys"] * (cap + 2), s         # the books: at most cap + END + OTHER a pair
+
+
+def test_the_bounds_are_settings_checked_one_message_each() -> None:
+    from kvstore.daemon.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(env={"KVSTORE_HINTS_MODEL_KEYS": "8", "KVSTORE_HINTS_MODEL_SUCCESSORS": "0",
+                         "KVSTORE_HINTS_MODEL_BYTES": "1KiB", "KVSTORE_HINTS_TENANT_WORKFLOWS": "0"})
+    assert str(e.value).splitlines()[1:] == ["  hints.tenant_workflows: must be 1..10000000, got 0",
+                                             "  hints.model_keys: must be 16..1048576, got 8",
+                                             "  hints.model_successors: must be 1..256, got 0",
+                                             "  hints.model_bytes: must be 64KiB..1GiB, got 1024"]
+    assert load_config(env={"KVSTORE_HINTS_MODEL_BYTES": "8MiB"}).hints.model_bytes == 8 << 20

@@ -97,7 +97,8 @@ def test_a_non_loopback_address_without_a_token_is_refused_at_start(tmp_path):
     finally:
         d.cleanup()
     assert r.returncode != 0
-    assert "metrics.host: a non-loopback address needs metrics.token_file" in r.stderr, r.stderr
+    assert "metrics.host: must be a loopback address (the endpoint has no auth) unless metrics.token_file is set" \
+        in r.stderr, r.stderr
 
 
 def test_a_token_file_must_be_private_and_hold_a_token(tmp_path):
@@ -148,3 +149,12 @@ def test_the_daemon_serves_its_token_and_per_tenant_settings(tmp_path, daemons):
     status, text = get(port, TOKEN)
     assert status == 200 and 'kvstore_tenant_used_bytes{tenant="alpha-team"}' in text
     assert os.path.exists(d.socket)
+
+
+def test_another_address_is_accepted_with_a_token(tmp_path):
+    from kvstore.daemon.config import load_config
+
+    cfg = load_config(env={"KVSTORE_METRICS_HOST": "0.0.0.0", "KVSTORE_METRICS_TOKEN_FILE": token_file(tmp_path),
+                           "KVSTORE_METRICS_PER_TENANT": "true"})
+    assert (cfg.metrics.host, cfg.metrics.per_tenant) == ("0.0.0.0", True)
+    assert load_config(env={}).metrics.per_tenant is False and load_config(env={}).metrics.token_file == ""
