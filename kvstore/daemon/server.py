@@ -27,7 +27,7 @@ from types import FrameType
 from kvstore.daemon import process
 from kvstore.daemon.admin import snapshot
 from kvstore.daemon.config import Config, socket_gid, socket_mode
-from kvstore.daemon.metrics import start_prometheus
+from kvstore.daemon.metrics import serve_metrics
 from kvstore.daemon.session import Session
 from kvstore.daemon.state import State, build_state
 from kvstore.daemon.tenants import Peer
@@ -230,7 +230,7 @@ class Daemon:
     def _start_metrics(self) -> None:
         m = self.config.metrics
         try:
-            self.metrics_server = start_prometheus(m.host, m.port, self._snapshot)
+            self.metrics_server = serve_metrics(m, self._snapshot)
         except OSError as e:
             raise StartupError(f"cannot serve metrics at {m.host}:{m.port}: {e.strerror or e} (set metrics.port / "
                                f"KVSTORE_METRICS_PORT to a free port)") from None

@@ -64,7 +64,8 @@ def test_every_metric_the_dashboard_queries_is_served_by_a_live_daemon(start_dae
     port = free_port()
     conf = tmp_path / "kvstore.yaml"
     conf.write_text(yaml.safe_dump({"tenants": [{"name": "a", "secret": "sa"}, {"name": "b", "secret": "sb"}]}))
-    d = start_daemon(capacity="1MiB", env={"KVSTORE_METRICS_ENABLED": "true", "KVSTORE_METRICS_PORT": str(port),
+    d = start_daemon(capacity="1MiB", env={"KVSTORE_METRICS_ENABLED": "true", "KVSTORE_METRICS_PER_TENANT": "true",
+                                           "KVSTORE_METRICS_PORT": str(port),
                                            "KVSTORE_SSD_DIR": str(tmp_path / "ssd"), "KVSTORE_CONFIG": str(conf)})
     with d.client() as c:                       # some of everything: puts that demote, lookups, gets, a durable put
         ns = c.namespace(spec())
