@@ -16,6 +16,8 @@ test can show what other clients get meanwhile.
 - `between_chunks`: an operator's `list` or `evict` between two chunks of its walk (kvstore.daemon.admin).
 - `draining_copy`: a request thread about to make the demotion copies of a retiring segment's blocks
   (kvstore.movers.demotion).
+- `slot_write`: a queue mover (write-through, publish) with a batch taken, before writing it
+  (kvstore.movers.slots).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import time
 log = logging.getLogger("kvstore")
 CRASH_POINTS = ("after_payload", "mid_header", "mid_eviction")
 FAULT_POINTS = ("demote_loop", "write_through_loop")
-PAUSE_POINTS = ("between_chunks", "draining_copy")
+PAUSE_POINTS = ("between_chunks", "draining_copy", "slot_write")
 PAUSE_LIMIT_S = 120.0
 
 _CRASH = os.environ.get("KVSTORE_CRASH_AT", "")

@@ -90,9 +90,12 @@ def _wait_durable(st: State, ticket: Ticket, m: dict[str, Any]) -> dict[str, Any
     assert st.write_through is not None
     st.lock.release()
     try:
-        return st.write_through.wait(ticket, timeout)
+        reply = st.write_through.wait(ticket, timeout)
     finally:
         st.lock.acquire()
+    if timeout > 0 and reply["pending"]:          # the waiter gives up: what only it waited for leaves the queue
+        st.write_through.abandon(ticket)
+    return reply
 
 
 def op_abort(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:

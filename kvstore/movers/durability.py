@@ -10,7 +10,9 @@ its deadline. The answer names what the request got:
 - `durable`: every block it waited for is on disk and synced (or was deleted meanwhile);
 - `unsynced`: they are written, but ssd.sync is never, so nothing is synced: they survive a kill -9 of the daemon,
   not a power cut (the daemon never calls a write durable without a sync);
-- `timeout`: the deadline came first; the blocks are stored (host pool or staging), their writes go on;
+- `timeout`: the deadline came first; the blocks are stored (host pool or staging), and those no other request
+  waits for leave the first line and their pins (`WriteThrough.abandon`: a request that gave up leaves no backlog
+  ahead of those still waiting); their writes go on behind, in the plain write-through queue where it has room;
 - `failed`: some could not be written (counted in `failed`); they may still be in the host pool;
 - `no_ssd_tier`: the daemon has no tier to make anything durable on (the op's answer, not the books').
 
@@ -40,6 +42,8 @@ class Ticket:
     blocks: int = 0
     remaining: int = 0
     failed: int = 0
+    gave_up: bool = False       # its wait ended before its blocks were settled (or it never waited: timeout 0)
+    entries: list[Entry] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -54,6 +58,7 @@ class Entry:
     tickets: list[Ticket] = field(default_factory=list)
     done: bool = False
     pinned: bool = False        # its slot is pinned by the write-through until written (a request waits for it)
+    waived: bool = False        # its waiters gave up: no longer first in line (WriteThrough.abandon)
 
 
 class Books:
@@ -81,6 +86,7 @@ class Books:
     def attach(e: Entry, ticket: Ticket | None) -> None:
         if ticket is not None:
             e.tickets.append(ticket)
+            ticket.entries.append(e)
             ticket.blocks += 1
             ticket.remaining += 1
 
@@ -109,6 +115,7 @@ class Books:
         with self.cond:
             self.cond.wait_for(lambda: ticket.remaining <= 0, timeout)
             pending, failed = ticket.remaining, ticket.failed
+            ticket.gave_up = pending > 0
             answer = FAILED if failed else TIMEOUT if pending else DURABLE if self.synced else UNSYNCED
             if timeout > 0:                     # (0: a commit that only queues its blocks, as a put's parts do)
                 self.counts[f"answer.{answer}"] += 1

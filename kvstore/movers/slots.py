@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
+from kvstore.testpoints import pause_point
 from kvstore.tiers import LowerTier
 from kvstore.traffic import Lane
 from kvstore.workers import Worker
@@ -68,6 +69,7 @@ class SlotWriter(ABC, Generic[E]):
                 self.tier.announce(bids)                    # a delete from now on cancels the write
                 self.writing = len(bids)
                 self._announced(batch)
+            pause_point("slot_write")
             stored = write_slots(self.tier, bids, views, crcs, self.lane, self.what)
             with self.changed:
                 self.writing = 0

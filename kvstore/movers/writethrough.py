@@ -26,12 +26,13 @@ on its way. A block deleted meanwhile is not published (the tier drops a write w
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from threading import Condition
 
 from kvstore.index import Holdings, Index, NamespaceEntry
 from kvstore.movers.durability import Books, Entry, Ticket
+from kvstore.movers.fair import FairQueue
 from kvstore.movers.slots import SlotWriter
 from kvstore.testpoints import fault_point
 from kvstore.tiers import DurableTier
@@ -39,6 +40,15 @@ from kvstore.tiers.host import HostPool
 
 log = logging.getLogger("kvstore")
 BATCH = 32
+TENANT_SHARE = 0.5          # of the plain queue's bytes (ssd.staging_bytes) one tenant may fill: others find room
+
+
+def _tenant(e: Entry) -> str:
+    return e.ns.tenant
+
+
+def _size(e: Entry) -> int:
+    return e.ns.slot_bytes
 
 
 class WriteThrough(SlotWriter[Entry]):
@@ -56,8 +66,10 @@ class WriteThrough(SlotWriter[Entry]):
         self.enabled = enabled                  # ssd.write_through: every commit, not only durable ones
         self.books = Books(synced)
         self.holder = Holdings()
-        self.urgent: deque[Entry] = deque()     # blocks a request waits for: written first
-        self.queue: deque[Entry] = deque()      # the plain write-through, bounded by max_bytes
+        # blocks a request waits for: written first; then the plain write-through, bounded by max_bytes (and by
+        # half of it per tenant); each served tenant by tenant in turn (kvstore.movers.fair)
+        self.urgent: FairQueue[Entry] = FairQueue(_tenant, _size)
+        self.queue: FairQueue[Entry] = FairQueue(_tenant, _size)
         self.queued_bytes = 0
         self.pinned_bytes = 0                   # slots pinned: waited for (at most pin_cap), or being written
         self._stop = False
@@ -117,6 +129,30 @@ class WriteThrough(SlotWriter[Entry]):
         """(Without the state lock.) The answer once the ticket's blocks are settled, or at the deadline."""
         return self.books.wait(ticket, timeout)
 
+    def abandon(self, ticket: Ticket) -> int:
+        """(Under the state lock.) Its waiter gave up (the deadline came first): the blocks no other waiter waits
+        for leave the first-in-line queue and their pins; they join the plain write-through queue, within its
+        bounds (their writes go on behind the blocks requests wait for), or else leave the durable path (counted
+        `abandoned`: they reach the disk like any other block, by demotion when evicted). So requests that gave up
+        leave no backlog ahead of those still waiting, and pin nothing. How many left the first line."""
+        dropped: list[Entry] = []
+        with self.books.cond:
+            gone = [e for e in ticket.entries if not e.done and not e.waived and all(t.gave_up for t in e.tickets)]
+            for e in gone:
+                e.waived = True
+                size = e.ns.slot_bytes
+                if self.queued_bytes + size <= self.max_bytes and \
+                        self.queue.bytes_of[e.ns.tenant] + size <= self.max_bytes * TENANT_SHARE:
+                    self.queue.append(e)
+                    self.queued_bytes += size
+                else:
+                    self.books.settle(e, False, "abandoned")
+                    dropped.append(e)
+        self._unpin(gone)
+        if dropped:
+            self.tier.unwant([e.bid for e in dropped])
+        return len(gone)
+
     def _queue_all(self, blocks: list[tuple[NamespaceEntry, bytes]], ticket: Ticket | None, urgent: bool,
                    committed: bool, pin: bool = False) -> None:
         wanted, watched = [], []
@@ -144,6 +180,7 @@ class WriteThrough(SlotWriter[Entry]):
             self.books.attach(e, ticket)
             if pin and not e.pinned and self.index.slot(ns, h) == e.gid:    # on its way, now waited for:
                 self._hold(e)                                                # held and first in line
+                e.waived = False
                 self.urgent.append(e)
             return ""
         if self.tier.on_disk(bid):
@@ -154,7 +191,8 @@ class WriteThrough(SlotWriter[Entry]):
             return "staged"
         if gid is None:
             return ""                                        # deleted, or never stored: nothing to persist
-        if not urgent and self.queued_bytes + ns.slot_bytes > self.max_bytes:
+        if not urgent and (self.queued_bytes + ns.slot_bytes > self.max_bytes or
+                           self.queue.bytes_of[ns.tenant] + ns.slot_bytes > self.max_bytes * TENANT_SHARE):
             self.counters["write_through_skipped"] += 1
             return ""
         e = self.books.add(bid, ns, h, gid, committed, ticket)
@@ -216,6 +254,8 @@ class WriteThrough(SlotWriter[Entry]):
         while len(out) < n and (self.urgent or self.queue):
             if self.urgent:
                 e = self.urgent.popleft()
+                if e.waived and not e.done:         # its waiter gave up: it waits in the plain queue now
+                    continue
             else:
                 e = self.queue.popleft()
                 self.queued_bytes -= e.ns.slot_bytes

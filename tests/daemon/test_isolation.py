@@ -8,7 +8,9 @@ import os
 import socket
 import stat
 import struct
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -233,3 +235,115 @@ def test_another_user_connects_only_through_the_socket_group(tmp_path, daemons):
     plain = start(tmp_path / "p", daemons, [])
     os.chmod(plain.dir, 0o711)
     assert "PermissionError" in str(as_nobody(plain, act, open_up=False).get("error"))
+
+
+class Paused:
+    """The write-through's writer stopped before each batch it writes (pause point `slot_write`): the test lets
+    batches go one at a time, so what a client got after n batches is known without timing anything."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir, self.released = directory, 0
+
+    def wait_next(self, done: Callable[[], bool], timeout: float = 60.0) -> bool:
+        """Until the writer pauses at its next batch (True) or `done()` holds (False)."""
+        path = self.dir / f"slot_write.{self.released + 1}"
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if done():
+                return False
+            assert time.monotonic() < deadline, "the writer did not reach its next batch"
+            time.sleep(0.005)
+        return True
+
+    def release(self) -> None:
+        self.released += 1
+        (self.dir / f"slot_write.{self.released}").unlink()
+
+
+def durable_put(c: Client, tag: bytes, n: int, timeout_s: float, out: dict) -> threading.Thread:
+    def run() -> None:
+        ns = c.namespace(spec())
+        out["result"] = ns.put(hashes(n, tag=tag), [block(i) for i in range(n)], durable=True,
+                               durable_timeout_s=timeout_s)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def pending(c: Client) -> int:
+    return int(c.stats()["write_through"]["pending"])
+
+
+def fair_daemon(tmp_path: Path, daemons: list[DaemonProc]) -> tuple[DaemonProc, Paused]:
+    pauses = tmp_path / "pauses"
+    pauses.mkdir()
+    d = start(tmp_path, daemons, capacity="64MiB", KVSTORE_SSD_DIR=str(tmp_path / "ssd"),
+              KVSTORE_SSD_CAPACITY="256MiB", KVSTORE_PAUSE_AT="slot_write", KVSTORE_PAUSE_DIR=str(pauses),
+              KVSTORE_PAUSE_TIMES="100000")
+    return d, Paused(pauses)
+
+
+def test_a_neighbours_flood_of_durable_puts_does_not_queue_ahead_of_a_tenants_few(tmp_path, daemons):
+    """Before, the durable queue was first come, first served: b's 8-block durable put waited for all of a's
+    2048 blocks (1.8–3.5 s instead of 17 ms). Now the tenants are served in turn: b's blocks are written within the
+    next few batches, while a's flood is still far from done."""
+    d, writer = fair_daemon(tmp_path, daemons)
+    flood: dict = {}
+    few: dict = {}
+    with tenant(d, "a", timeout=120) as a, tenant(d, "b", timeout=120) as b, d.client() as admin:
+        ta = durable_put(a, b"flood", 2048, 100, flood)
+        assert writer.wait_next(lambda: False)                 # the writer holds a's first batch
+        deadline = time.monotonic() + 60
+        while pending(admin) < 2048 - 32:                      # all of a's blocks queued behind it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        tb = durable_put(b, b"few", 8, 100, few)
+        while pending(admin) < 2048 - 32 + 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        batches, paused = 0, True
+        while tb.is_alive():
+            if paused:
+                writer.release()
+                batches += 1
+            paused = writer.wait_next(lambda: not tb.is_alive())
+        assert few["result"].durability == "durable" and few["result"].stored == 8
+        assert batches <= (1 << 20) // GEOM.full_bytes // 32 + 2, batches     # a's quantum, not a's 64 batches
+        assert ta.is_alive() and pending(admin) > 2048 - 32 * batches - 32      # a still waits (writer paused)
+        while ta.is_alive():                                   # then a's flood goes on to the end
+            if paused:
+                writer.release()
+            paused = writer.wait_next(lambda: not ta.is_alive())
+        assert flood["result"].durability == "durable" and flood["result"].stored == 2048
+
+
+def test_a_durable_put_that_gives_up_leaves_no_backlog(tmp_path, daemons):
+    """Before, the blocks of durable puts that had given up stayed first in line (10 k entries) and pinned. Now
+    they leave the first line and their pins: another tenant's durable put is written next; theirs go on behind."""
+    d, writer = fair_daemon(tmp_path, daemons)
+    out: dict = {}
+    few: dict = {}
+    with tenant(d, "a", timeout=120) as a, tenant(d, "b", timeout=120) as b, d.client() as admin:
+        t = durable_put(a, b"impatient", 1024, 0.5, out)
+        assert writer.wait_next(lambda: False)                 # the writer is held: nothing more is written
+        t.join(60)
+        assert not t.is_alive() and out["result"].durability == "timeout"
+        assert admin.stats()["pinned"] <= 32                   # only the batch in the writer's hands
+        tb = durable_put(b, b"patient", 8, 100, few)
+        deadline = time.monotonic() + 60
+        while pending(admin) < 1024 + 8 - 32:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        batches, paused = 0, True
+        while tb.is_alive():
+            if paused:
+                writer.release()
+                batches += 1
+            paused = writer.wait_next(lambda: not tb.is_alive())
+        assert few["result"].durability == "durable" and batches <= 2, batches     # not behind a's 1024
+        while pending(admin):                                  # a's blocks are written all the same
+            if paused:
+                writer.release()
+            paused = writer.wait_next(lambda: pending(admin) == 0)
+        assert a.namespace(spec()).wait_durable(hashes(1024, tag=b"impatient"), 30)["durability"] == "durable"
