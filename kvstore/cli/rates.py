@@ -120,17 +120,22 @@ def tenant_rates(b: dict[str, Any], a: dict[str, Any], dt: float) -> list[dict[s
 
 
 def namespace_rates(b: dict[str, Any], a: dict[str, Any], dt: float) -> list[dict[str, Any]]:
-    """Per namespace (model, share group): blocks and bytes held, blocks on SSD, and the change in its host blocks
-    per second."""
+    """Per namespace (model, share group): lookups per second and the hit rate of the blocks they asked for this
+    interval, bytes per second got and put (its own block size: exact), blocks and bytes held, blocks on SSD, and
+    the change in its host blocks per second. A namespace the daemon forgot and registered again starts afresh."""
     old = {(n["id"], n["digest"]): n for n in b.get("namespaces", [])}
     on_ssd = {r["digest"]: r["blocks"] for r in a.get("ssd", [])}
     rows = []
     for n in a.get("namespaces", []):
         o = old.get((n["id"], n["digest"]), {})
+        hits, looked = _delta(o, n, "hits"), _delta(o, n, "hits") + _delta(o, n, "misses")
+        moved = _delta(o, n, "got") + _delta(o, n, "put")
         rows.append({"id": n["id"], "tenant": n.get("tenant", ""), "model": n["model"], "group": n["group"],
                      "kv_group": n.get("kv_group", ""), "blocks": n["blocks"], "held_bytes": n["bytes"],
                      "block_bytes": n["slot_bytes"], "ssd_blocks": on_ssd.get(n["digest"]) if "ssd" in a else None,
-                     "blocks_per_s": (_delta(o, n, "blocks") if o else 0) / dt})
+                     "blocks_per_s": (_delta(o, n, "blocks") if o else 0) / dt,
+                     "lookups_per_s": _delta(o, n, "lookups") / dt, "hit_rate": share(hits, looked),
+                     "bytes_per_s": moved * n["slot_bytes"] / dt})
     return rows
 
 
@@ -202,7 +207,8 @@ def sort_key(order: str, kind: str) -> Any:
     def key(r: dict[str, Any]) -> Any:
         if order == "name":
             return (r["tenant"],) if kind == "tenant" else (r["model"], r["group"], r["id"])
-        figure = {"activity": r["lookup_blocks_per_s"] if kind == "tenant" else abs(r["blocks_per_s"]),
+        figure = {"activity": r["lookup_blocks_per_s"] if kind == "tenant" else
+                  r.get("lookups_per_s", 0.0) + abs(r["blocks_per_s"]),
                   "hit": r.get("hit_rate"), "held": r["held_bytes"], "evictions": r.get("evictions_per_s")}[order]
         return (figure is None, -(figure or 0.0), -r["held_bytes"])
     return key

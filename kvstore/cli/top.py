@@ -181,10 +181,13 @@ def _tenants(rows: list[dict[str, Any]]) -> str:
 
 def _namespaces(rows: list[dict[str, Any]]) -> str:
     ssd = any(r["ssd_blocks"] is not None for r in rows)
-    heads = ["ns", "tenant", "model", "group", "blocks", "held", "Δblocks/s"] + (["ssd blocks"] if ssd else [])
+    heads = ["ns", "tenant", "model", "group", "lookups/s", "hit", "got+put/s", "blocks", "held",
+             "Δblocks/s"] + (["ssd blocks"] if ssd else [])
     return table_of(heads, [[r["id"], r["tenant"] or "(default)", r["model"] + (f" [{r['kv_group']}]"
                                                                                   if r["kv_group"] else ""),
-                             r["group"], r["blocks"], format_size(r["held_bytes"]), f"{r['blocks_per_s']:+.0f}"]
+                             r["group"], f"{r.get('lookups_per_s', 0):.0f}", pct(r.get("hit_rate")),
+                             format_size(int(r.get("bytes_per_s", 0))) + "/s", r["blocks"],
+                             format_size(r["held_bytes"]), f"{r['blocks_per_s']:+.0f}"]
                             + ([r["ssd_blocks"] or 0] if ssd else []) for r in rows])
 
 

@@ -66,7 +66,8 @@ def op_list(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
                      "tp": f"{s.tp_rank}/{s.tp_size}", "role": s.role, "digest": n.digest.hex(), "tenant": n.tenant,
                      "geometry": s.geometry.to_dict(), "slot_bytes": n.slot_bytes, "blocks": n.blocks,
                      "bytes": n.blocks * n.slot_bytes, "models": sorted(n.models), "salt": s.salt,
-                     "kv_group": kv_group_of(s.salt)})
+                     "kv_group": kv_group_of(s.salt), "lookups": n.lookups, "hits": n.hits, "misses": n.misses,
+                     "got": n.got, "put": n.put})
     reply: dict[str, Any] = {"namespaces": rows, "groups": _groups(shown), **_pairs(st, shown)}
     known = {n.digest: n.id for n in shown}
     for tier in st.lower:                        # an admin sees every digest; others their tenant's registered ones

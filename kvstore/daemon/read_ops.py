@@ -110,6 +110,9 @@ def _prefix(st: State, ns: NamespaceEntry, blob: bytes) -> tuple[int, int]:
     figures = st.index.quotas.of(ns.tenant)
     figures.hits += n
     figures.misses += asked - n
+    ns.lookups += 1
+    ns.hits += n
+    ns.misses += asked - n
     return n, host
 
 

@@ -39,6 +39,13 @@ class NamespaceEntry:
     users: int = 0              # connections that said hello to it
     pending: int = 0            # its slots reserved (stores and promotions in progress)
     models: set[str] = field(default_factory=set)   # models that said hello to it (a share group: several)
+    # what it served since registered (for `kvstore top`): lookups, blocks found and not, blocks pinned for gets
+    # (host hits and promotions), blocks committed
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    got: int = 0
+    put: int = 0
 
     @property
     def slot_key(self) -> SlotKey:

@@ -71,6 +71,7 @@ class Reads:
             holder.pins[gid] += 1
             gids.append(gid)
         self.counters["gets"] += len(gids)
+        ns.got += len(gids)
         self._advance()
         return gids
 

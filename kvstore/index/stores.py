@@ -197,6 +197,7 @@ class Stores:
                 if before in self.table:
                     self.policy.accessed(before, touch)
         self.counters["puts"] += len(full)
+        ns.put += len(full)
         self.clock.advance()
         return len(full)
 
@@ -295,6 +296,7 @@ class Stores:
         self.counters["promotions"] += len(gids)
         if pin:
             self.counters["gets"] += len(gids)
+            ns.got += len(gids)
         return gids
 
     # ----- deletes -----

@@ -347,3 +347,31 @@ def test_a_durable_put_that_gives_up_leaves_no_backlog(tmp_path, daemons):
                 writer.release()
             paused = writer.wait_next(lambda: pending(admin) == 0)
         assert a.namespace(spec()).wait_durable(hashes(1024, tag=b"impatient"), 30)["durability"] == "durable"
+
+
+def test_a_neighbour_pinning_a_block_in_every_segment_cannot_keep_a_tenant_below_its_quota(tmp_path, daemons):
+    """Before, a neighbour that filled the pool and then pinned one block in each segment kept a tenant within
+    its quota from storing anything for as long as it stayed connected: reclaim skips a segment with a pinned
+    slot, and pins had no lease. Now the pins lapse (server.pin_lease_s) and the tenant gets its quota back."""
+    from tests.daemon.test_quotas import PER_SEG, Tenant, quota_daemon
+
+    d = quota_daemon(tmp_path, daemons, {"a": "4MiB", "b": "4MiB"}, env={"KVSTORE_SERVER_PIN_LEASE_S": "2"})
+    a, b = Tenant(d, "a"), Tenant(d, "b")
+    try:
+        assert b.put(0, 8 * PER_SEG) == 8 * PER_SEG          # b fills the pool: its quota and a's idle half
+        leases = [b.ns.acquire(b.keys(s, 1)) for s in range(0, 8 * PER_SEG, PER_SEG)]
+        assert all(len(x) == 1 for x in leases)              # one pinned block in each of b's chains (segments)
+        stored, deadline = 0, time.monotonic() + 60
+        while stored < 4 * PER_SEG:                          # a, within its quota, stores its 4 MiB in the end
+            assert time.monotonic() < deadline, f"a stored {stored} of {4 * PER_SEG} blocks"
+            stored += a.put(stored, 4 * PER_SEG - stored)
+            b.c.ping()                                       # b stays connected and busy meanwhile
+            time.sleep(0.1)
+        assert a.intact(0, 4 * PER_SEG)
+        with d.client() as admin:
+            assert admin.stats()["counters"]["pins_expired"] >= 1
+        for x in leases:
+            x.release()                                      # b's late releases are no-ops, not errors
+    finally:
+        a.close()
+        b.close()

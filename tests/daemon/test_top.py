@@ -140,8 +140,10 @@ def test_top_in_a_terminal_shows_live_rates_per_tenant_and_namespace_and_keys_wo
         assert get and int(get[1]) > 0 and not get[2].startswith("0 B"), screen
         assert re.search(r"^since start: lookup hit rate host \S+%, lower tiers 0.0%, miss \S+%; hit-rate "
                          r"ceiling \S+%", screen, re.M)
-        for t in ("a", "b"):                                     # a row per namespace, whose tenant it is
-            assert re.search(rf"^\d+\s+{t}\s+model-{t}\s+model-{t}\s+\d+\s+\S+ \S+\s+[+-]\d+$", screen, re.M), screen
+        for t in ("a", "b"):                 # a row per namespace, whose tenant it is: its lookups/s and hit rate
+            row = re.search(rf"^\d+\s+{t}\s+model-{t}\s+model-{t}\s+(\d+)\s+(\S+)%\s+\S+ \S+/s\s+\d+\s+\S+ \S+"
+                            rf"\s+[+-]\d+$", screen, re.M)
+            assert row and int(row[1]) > 0 and 0 < float(row[2]) < 100, screen
         assert "moved (blocks/s): evicted" in screen and "no traffic paths" not in screen
 
         os.write(term.master, b"s")                               # the next sort, drawn at once
@@ -178,6 +180,9 @@ def test_top_json_is_one_object_an_interval_with_the_documented_fields(loaded):
         assert tenants[t]["lookup_blocks_per_s"] > 0 and 0 < tenants[t]["hit_rate"] < 1, tenants[t]
         assert tenants[t]["held_bytes"] > 0 and tenants[t]["ssd_held_bytes"] is None
     assert {n["model"]: n["tenant"] for n in f["namespaces"]} == {"model-a": "a", "model-b": "b"}
+    for n in f["namespaces"]:                                        # per namespace: its own ops and hit rate
+        assert n["lookups_per_s"] > 0 and 0 < n["hit_rate"] < 1 and n["bytes_per_s"] > 0, n
+        assert n["hit_rate"] == pytest.approx(tenants[n["tenant"]]["hit_rate"], abs=0.05)   # its tenant's only ns
     m = f["movement"]
     assert (m["write_through"], m["remote"], m["prefetch"], f["paths"]) == (None, None, None, [])
     assert [r["lookup_blocks_per_s"] for r in f["tenants"]] == sorted(
