@@ -5,15 +5,12 @@ puts made an 8-block durable put wait 1.8–3.5 s instead of 17 ms). Each entry 
 queue empties starts its next turn afresh. O(1) per entry; entries of one tenant keep their order."""
 from __future__ import annotations
 
-import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
-# bytes a tenant may take per turn: at least one block of any size the pool holds. KVSTORE_FAIR_QUANTUM is for
-# bench/bench_isolation.py, whose baseline (first come, first served) is an unbounded quantum.
-QUANTUM = int(os.environ.get("KVSTORE_FAIR_QUANTUM") or 1 << 20)
+QUANTUM = 1 << 20          # bytes a tenant may take per turn: at least one block of any size the pool holds
 
 
 class FairQueue(Generic[T]):
