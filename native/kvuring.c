@@ -319,6 +319,17 @@ static unsigned sqe_flags(int link, int fixed_file)
 
 /* ------------------------------------------------------------------------------------------------ ops */
 
+/* The submission entry of op slot i, or NULL with RuntimeError set and the slot released (its views with it). */
+static struct io_uring_sqe *sqe_for(Ring *r, int i)
+{
+    struct io_uring_sqe *sqe = sqe_push(r, (uint64_t)i);
+    if (!sqe) {
+        slot_release(r, (unsigned)i);
+        PyErr_SetString(PyExc_RuntimeError, "the submission queue is full");
+    }
+    return sqe;
+}
+
 static PyObject *prep_vec(Ring *r, PyObject *args, PyObject *kw, int op)
 {
     static char *kwlist[] = {"fd", "bufs", "offset", "tag", "link", "fixed_file", NULL};
@@ -341,11 +352,9 @@ static PyObject *prep_vec(Ring *r, PyObject *args, PyObject *kw, int op)
         slot_release(r, (unsigned)i);
         return NULL;
     }
-    struct io_uring_sqe *sqe = sqe_push(r, (uint64_t)i);
-    if (!sqe) {
-        slot_release(r, (unsigned)i);
-        return PyErr_Format(PyExc_RuntimeError, "the submission queue is full");
-    }
+    struct io_uring_sqe *sqe = sqe_for(r, i);
+    if (!sqe)
+        return NULL;
     sqe->opcode = (uint8_t)op;
     sqe->flags = (uint8_t)sqe_flags(link, fixed_file);
     sqe->fd = fd;
@@ -381,11 +390,9 @@ static PyObject *prep_fixed(Ring *r, PyObject *args, PyObject *kw, int op)
     int i = slot_take(r, tag);
     if (i < 0)
         return NULL;
-    struct io_uring_sqe *sqe = sqe_push(r, (uint64_t)i);
-    if (!sqe) {
-        slot_release(r, (unsigned)i);
-        return PyErr_Format(PyExc_RuntimeError, "the submission queue is full");
-    }
+    struct io_uring_sqe *sqe = sqe_for(r, i);
+    if (!sqe)
+        return NULL;
     r->slots[i].fixed_buf = 1;
     r->fixed_inflight++;
     sqe->opcode = (uint8_t)op;
@@ -413,11 +420,9 @@ static PyObject *ring_fsync(Ring *r, PyObject *args, PyObject *kw)
     int i = slot_take(r, tag);
     if (i < 0)
         return NULL;
-    struct io_uring_sqe *sqe = sqe_push(r, (uint64_t)i);
-    if (!sqe) {
-        slot_release(r, (unsigned)i);
-        return PyErr_Format(PyExc_RuntimeError, "the submission queue is full");
-    }
+    struct io_uring_sqe *sqe = sqe_for(r, i);
+    if (!sqe)
+        return NULL;
     sqe->opcode = IORING_OP_FSYNC;
     sqe->flags = (uint8_t)sqe_flags(link, fixed_file);
     sqe->fd = fd;
@@ -444,11 +449,9 @@ static PyObject *ring_cancel(Ring *r, PyObject *args)
     int i = slot_take(r, tag);
     if (i < 0)
         return NULL;
-    struct io_uring_sqe *sqe = sqe_push(r, (uint64_t)i);
-    if (!sqe) {
-        slot_release(r, (unsigned)i);
-        return PyErr_Format(PyExc_RuntimeError, "the submission queue is full");
-    }
+    struct io_uring_sqe *sqe = sqe_for(r, i);
+    if (!sqe)
+        return NULL;
     sqe->opcode = IORING_OP_ASYNC_CANCEL;
     sqe->fd = -1;
     sqe->addr = slot_of(r, target, i);

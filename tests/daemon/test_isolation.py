@@ -259,6 +259,16 @@ class Paused:
         self.released += 1
         (self.dir / f"slot_write.{self.released}").unlink()
 
+    def run_until(self, done: Callable[[], bool], paused: bool = True) -> tuple[int, bool]:
+        """Let batches go one at a time until `done()`: (batches let go, whether the writer is paused again)."""
+        batches = 0
+        while not done():
+            if paused:
+                self.release()
+                batches += 1
+            paused = self.wait_next(done)
+        return batches, paused
+
 
 def durable_put(c: Client, tag: bytes, n: int, timeout_s: float, out: dict) -> threading.Thread:
     def run() -> None:
@@ -302,19 +312,11 @@ def test_a_neighbours_flood_of_durable_puts_does_not_queue_ahead_of_a_tenants_fe
         while pending(admin) < 2048 + 8:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        batches, paused = 0, True
-        while tb.is_alive():
-            if paused:
-                writer.release()
-                batches += 1
-            paused = writer.wait_next(lambda: not tb.is_alive())
+        batches, paused = writer.run_until(lambda: not tb.is_alive())
         assert few["result"].durability == "durable" and few["result"].stored == 8
         assert batches <= (1 << 20) // GEOM.full_bytes // 32 + 2, batches     # a's quantum, not a's 64 batches
         assert ta.is_alive() and pending(admin) > 2048 - 32 * batches - 32      # a still waits (writer paused)
-        while ta.is_alive():                                   # then a's flood goes on to the end
-            if paused:
-                writer.release()
-            paused = writer.wait_next(lambda: not ta.is_alive())
+        writer.run_until(lambda: not ta.is_alive(), paused)    # then a's flood goes on to the end
         assert flood["result"].durability == "durable" and flood["result"].stored == 2048
 
 
@@ -335,17 +337,9 @@ def test_a_durable_put_that_gives_up_leaves_no_backlog(tmp_path, daemons):
         while pending(admin) < 1024 + 8:                       # a's (waiting behind now) and b's
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        batches, paused = 0, True
-        while tb.is_alive():
-            if paused:
-                writer.release()
-                batches += 1
-            paused = writer.wait_next(lambda: not tb.is_alive())
+        batches, paused = writer.run_until(lambda: not tb.is_alive())
         assert few["result"].durability == "durable" and batches <= 2, batches     # not behind a's 1024
-        while pending(admin):                                  # a's blocks are written all the same
-            if paused:
-                writer.release()
-            paused = writer.wait_next(lambda: pending(admin) == 0)
+        writer.run_until(lambda: pending(admin) == 0, paused)  # a's blocks are written all the same
         assert a.namespace(spec()).wait_durable(hashes(1024, tag=b"impatient"), 30)["durability"] == "durable"
 
 
