@@ -40,11 +40,15 @@ def interval(before: Sample, after: Sample) -> dict[str, Any]:
         b = {"counters": {}, "tenants": {"rows": []}}
     dt = max(after.at - before.at, 1e-9)
     size, exact = block_bytes(after.listing)
+    spaces = namespace_rates(before.listing, after.listing, dt)
+    tenants = tenant_rates(b, a, dt)
+    for t in tenants:                   # its namespaces' bytes got and put (each at its own block size: exact)
+        t["bytes_per_s"] = sum(n["bytes_per_s"] for n in spaces if n["tenant"] == t["tenant"])
     return {"time": time.time(), "seconds": dt, "daemon": daemon_figures(a),
             "ops": op_rates(b, a, dt, size, exact), "hit_rates": interval_hit_rates(b, a),
             "since_start": {"hit_rates": a.get("hit_rates"), "ceiling": _ceiling(a)},
-            "tenants": tenant_rates(b, a, dt), "namespaces": namespace_rates(before.listing, after.listing, dt),
-            "movement": movement(b, a, dt), "paths": traffic_rates(b, a, dt)}
+            "tenants": tenants, "namespaces": spaces, "movement": movement(b, a, dt),
+            "paths": traffic_rates(b, a, dt)}
 
 
 def daemon_figures(s: dict[str, Any]) -> dict[str, Any]:

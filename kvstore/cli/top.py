@@ -170,11 +170,11 @@ def _ops(f: dict[str, Any]) -> str:
 
 def _tenants(rows: list[dict[str, Any]]) -> str:
     ssd = any(r["ssd_held_bytes"] is not None for r in rows)
-    heads = ["tenant", "lookup blk/s", "hit", "hit since start", "held", "evict/s"] + (
+    heads = ["tenant", "lookup blk/s", "hit", "hit since start", "got+put/s", "held", "evict/s"] + (
         ["ssd held", "ssd evict/s"] if ssd else [])
     return table_of(heads, [[r["tenant"] or "(default)", f"{r['lookup_blocks_per_s']:.0f}", pct(r["hit_rate"]),
-                             pct(r["hit_rate_since_start"]), format_size(r["held_bytes"]),
-                             f"{r['evictions_per_s']:.0f}"]
+                             pct(r["hit_rate_since_start"]), format_size(int(r.get("bytes_per_s", 0))) + "/s",
+                             format_size(r["held_bytes"]), f"{r['evictions_per_s']:.0f}"]
                             + ([format_size(r["ssd_held_bytes"] or 0), f"{r['ssd_evictions_per_s'] or 0:.0f}"]
                                if ssd else []) for r in rows])
 

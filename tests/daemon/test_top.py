@@ -117,7 +117,7 @@ class Terminal:
 
 
 def tenant_rows(screen: str) -> dict[str, list[str]]:
-    """The tenant table's rows: name → cells (lookup blk/s, hit, hit since start, held, evict/s)."""
+    """The tenant table's rows: name → cells (lookup blk/s, hit, hit since start, got+put/s, held, evict/s)."""
     return {m[1]: m[2].split() for m in re.finditer(r"^(a|b|\(default\))\s{2,}(\d.*)$", screen, re.M)}
 
 
@@ -179,6 +179,7 @@ def test_top_json_is_one_object_an_interval_with_the_documented_fields(loaded):
     for t in ("a", "b"):
         assert tenants[t]["lookup_blocks_per_s"] > 0 and 0 < tenants[t]["hit_rate"] < 1, tenants[t]
         assert tenants[t]["held_bytes"] > 0 and tenants[t]["ssd_held_bytes"] is None
+        assert tenants[t]["bytes_per_s"] > 0                 # its namespaces' gets and puts
     assert {n["model"]: n["tenant"] for n in f["namespaces"]} == {"model-a": "a", "model-b": "b"}
     for n in f["namespaces"]:                                        # per namespace: its own ops and hit rate
         assert n["lookups_per_s"] > 0 and 0 < n["hit_rate"] < 1 and n["bytes_per_s"] > 0, n
