@@ -5,6 +5,7 @@ kvstore.daemon.ops for what every op may and may not do."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 from kvstore.daemon.state import State
@@ -232,8 +233,14 @@ def op_release(st: State, h: Holdings, m: dict[str, Any]) -> dict[str, Any]:
     slots = m["slots"]
     expired = getattr(h, "expired_pins", None)
     if expired:
-        slots = [g for g in slots if g not in expired or h.pins[g]]
-        expired.difference_update(m["slots"])
+        slots = []
+        for gid, n in Counter(m["slots"]).items():     # releases beyond its pins: of pins the daemon dropped
+            spare = min(max(0, n - h.pins[gid]), expired[gid])
+            if spare:
+                expired[gid] -= spare
+                if not expired[gid]:
+                    del expired[gid]
+            slots += [gid] * (n - spare)
     st.index.release(slots, h)
     return {"n": len(m["slots"])}
 

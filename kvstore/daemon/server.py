@@ -163,12 +163,13 @@ class Daemon:
                     del h.pin_seen[gid]
                 old = [g for g in h.pins if now - h.pin_seen.setdefault(g, now) >= lease]
                 if old:
-                    self.state.index.release([g for g in old for _ in range(h.pins[g])], h)
+                    counts = {g: h.pins[g] for g in old}
+                    self.state.index.release([g for g, n in counts.items() for _ in range(n)], h)
                     for g in old:
                         del h.pin_seen[g]
                     if len(h.expired_pins) > 65536:
                         h.expired_pins.clear()
-                    h.expired_pins.update(old)
+                    h.expired_pins.update(counts)
                     self.state.counters["pins_expired"] += len(old)
                     dropped.append((session, len(old)))
         for session, n in dropped:

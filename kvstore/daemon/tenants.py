@@ -24,7 +24,7 @@ import os
 import socket
 import struct
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 from kvstore.daemon.config import Config
@@ -60,7 +60,7 @@ class Conn(Holdings):
     failed_hellos: int = 0
     tenant_counted: bool = False        # counted in its tenant's connections (kvstore.daemon.access)
     pin_seen: dict[int, float] = field(default_factory=dict)    # gid -> when its pin was first seen (leases)
-    expired_pins: set[int] = field(default_factory=set)         # dropped at their lease: a later release is a no-op
+    expired_pins: Counter[int] = field(default_factory=Counter)  # pins dropped at their lease: releases are no-ops
 
 
 def admin_secret_needed(cfg: Config) -> bool:

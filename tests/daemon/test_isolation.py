@@ -188,13 +188,15 @@ def test_a_pin_has_a_lease(tmp_path, daemons):
         ns = c.namespace(spec())
         assert ns.put(hashes(8), [block(i) for i in range(8)]).stored == 8
         lease = ns.acquire(hashes(8))
-        assert len(lease) == 8 and c.stats()["pinned"] == 8
+        again = ns.acquire(hashes(2))                          # the same blocks pinned twice by this connection
+        assert len(lease) == 8 and len(again) == 2 and c.stats()["pinned"] == 8
         deadline = time.monotonic() + 20
         while c.stats()["pinned"]:
             assert time.monotonic() < deadline, "pins outlived their lease"
             time.sleep(0.1)
         assert c.stats()["counters"]["pins_expired"] == 8
-        lease.release()                                        # its release is a no-op now, not an error
+        lease.release()                                        # its releases are no-ops now, not errors
+        again.release()
         assert ns.delete(hashes(8)) == 8                       # nothing keeps the blocks
         assert "server.pin_lease_s" in d.read_log()
 
