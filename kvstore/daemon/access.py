@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-from kvstore.daemon.config import ServerConfig
+from kvstore.daemon.server_config import ServerConfig
 from kvstore.daemon.tenants import Conn, HelloGuard, Peer
 from kvstore.index import HoldGroup
 from kvstore.protocol import Code, ProtocolError

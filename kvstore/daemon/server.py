@@ -26,8 +26,9 @@ from types import FrameType
 
 from kvstore.daemon import process
 from kvstore.daemon.admin import snapshot
-from kvstore.daemon.config import Config, socket_gid, socket_mode
+from kvstore.daemon.config import Config
 from kvstore.daemon.metrics import serve_metrics
+from kvstore.daemon.server_config import socket_gid, socket_mode
 from kvstore.daemon.session import Session
 from kvstore.daemon.state import State, build_state
 from kvstore.daemon.tenants import Peer
