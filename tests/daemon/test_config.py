@@ -141,6 +141,15 @@ def test_other_kvstore_variables_are_not_fields():
     ("server", "min_block_bytes", 0, "must be 1B..1GiB"),
     ("server", "min_block_bytes", "2GiB", "must be 1B..1GiB"),
     ("server", "idle_timeout_s", 0, "must be 0.1..604800 seconds"),
+    ("server", "pin_lease_s", 0, "must be 1..86400 seconds"),
+    ("server", "max_failed_hellos", 0, "must be 1..100000"),
+    ("server", "max_connections_per_uid", 65, "must be 0..server.max_connections (64)"),
+    ("server", "max_connections_per_tenant", -1, "must be 0..server.max_connections (64)"),
+    ("server", "socket_mode", "0999", "expected auto or an octal mode such as 0660"),
+    ("server", "socket_mode", "rw-rw----", "expected auto or an octal mode such as 0660"),
+    ("server", "socket_mode", "0666", "lets every local user connect"),
+    ("server", "socket_group", "no-such-group-kvstore", "no group named 'no-such-group-kvstore'"),
+    ("server", "admin_secret_file", "/nonexistent/kvstore-admin", "cannot read /nonexistent/kvstore-admin"),
     ("ssd", "eviction", "mru", "must be one of lru"),
     ("ssd", "sync", "sometimes", "must be one of always, batch, never"),
     ("pool", "capacity", -5, "must not be negative"),
@@ -336,3 +345,17 @@ def test_the_hints_section_is_checked():
     errs = errors_of(e)
     assert errs == ["hints.idle_s: must be 0.05..604800 seconds, got 0.0",
                     "hints.max_workflows: must be 1..10000000, got 0"], errs
+
+
+def test_the_admin_secret_is_read_once_from_its_file_and_never_twice_configured(tmp_path):
+    secret = tmp_path / "admin"
+    secret.write_text("s3cret\n")
+    assert load_config(env={"KVSTORE_SERVER_ADMIN_SECRET_FILE": str(secret)}).server.admin_secret == "s3cret"
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    for env, fragment in (({"KVSTORE_SERVER_ADMIN_SECRET_FILE": str(empty)}, "is empty"),
+                          ({"KVSTORE_SERVER_ADMIN_SECRET_FILE": str(secret), "KVSTORE_SERVER_ADMIN_SECRET": "x"},
+                           "set one, not both")):
+        with pytest.raises(ConfigError, match=fragment):
+            load_config(env=env)
+    assert load_config(env={"KVSTORE_SERVER_SOCKET_MODE": "660"}).server.socket_mode == "0660"
