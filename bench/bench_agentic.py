@@ -9,8 +9,9 @@ engine side does what a connector does: look up the prompt's full 256-token chun
 prefix, and store the chunks it had to compute. Both systems replay the same turns, one after the other, turn by
 turn. The ideal hit rate (every chunk ever stored still there) is computed from the trace itself.
 
-Three systems in the same run: kvstore under LRU, kvstore under `pool.eviction: workflow` with each turn's session
-hint (issue 14: above LMCache and ≥ 0.9× the ideal with DRAM only), and LMCache. kvstore saves as its vLLM connector
+Four systems in the same run: kvstore under LRU, kvstore under its default `history` policy (no hints: issue 34,
+at least LMCache's hit rate), kvstore under `pool.eviction: workflow` with each turn's session hint (issue 14: above
+LMCache and ≥ 0.9× the ideal with DRAM only), and LMCache. kvstore saves as its vLLM connector
 does: the whole chain in one reserve. "capacity bound" is the best hit rate any cache of the DRAM's size can have on
 this trace (`capacity_bound`).
 
@@ -143,8 +144,8 @@ def replay(turns: list[tuple[int, list[int]]], variant: str, base: str, run: int
     fs = os.path.join(base, f"lm-{run}") if variant == "disk" else None
     hinted_env = {**kv_env, "KVSTORE_SSD_DIR": kv_env["KVSTORE_SSD_DIR"] + "-h"} if kv_env else None
     history_env = {**kv_env, "KVSTORE_SSD_DIR": kv_env["KVSTORE_SSD_DIR"] + "-r"} if kv_env else None
-    systems: dict[str, KVAgent | LMAgent] = {"kvstore": KVAgent(kv_env, max_chunks),
-                                             "kvstore history": KVAgent(history_env, max_chunks, policy="history"),
+    systems: dict[str, KVAgent | LMAgent] = {"kvstore lru": KVAgent(kv_env, max_chunks),
+                                             "kvstore (default)": KVAgent(history_env, max_chunks, policy="history"),
                                              "lmcache": LMAgent(fs, max_chunks),
                                              "kvstore+hints": KVAgent(hinted_env, max_chunks, hints=True)}
     seen: set[bytes] = set()
@@ -212,7 +213,7 @@ def main() -> None:
                 progress(f"{variant}: replay {run + 1}/{runs}")
                 rs.append(replay(turns, variant, base, run))
             res["variants"][variant] = rs
-            for name in ("kvstore", "kvstore history", "kvstore+hints", "lmcache"):
+            for name in ("kvstore lru", "kvstore (default)", "kvstore+hints", "lmcache"):
                 hr = [r[name]["hit_rate"] for r in rs]
                 s = summary(hr)
                 t.add([variant, name, f"{s['median']:.1%} ({s['min']:.1%}–{s['max']:.1%})",

@@ -20,7 +20,7 @@ from kvstore.daemon import process
 from kvstore.daemon.hints import unscoped
 from kvstore.daemon.tenants import Conn, forbidden, tenant_of
 from kvstore.index import NamespaceEntry
-from kvstore.policy import Explaining
+from kvstore.policy import Explaining, Reporting
 from kvstore.protocol import HASH_BYTES, Code, ProtocolError
 from kvstore.testpoints import pause_point
 from kvstore.tiers import PacedTier, TenantBooks
@@ -330,7 +330,9 @@ def snapshot(st: State) -> dict[str, Any]:
     host = {"tier": "host", "capacity_bytes": pool.capacity, "mapped_bytes": pool.mapped_bytes,
             "used_bytes": pool.used_bytes, "resident_bytes": pool.resident_bytes(), "blocks": len(idx.table),
             "reaping_bytes": pool.reaping_bytes, "retiring_bytes": pool.retiring_bytes,
-            "segments": len(pool.segments), "segment_bytes": pool.segment_bytes, "classes": classes}
+            "segments": len(pool.segments), "segment_bytes": pool.segment_bytes, "classes": classes,
+            "eviction": {"policy": idx.policy.name,
+                         **(idx.policy.report() if isinstance(idx.policy, Reporting) else {})}}
     counters = {k: st.counters[k] for k in COUNTERS}
     counters["refused_connections"] = st.metrics.refused_connections
     counters["accept_errors"] = st.metrics.accept_errors

@@ -40,7 +40,7 @@ class ConfigError(ValueError):
 class PoolConfig:
     capacity: int = 0  # 0 after loading means "auto" was resolved already; see _resolve_auto
     segment_bytes: int = 64 << 20
-    eviction: str = "lru"
+    eviction: str = "history"
     pair_eviction: str = "decoupled"    # decoupled | coupled: whether a base block's residuals leave with it (ForkKV)
     small_segment_slots: int = 256      # a size of small blocks gets segments of this many (0: segment_bytes for all)
 

@@ -99,6 +99,14 @@ class Explaining(Protocol):
 
 
 @runtime_checkable
+class Reporting(Protocol):
+    """A policy whose books say something an operator wants in `kvstore stats` (the host tier's `eviction`):
+    the history policy's blocks per level, history size and each class's way."""
+
+    def report(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
 class Routing(Protocol):
     """A policy that is several, one per tenant (kvstore.policy.tenants): the one deciding for a class."""
 

@@ -5,8 +5,9 @@ Mooncake trace, 48% of its references), and a block's reuse mostly comes long af
 pool can hold. Plain LRU spends its space on the blocks used once. This policy keeps its blocks in LEVELS recency
 lists by how often each was used (1, 2, LEVELS or more sightings: stored, read, stored again) and evicts the least
 recently used block of the lowest non-empty level, so a block used once goes before any block used again, however
-old. A block's uses outlive its eviction: a `History` (kvstore.policy.levels) remembers the level of the blocks it
-evicted (HISTORY_FACTOR times the blocks it holds, 10 bytes a remembered block, no KV).
+old. A block's uses outlive its eviction: a `History` per class (kvstore.policy.levels) remembers the level of the
+blocks it evicted (HISTORY_FACTOR times the blocks the class holds, 10 bytes a remembered block, no KV; per class, so
+that one tenant's evictions never push another's out).
 
 What to do with a block that comes back, and for how long uses protect a block, depends on the traffic, so each
 class follows whichever of four ways its shadow caches (kvstore.policy.shadow) show hitting most: `remember` (it
@@ -60,12 +61,13 @@ class _Class:
     being published: into `forget`, until a block its history does not remember comes (the blocks of a chain come
     tail first and a head is remembered at least as high as its tail: switching at a remembered one could admit a
     head below its tail)."""
-    __slots__ = ("lists", "held", "duel", "way")
+    __slots__ = ("lists", "held", "history", "duel", "way")
 
     def __init__(self) -> None:
         self.lists: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(LEVELS)]
         self.held = 0
-        self.duel = Duel()
+        self.history = History()            # per class: one tenant's evictions never push another's out
+        self.duel = Duel(self.history.level)
         self.way = self.duel.way            # the way blocks are admitted by
 
 
@@ -76,7 +78,6 @@ class HistoryPolicy:
 
     def __init__(self, reads_pin: bool = True) -> None:
         self.reads_pin = reads_pin
-        self.history = History()
         self._classes: dict[int, _Class] = {}
         self._where: dict[bytes, tuple[int, int]] = {}     # key -> (class, level - 1)
         self._pinned: set[bytes] = set()
@@ -105,18 +106,13 @@ class HistoryPolicy:
             level = min(old[1] + 1, LEVELS - 1)
         else:
             c.held += 1
-            remembered = self.history.level(key)
+            remembered = c.history.level(key)
             if c.way != c.duel.way and (c.duel.way != "forget" or remembered == 0):
                 c.way = c.duel.way
             level = 0 if c.way == "forget" else min(remembered, LEVELS - 1)
-        c.duel.used(key, c.held, self._knows(key, level))
+        c.duel.used(key, c.held, level)
         self._place(key, cls, level)
-        self.history.size_for(len(self._where))
-
-    def _knows(self, key: bytes, level: int) -> Callable[[], int]:
-        """What the shadows that do not hold `key` ask: its level as the real policy knows it (held: `level`; a
-        block stored again under `forget`: the level its history remembers)."""
-        return lambda: level if level else self.history.level(key)
+        c.history.size_for(c.held)
 
     def accessed(self, key: bytes, touch: Touch | None = None) -> None:
         where = self._where.get(key)
@@ -124,7 +120,7 @@ class HistoryPolicy:
             return
         c = self._classes[where[0]]
         level = min(where[1] + 1, LEVELS - 1)
-        c.duel.used(key, c.held, self._knows(key, level), hit=not self.reads_pin)   # host: a store after its read
+        c.duel.used(key, c.held, level, hit=not self.reads_pin)   # host: a store after its read
         self._place(key, where[0], level)
 
     def removed(self, key: bytes) -> None:
@@ -138,7 +134,7 @@ class HistoryPolicy:
             del c.lists[where[1]][key]
         c.held -= 1
         c.duel.shrunk(c.held)
-        self.history.record(key, where[1] + 1)
+        c.history.record(key, where[1] + 1)
 
     def pinned(self, key: bytes) -> None:
         """A read (the index pins what it reads): a use, and no candidate until unpinned."""
@@ -147,7 +143,7 @@ class HistoryPolicy:
             c = self._classes[where[0]]
             del c.lists[where[1]][key]
             level = min(where[1] + 1, LEVELS - 1)
-            c.duel.used(key, c.held, self._knows(key, level))
+            c.duel.used(key, c.held, level)
             self._pinned.add(key)
             self._where[key] = (where[0], level)
 
@@ -165,18 +161,31 @@ class HistoryPolicy:
         c = self._classes.get(cls)
         return None if c is None else pick(c.lists, AGING[c.duel.choose()], self._tick)
 
+    def oldest_tick(self, cls: int) -> int | None:
+        """When the class's next victim was last used, on this policy's clock (one for all classes), None if the
+        class is empty: the SSD tier's quotas take the stalest borrowed record among tenants' classes."""
+        c = self._classes.get(cls)
+        key = None if c is None else pick(c.lists, AGING[c.duel.way], self._tick)
+        return None if key is None else c.lists[self._where[key][1]][key]
+
     def nbytes(self) -> int:
         """The books' memory: the history, the per-block dicts and the shadows (keys are the key table's objects)."""
         books = sys.getsizeof(self._where) + sys.getsizeof(self._pinned)
         books += sum(sys.getsizeof(lst) for c in self._classes.values() for lst in c.lists)
-        return self.history.nbytes + books + sum(c.duel.nbytes() for c in self._classes.values())
+        return books + sum(c.history.nbytes + c.duel.nbytes() for c in self._classes.values())
+
+    def report(self) -> dict[str, Any]:
+        """`kvstore stats`: blocks per level (used once, twice, LEVELS or more times), the histories' records and
+        bytes, and each class's way, how often it changed, and its shadows' recent hits (kvstore.policy)."""
+        return self.levels()
 
     def levels(self) -> dict[str, Any]:
-        """Blocks per level (used once, twice, LEVELS or more times), the history's records and bytes, and each
-        class's way and its shadows' recent hits."""
+        """See `report`."""
         out: dict[str, Any] = {f"used_{i + 1}": sum(len(c.lists[i]) for c in self._classes.values())
                                for i in range(LEVELS)}
-        out.update(history_records=self.history.remembered, history_bytes=self.history.nbytes)
-        out["classes"] = {cls: {"way": c.way, "switches": c.duel.switches, "shadow_hits": c.duel.hits(),
-                                "sample_rate": c.duel.rate} for cls, c in self._classes.items()}
+        out.update(history_records=sum(c.history.remembered for c in self._classes.values()),
+                   history_bytes=sum(c.history.nbytes for c in self._classes.values()))
+        out["classes"] = {str(cls): {"way": c.duel.way, "admitting": c.way, "switches": c.duel.switches,
+                                     "shadow_hits": c.duel.hits(), "sample_rate": c.duel.rate}
+                          for cls, c in self._classes.items()}
         return out

@@ -84,17 +84,18 @@ class Shadow:
 class Duel:
     """The shadows of one class and the way the real policy follows (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, remembered: Callable[[bytes], int]) -> None:
+        self.remembered = remembered            # the real policy's history: the level an evicted key left with
         self.shadows = [Shadow(w) for w in WAYS]
         self.rate = 1
         self.events = 0
         self.way = WAYS[0]
         self.switches = 0
 
-    def used(self, key: bytes, held: int, level: Callable[[], int], hit: bool = True) -> None:
+    def used(self, key: bytes, held: int, level: int, hit: bool = True) -> None:
         """A block of a class that holds `held` blocks was stored or read (`hit`: count a hit where a shadow holds
-        it; False for a store of a block just read, whose read counted); `level()`: the level the real policy
-        knows for it (0-based: where it is held, else one above the one its history remembers)."""
+        it; False for a store of a block just read, whose read counted); `level`: where the real policy places it
+        (0-based), or 0 where it does not know: then one above the level its history remembers."""
         fp = fingerprint(key)
         if fp % self.rate:
             return
@@ -105,8 +106,9 @@ class Duel:
             if fp % self.rate:
                 return
         size = max(1, held // self.rate)
+        known = (lambda: level) if level else (lambda: self.remembered(key))
         for s in self.shadows:
-            s.use(fp, size, level, hit)
+            s.use(fp, size, known, hit)
         self.events += 1
         if self.events >= WINDOW * max(16, size):
             self.events = 0

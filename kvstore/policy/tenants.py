@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstore.policy import Admitting, Explaining, Retiring
+from kvstore.policy import Admitting, Explaining, Reporting, Retiring
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
@@ -87,3 +87,7 @@ class PerTenantPolicy:
             for k, v in (p.counts() if isinstance(p, Explaining) else {}).items():
                 total[k] = total.get(k, 0) + v
         return total
+
+    def report(self) -> dict[str, Any]:
+        """Each policy's own report, by name."""
+        return {name: p.report() for name, p in self.policies.items() if isinstance(p, Reporting)}

@@ -131,7 +131,7 @@ def test_chains_stay_prefix_closed_and_hits_beat_lru_on_the_public_trace():
     reqs = [json.loads(line)["hash_ids"] for line in gzip.open(TRACE, "rt")][:1500]
     p = HistoryPolicy()
     assert index_replay(p, reqs, distinct(reqs) // 50) > index_replay(LruHooks(), reqs, distinct(reqs) // 50)
-    assert p.levels()["classes"][0]["way"] in ("remember", "aging")
+    assert p.levels()["classes"]["0"]["way"] in ("remember", "aging")
 
 
 def test_a_round_robin_of_sessions_larger_than_the_pool_keeps_the_resident_ones():
@@ -141,7 +141,7 @@ def test_a_round_robin_of_sessions_larger_than_the_pool_keeps_the_resident_ones(
     cap = distinct(reqs) // 4
     p = HistoryPolicy()
     ours, lru = index_replay(p, reqs, cap), index_replay(LruHooks(), reqs, cap)
-    assert p.levels()["classes"][0]["way"] == "forget"
+    assert p.levels()["classes"]["0"]["way"] == "forget"
     assert ours > lru + 0.08, (ours, lru)
 
 
@@ -154,7 +154,7 @@ def test_a_moving_working_set_is_not_kept_for_its_past_uses():
     p = HistoryPolicy()
     ours, lru = index_replay(p, reqs, cap), index_replay(LruHooks(), reqs, cap)
     assert ours > lru - 0.005, (ours, lru)
-    assert p.levels()["classes"][0]["way"] in ("aging", "lru")
+    assert p.levels()["classes"]["0"]["way"] in ("aging", "lru")
 
 
 def test_a_switch_into_forget_waits_for_a_block_the_history_does_not_remember():

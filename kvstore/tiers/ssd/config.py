@@ -23,7 +23,7 @@ class SsdConfig:
     write_through: bool = False         # also write every committed block to SSD at once (store lane)
     io: str = "auto"                    # auto | io_uring | threads: how record payloads reach the disk
     persist_on_stop: bool = True        # a graceful stop writes the host pool's blocks to SSD first
-    eviction: str = "lru"               # which record makes room at the cap (kvstore.policy)
+    eviction: str = "history"           # which record makes room at the cap (kvstore.policy)
     durable_timeout_s: float = 5.0      # a durable commit or flush naming no deadline waits at most this long
     durable_timeout_max_s: float = 20.0  # ... and one naming a longer deadline this long (below clients' timeouts)
 
