@@ -165,7 +165,9 @@ class HistoryPolicy:
         """When the class's next victim was last used, on this policy's clock (one for all classes), None if the
         class is empty: the SSD tier's quotas take the stalest borrowed record among tenants' classes."""
         c = self._classes.get(cls)
-        key = None if c is None else pick(c.lists, AGING[c.duel.way], self._tick)
+        if c is None:
+            return None
+        key = pick(c.lists, AGING[c.duel.way], self._tick)
         return None if key is None else c.lists[self._where[key][1]][key]
 
     def nbytes(self) -> int:
