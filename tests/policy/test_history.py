@@ -202,3 +202,14 @@ def test_through_the_daemon_blocks_used_again_outlast_newer_blocks_used_once(sta
         ns.put(new, [block(i) for i in range(128)])                                  # newer, used once
         ns.put(hashes(64, tag=b"more"), [block(i) for i in range(64)])              # 64 must go
         assert (ns.lookup(old), ns.lookup(new)) == (old_kept, new_kept)             # each a prefix, tail gone
+        eviction = c.stats()["tiers"][0]["eviction"]
+        assert eviction["policy"] == policy
+        if policy == "history":                     # kvstore stats: the class's way and the blocks by level
+            assert [cls["way"] for cls in eviction["classes"].values()] == ["remember"]
+            assert eviction["used_1"] + eviction["used_2"] + eviction["used_3"] == 128 + 64
+
+
+def test_the_default_policy_is_history(start_daemon):
+    d = start_daemon(capacity="2MiB", segment="1MiB")
+    with d.client() as c:
+        assert c.stats()["tiers"][0]["eviction"]["policy"] == "history"
