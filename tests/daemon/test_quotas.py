@@ -55,6 +55,16 @@ class Tenant:
             stored += self.ns.put(self.keys(s, k), [self.data(i) for i in range(s, s + k)]).stored
         return stored
 
+    def fill(self, start: int, n: int) -> int:
+        """Put again each segment's worth of blocks [start, start + n) that the daemon does not hold whole; how many
+        of them it holds then. (A put's `stored` counts only new blocks: summing it over retries misses a chunk
+        refused before a later one was stored.)"""
+        for s in range(start, start + n, PER_SEG):
+            k = min(PER_SEG, start + n - s)
+            if self.held(s, k) < k:
+                self.put(s, k)
+        return self.held(start, n)
+
     def held(self, start: int, n: int) -> int:
         """How many of blocks [start, start + n) the daemon still holds (each looked up alone)."""
         return sum(self.ns.lookup(self.keys(i, 1)) for i in range(start, start + n))
