@@ -32,9 +32,9 @@ COUNTERS = ("lookups", "hits", "hits_host", "hits_lower", "hits_remote", "misses
             "acquired_lower", "puts", "gets", "evictions", "deletes", "aborts", "demotions", "dropped",
             "promotions", "prefetched", "prefetch_skipped", "prefetch_busy", "prefetch_cancelled", "written_through",
             "write_through_skipped", "held_cap", "reservations_expired", "pins_expired", "idle_closed",
-            "segment_moves", "segment_moves_inline", "admin_chunks", "kept_own_chain", "not_admitted",
-            "reserve_evictions", "published", "publish_skipped", "publish_gone", "reads_ssd", "reads_remote",
-            "reads_donated",
+            "segment_moves", "segment_moves_inline", "segments_hollowed", "admin_chunks", "kept_own_chain",
+            "not_admitted", "reserve_evictions", "published", "publish_skipped", "publish_gone", "reads_ssd",
+            "reads_remote", "reads_donated",
             "blocks_compacted", "forks", "evictions_coupled")
 CHUNK_BLOCKS = 256          # blocks evicted or listed per hold of the state lock
 EVICT_ROOM_WAIT_S = 30.0    # an operator's eviction waits this long at most for staging room per chunk
@@ -218,7 +218,7 @@ def op_tenants(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         r["policy"] = chosen.get(r["tenant"], st.config.pool.eviction)
     tier = _ssd_tier(st)
     return {"tenants": rows, "capacity_bytes": st.pool.capacity, "mapped_bytes": st.pool.mapped_bytes,
-            "charged_bytes": st.pool.mapped_bytes + st.pool.reaping_bytes - st.pool.retiring_bytes,
+            "charged_bytes": st.pool.charged_bytes,
             "fragmentation": q.fragmentation(), **q.stats(),
             "ssd_quotas": bool(tier is not None and tier.quotas_on)}
 
@@ -330,6 +330,7 @@ def snapshot(st: State) -> dict[str, Any]:
     host = {"tier": "host", "capacity_bytes": pool.capacity, "mapped_bytes": pool.mapped_bytes,
             "used_bytes": pool.used_bytes, "resident_bytes": pool.resident_bytes(), "blocks": len(idx.table),
             "reaping_bytes": pool.reaping_bytes, "retiring_bytes": pool.retiring_bytes,
+            "punched_bytes": pool.punched_bytes, "charged_bytes": pool.charged_bytes,
             "segments": len(pool.segments), "segment_bytes": pool.segment_bytes, "classes": classes,
             "eviction": {"policy": idx.policy.name,
                          **(idx.policy.report() if isinstance(idx.policy, Reporting) else {})}}

@@ -4,9 +4,15 @@ A tenant's quota is host-pool memory guaranteed to it; what it *holds* is the by
 draining). Memory moves between tenants a whole segment at a time: the segment is the elastic unit.
 
 - **Reclaim (ScaleUp).** A tenant within its quota (holding + one segment <= quota) that needs memory when the pool
-  is full takes it back from a borrower (a tenant holding more than its quota): one idle segment of the borrower is
-  retired for it. It grows by exactly the demand that came (one segment per allocation that found no slot), within
-  one allocation: the reclaim latency is that allocation's (`reclaim_seconds`).
+  is full takes it back from a borrower (a tenant holding more than its quota): one segment of the borrower is
+  retired for it, an idle one if any. It grows by exactly the demand that came (one segment per allocation that
+  found no slot), within one allocation: the reclaim latency is that allocation's (`reclaim_seconds`).
+- **Around pins (issue 29).** A borrower's pinned or reserved slots do not keep its segment from reclaim: the
+  segment's unpinned blocks leave (moved or evicted as below) and the pool hollows it (kvstore.tiers.host): only
+  its busy slots' pages stay charged — to the borrower (`held`), until they are released — so a segment with one
+  pinned block gives back all the rest at once, and the allocation retires as many as it needs. A segment more than
+  half busy gives too little to be worth it and is skipped (the pin lease, server.pin_lease_s, bounds those): so a
+  neighbour pinning a block in every segment, within its held cap, delays a tenant within its quota by nothing.
 - **Borrowing (lending on).** A tenant at or over its quota may create segments while the pool has room, and take a
   segment of another tenant only where that tenant stays at or above its quota (another borrower: memory follows
   use among them), or where that tenant's coldest block has not been used for `window_s` (ScaleDown: a lender
@@ -116,11 +122,12 @@ class Quotas:
         return self.lending and now - cold_at >= self.window_s   # a lender holding memory its demand left idle
 
     def borrowed_segment(self, taker: str) -> Segment | None:
-        """(ScaleUp.) A borrower's segment for a tenant within its quota: idle (nothing pinned or reserved), of a
-        tenant left at or above its quota if any, else of one holding more than its quota; the one with the fewest
-        blocks (the books move its blocks into the owner's other segments first, evicting the owner's coldest
-        ones: which segment goes decides only what is copied). None if no tenant borrows."""
-        best: tuple[bool, int, Segment] | None = None
+        """(ScaleUp.) A borrower's segment for a tenant within its quota: of a tenant left at or above its quota if
+        any, else of one holding more than its quota; idle (nothing pinned or reserved) if any, else the one with
+        the fewest busy slots, at most half of them (it gives back the rest: `Removal.retire`); then the one with
+        the fewest blocks (the books move its blocks into the owner's other segments first, evicting the owner's
+        coldest ones: which segment goes decides only what is copied). None if no tenant borrows."""
+        best: tuple[bool, int, int, Segment] | None = None
         for cls in self.pool.classes.values():
             owner = cls.tenant
             if owner == taker:
@@ -129,12 +136,12 @@ class Quotas:
             if held <= quota:
                 continue
             for seg in cls.segments.values():
-                if seg.busy or seg.draining:
+                if seg.draining or 2 * seg.busy > seg.nslots:
                     continue
-                rank = (held - seg.size < quota, seg.live, seg)
-                if best is None or rank[:2] < best[:2]:
+                rank = (held - (seg.nslots - seg.busy) * seg.slot_bytes < quota, seg.busy, seg.live, seg)
+                if best is None or rank[:3] < best[:3]:
                     best = rank
-        return None if best is None else best[2]
+        return None if best is None else best[3]
 
     def took(self, seg: Segment, taker: str, reclaim: bool) -> None:
         """Book one segment moving from its owner to `taker`."""

@@ -17,6 +17,10 @@ their drain steps. Pins live here because a pin is what keeps a block from leavi
   its slot meanwhile; the segment is released with its last slot and punched by the reaper. While one segment is
   lent, a second move is made the old way: its blocks copied (`Eviction.copy_now`) and its pages punched under the
   lock, the cap exact (counted: `segment_moves_inline`).
+- A segment retired for room while some of its slots are pinned or reserved (a reclaim for a tenant within its
+  quota: kvstore.index.quotas) is never lent: its unpinned blocks leave at once (copied under the lock), and the
+  pool hollows it (kvstore.tiers.host): the pages of its free slots are punched and no longer charged, the busy
+  slots' pages stay until their last release or commit, which releases the segment.
 """
 from __future__ import annotations
 
@@ -61,7 +65,8 @@ class Removal:
         self.pins[gid] += 1
 
     def unpin(self, gid: int) -> None:
-        """One pin fewer; at the last, a zombie's slot is freed, a stored block goes back to the policy."""
+        """One pin fewer; at the last, a zombie's slot is freed, a stored block goes back to the policy — or, in a
+        hollowed segment (kvstore.tiers.host), leaves it, its slot's pages given back."""
         self.pins[gid] -= 1
         if self.pins[gid] > 0:
             return
@@ -76,6 +81,8 @@ class Removal:
         if key is not None:
             self.policy.unpinned(key)
         self.unbusy(seg)
+        if seg.hollow and key is not None and self.table.get(key) == gid and not self.pins[gid]:
+            self.remove(key, evicted=True)
 
     def let_go(self, gids: list[int]) -> None:
         """The eviction sink is done with the slots it held: they are freed (or their segments released)."""
@@ -169,7 +176,7 @@ class Removal:
         last release, commit or demotion copy. `for_room`: an allocation waits for its memory, so it is lent if
         none is (the copies and the punch come after the lock), else copied and punched here (the module
         docstring). Returns the blocks evicted."""
-        lend = for_room and self.pool.may_lend()
+        lend = for_room and seg.busy == 0 and self.pool.may_lend()
         self.pool.drain(seg, lend)
         seg.urgent = for_room and not lend
         if for_room:
@@ -181,6 +188,9 @@ class Removal:
         n = self._empty(seg)
         if seg.live == 0 and seg.id in self.pool.segments:
             self.pool.release(seg, seg.urgent)
+        elif for_room:
+            self.pool.hollow(seg)               # kept by pinned or reserved slots: the rest of it goes now
+            self.counters["segments_hollowed"] += 1
         return n
 
     def drain_some(self, budget: int = MOVE_CHUNK) -> int:

@@ -355,7 +355,7 @@ def free_slots(pool: HostPool, slot_bytes: int, tenant: str) -> int:
     the segments the cap still allows."""
     cls = pool.classes.get((tenant, slot_bytes))
     free = sum(len(s.free) for s in cls.with_free.values()) if cls is not None else 0
-    held = pool.mapped_bytes + pool.reaping_bytes - pool.retiring_bytes
+    held = pool.charged_bytes
     more = max(0, pool.capacity - held) // pool.segment_size(slot_bytes)
     return free + more * pool.slots_per_segment(slot_bytes)
 

@@ -23,8 +23,13 @@ connection given the fds of its own tenant's segments can map no other tenant's 
   the allocation that retired it gets its new segment at once, while the index empties the retiring segment in
   steps (kvstore.index.capacity), the blocks' copies are made after the state lock is left, and the reaper
   punches its pages. At most one segment is lent at a time (`may_lend`): the memory really held is at most the
-  cap plus one segment, and only until that punch is done; the bytes charged (mapped + reaping - retiring) never
-  exceed the cap.
+  cap plus one segment, and only until that punch is done; the bytes charged (`charged_bytes`: mapped + reaping -
+  retiring - punched) never exceed the cap.
+- a segment that must go while some of its slots are pinned or reserved (reclaimed for a tenant within its quota,
+  kvstore.index.quotas) is *hollowed* (`hollow`): the pages of its free slots are punched at once, and each slot's as
+  it is freed from then on, so that only its busy slots' pages stay charged (`punched_bytes` is what `fits` lets go
+  of) — to its tenant too (`held`) — until the segment is released with its last slot. A reader keeps the slot it
+  pinned; a client that reads another slot of the segment reads zeros (its CRC check fails), never a fault.
 
 A slot's global id (gid) is `segment_id << 32 | slot_index`; segment ids are never reused.
 """
@@ -55,6 +60,13 @@ def punch_hole(fd: int, length: int) -> None:
         raise OSError(err, f"fallocate(PUNCH_HOLE): {os.strerror(err)}")
 
 
+def punch_range(fd: int, offset: int, length: int) -> None:
+    """Give the pages of [offset, offset + length) of a memfd back to the system (whole pages: the caller aligns)."""
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fallocate(PUNCH_HOLE, {offset}, {length}): {os.strerror(err)}")
+
+
 def gid_of(segment_id: int, slot: int) -> int:
     return segment_id << 32 | slot
 
@@ -82,6 +94,8 @@ class Segment:
     copying: int = 0              # slots held only until their demotion copy is made (part of `busy`)
     walk_at: int = -1             # lent: the next slot whose block a drain step evicts (-1: not being walked)
     tenant: str = ""              # whose blocks it holds (only that tenant's connections get its fd)
+    hollow: bool = False          # draining while busy: its free slots' pages are punched (`HostPool.hollow`)
+    punched: int = 0              # ... bytes of them, no longer charged
 
     @property
     def slot_key(self) -> tuple[str, int]:
@@ -112,6 +126,7 @@ class HostPool:
         self.generation = 0          # bumps when a segment is created or released
         self.reaping_bytes = 0       # released segments not yet punched out of memory
         self.retiring_bytes = 0      # lent segments (retired for another class) not yet punched: over the cap
+        self.punched_bytes = 0       # pages of hollowed segments given back before their release (not charged)
         self.held: Counter[str] = Counter()   # tenant -> bytes of its segments not draining (kvstore.index.quotas)
         self._reap_lock = threading.Lock()
         self._to_reap: queue.SimpleQueue[Segment | None] = queue.SimpleQueue()
@@ -136,11 +151,16 @@ class HostPool:
             return 0
         return max(0, self.segment_bytes - self.segment_size(slot_bytes))
 
+    @property
+    def charged_bytes(self) -> int:
+        """The bytes held against the cap: segments mapped or not punched yet, less a lent segment's and the pages
+        hollowed segments gave back."""
+        with self._reap_lock:                  # the reaper changes them at once
+            return self.mapped_bytes + self.reaping_bytes - self.retiring_bytes - self.punched_bytes
+
     def fits(self, slot_bytes: int) -> bool:
         """Whether a new segment of this size stays within the cap; a lent segment's bytes are not charged."""
-        with self._reap_lock:                  # the reaper changes both at once
-            held = self.mapped_bytes + self.reaping_bytes - self.retiring_bytes
-        return held + self.segment_size(slot_bytes) <= self.capacity
+        return self.charged_bytes + self.segment_size(slot_bytes) <= self.capacity
 
     def may_lend(self) -> bool:
         """Whether a segment may be lent now: none is lent already (the overshoot is at most one segment)."""
@@ -175,6 +195,8 @@ class HostPool:
         self.used_bytes -= seg.slot_bytes
         if not seg.draining:
             self.classes[seg.slot_key].with_free[seg.id] = seg
+        elif seg.hollow:
+            self._punch(seg, slot, slot + 1)
 
     def view(self, gid: int) -> memoryview:
         """The daemon's view of a slot's bytes (for demotion and promotion). Valid while the slot is held."""
@@ -224,6 +246,38 @@ class HostPool:
             with self._reap_lock:
                 self.retiring_bytes += seg.size
 
+    def hollow(self, seg: Segment) -> None:
+        """(A draining segment, not lent, that its busy slots keep.) Punch the pages of its free slots now, and of
+        each slot freed from here on: only its busy slots' pages stay charged, to the pool and to its tenant
+        (`held`), until it is released (the module docstring)."""
+        assert seg.draining and not seg.lent, f"segment {seg.id} is lent or not draining"
+        if seg.hollow:
+            return
+        seg.hollow = True
+        self.held[seg.tenant] += seg.size           # what it keeps is its tenant's: less each run punched
+        run: list[int] = []
+        for slot in sorted(seg.free) + [-1]:
+            if run and slot != run[-1] + 1:
+                self._punch(seg, run[0], run[-1] + 1)
+                run = []
+            run.append(slot)
+
+    def _punch(self, seg: Segment, first: int, end: int) -> None:
+        """Punch the whole pages within slots [first, end) of a hollowed segment and stop charging them."""
+        page = mmap.PAGESIZE
+        lo = -(-first * seg.slot_bytes // page) * page
+        hi = end * seg.slot_bytes // page * page
+        if hi <= lo:
+            return
+        try:
+            punch_range(seg.fd, lo, hi - lo)
+        except OSError:
+            return                                  # still charged: released with the segment
+        seg.punched += hi - lo
+        self.held[seg.tenant] -= hi - lo
+        with self._reap_lock:
+            self.punched_bytes += hi - lo
+
     def release(self, seg: Segment, inline: bool = False) -> None:
         """Return an empty segment's memory to the system (the caller has emptied it): in the background, or
         `inline` when an allocation is waiting for exactly this memory."""
@@ -237,6 +291,8 @@ class HostPool:
         self.mapped_bytes -= seg.size
         if not seg.draining:
             self.held[seg.tenant] -= seg.size
+        elif seg.hollow:
+            self.held[seg.tenant] -= seg.size - seg.punched
         self.generation += 1
         if inline:
             _punch_and_close(seg)
@@ -266,6 +322,7 @@ class HostPool:
                 self.reaping_bytes -= seg.size
             if seg.lent:
                 self.retiring_bytes -= seg.size
+            self.punched_bytes -= seg.punched       # its pages punched early: out of the reaping bytes' charge
 
     def close(self) -> None:
         if self._reaper is not None:

@@ -347,9 +347,9 @@ def test_a_durable_put_that_gives_up_leaves_no_backlog(tmp_path, daemons):
 
 def test_a_neighbour_pinning_a_block_in_every_segment_cannot_keep_a_tenant_below_its_quota(tmp_path, daemons):
     """Before, a neighbour that filled the pool and then pinned one block in each segment kept a tenant within
-    its quota from storing anything for as long as it stayed connected: reclaim skips a segment with a pinned
-    slot, and pins had no lease. Now the pins lapse (server.pin_lease_s) and the tenant gets its quota back,
-    whatever it tried while they held."""
+    its quota from storing anything for as long as it stayed connected: reclaim skipped a segment with a pinned
+    slot, and pins had no lease. Now reclaim takes the rest of such a segment (the test below) and the pins lapse
+    (server.pin_lease_s) while b stays connected and busy: a holds its quota, whatever it tried while they held."""
     from tests.daemon.test_quotas import PER_SEG, Tenant, quota_daemon
 
     d = quota_daemon(tmp_path, daemons, {"a": "4MiB", "b": "4MiB"}, env={"KVSTORE_SERVER_PIN_LEASE_S": "2"})
@@ -394,9 +394,47 @@ def test_a_tenant_gets_its_quota_after_pins_go_whatever_it_tried_while_they_held
         for x in leases[:4]:
             x.release()                                      # the other pins go
         assert a.fill(0, 4 * PER_SEG) == 4 * PER_SEG         # a fills its hole: all of its quota
+        r = rows(d)                                          # b: its quota, less than a segment below at most
+        assert r["a"]["used_bytes"] == 4 << 20 and 3 << 20 <= r["b"]["used_bytes"] <= 4 << 20
+        assert a.intact(0, 4 * PER_SEG)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_tenant_within_its_quota_gets_room_while_a_neighbours_pins_still_hold(tmp_path, daemons):
+    """Before, reclaim skipped any segment with a pinned slot: b's pin in each segment kept a, within its quota,
+    from storing anything until the pins lapsed (300 s). Now reclaim takes b's unpinned blocks out of those
+    segments and gives their pages back: a stores its whole quota at once while every pin still holds, the memory
+    really held stays within the cap, b's pinned blocks stay readable, and b grows back once it lets them go."""
+    from tests.daemon.test_quotas import BLOCK, MIB, PER_SEG, Tenant, quota_daemon, rows
+
+    d = quota_daemon(tmp_path, daemons, {"a": "4MiB", "b": "4MiB"})
+    a, b = Tenant(d, "a"), Tenant(d, "b")
+    try:
+        assert b.put(0, 8 * PER_SEG) == 8 * PER_SEG          # b fills the pool: its quota and a's idle half
+        pinned = list(range(0, 8 * PER_SEG, PER_SEG))
+        leases = [b.ns.acquire(b.keys(s, 1)) for s in pinned]
+        assert all(len(x) == 1 for x in leases)              # one pinned block in each of b's segments
+        assert a.put(0, 4 * PER_SEG) == 4 * PER_SEG          # a's whole quota, every pin still held
+        assert a.intact(0, 4 * PER_SEG)
+        with d.client() as admin:
+            s = admin.stats()
+        host = s["tiers"][0]
+        assert s["pinned"] == 8 and s["counters"]["pins_expired"] == 0 and s["counters"]["segments_hollowed"] >= 4
+        assert host["charged_bytes"] <= host["capacity_bytes"] and host["resident_bytes"] <= host["capacity_bytes"]
         r = rows(d)
-        assert (r["a"]["used_bytes"], r["b"]["used_bytes"]) == (4 << 20, 4 << 20)
-        assert a.intact(0, 4 * PER_SEG) and b.held(0, 8 * PER_SEG) >= 4 * PER_SEG - 8
+        assert r["a"]["used_bytes"] == 4 * MIB
+        assert 3 * MIB < r["b"]["used_bytes"] <= 4 * MIB     # less than a segment below: its pinned pages count
+        for x, s0 in zip(leases, pinned):                    # b's pinned blocks were never touched
+            outs = [bytearray(BLOCK)]
+            assert x.read_verified(outs) == 1 and bytes(outs[0]) == b.data(s0)
+            x.release()
+        with d.client() as admin:                            # the hollowed segments went with their last pin
+            host = admin.stats()["tiers"][0]
+        assert host["punched_bytes"] == 0 and host["charged_bytes"] == host["mapped_bytes"] == 7 * MIB
+        assert b.put(1000, PER_SEG) == PER_SEG               # b grows back into its quota
+        assert rows(d)["b"]["used_bytes"] == 4 * MIB
     finally:
         a.close()
         b.close()
