@@ -13,6 +13,8 @@ draining). Memory moves between tenants a whole segment at a time: the segment i
   pinned block gives back all the rest at once, and the allocation retires as many as it needs. A segment more than
   half busy gives too little to be worth it and is skipped (the pin lease, server.pin_lease_s, bounds those): so a
   neighbour pinning a block in every segment, within its held cap, delays a tenant within its quota by nothing.
+  The borrower may end below its quota by less than a segment while its pins hold, as with any reclaim; when they
+  go, that memory is free and its to grow into again.
 - **Borrowing (lending on).** A tenant at or over its quota may create segments while the pool has room, and take a
   segment of another tenant only where that tenant stays at or above its quota (another borrower: memory follows
   use among them), or where that tenant's coldest block has not been used for `window_s` (ScaleDown: a lender

@@ -49,6 +49,7 @@ class Demoter:
         self.inflight: Counter[bytes] = Counter()     # keys in a write batch now (demotion or write-through)
         self.killed: set[bytes] = set()                # ... deleted meanwhile: the batch must not publish them
         self.worker = Worker("kvstore-demote", self._run)      # restarted if it ever raises
+        self.served = ""                               # the tenant whose background batch went last
 
     def start(self) -> None:
         self.worker.start()
@@ -85,9 +86,7 @@ class Demoter:
                     if k in busy and area.blocks.get(k) is v and not self.stop:
                         continue                           # the lane was full: staged still, written next time
                     if area.blocks.get(k) is v:            # not deleted or staged again meanwhile
-                        del area.blocks[k]
-                        area.crcs.pop(k, None)
-                        area.nbytes -= len(v)
+                        area.forget_locked(k)
                         area.keep_spare_locked(v)          # no one else holds it: reuse it, faulted in already
                 gone = area.unstaged_locked([k for k, _ in batch])
                 self.lock.notify_all()                     # an operator's eviction waiting for staging room
@@ -98,14 +97,26 @@ class Demoter:
 
     def _next_batch(self) -> tuple[list[tuple[bytes, bytes | bytearray | mmap.mmap]], Lane]:
         """(Under `lock`.) The next demotion batch: urgent blocks first (a write-through or a durability wait is
-        behind them), in the store lane; else any staged blocks, in the background lane. Blocks still being
-        copied in are left for later."""
-        blocks = self.staging.blocks
-        urgent = [(k, v) for k in self.staging.urgent
+        behind them; their tenants take turns upstream, kvstore.movers.fair), in the store lane; else staged blocks
+        of one tenant, in the background lane, the tenants in turn (the next after the last served, by name), each
+        tenant's in the order staged. Blocks still being copied in are left for later."""
+        area = self.staging
+        blocks = area.blocks
+        urgent = [(k, v) for k in area.urgent
                   if (v := blocks.get(k)) is not None and not isinstance(v, Pending)][:WRITE_BATCH]
         if urgent:
             return urgent, Lane.STORE
-        return [(k, v) for k, v in blocks.items() if not isinstance(v, Pending)][:WRITE_BATCH], Lane.BACKGROUND
+        ready: dict[str, list[tuple[bytes, bytes | bytearray | mmap.mmap]]] = {}
+        for k, v in blocks.items():
+            if not isinstance(v, Pending):
+                mine = ready.setdefault(area.tenants.get(k, ""), [])
+                if len(mine) < WRITE_BATCH:
+                    mine.append((k, v))
+        if not ready:
+            return [], Lane.BACKGROUND
+        turn = sorted(ready)
+        self.served = next((t for t in turn if t > self.served), turn[0])
+        return ready[self.served], Lane.BACKGROUND
 
     # ----- write batches (demotion and write-through) -----
     def announce(self, keys: list[bytes]) -> None:

@@ -8,6 +8,12 @@ lookups. When staging is full an evicted block is dropped, and counted. A staged
 (`crcs`): it is checked against it before its record is written (and the record keeps it), and again when a
 staged copy is promoted (`intact`); a copy whose bytes no longer match is a miss, never served.
 
+Tenants (issue 29): one named tenant stages at most TENANT_SHARE of `ssd.staging_bytes` (past it its evicted
+blocks are dropped, counted per tenant in `dropped_share`), so that a neighbour's flood of evictions leaves room
+for another tenant's; and the writer takes background batches tenant by tenant in turn (kvstore.tiers.ssd.demoter),
+so that a tenant's few staged blocks wait one batch of each other tenant's, not its whole backlog. The default
+tenant "" (a daemon without tenants) is not bounded: it has no neighbour.
+
 The copy into staging need not happen under the daemon's state lock: `stage` books the block (present for
 lookups from then on) and hands out its buffer, and the evicting thread, once it has left the state lock, has
 `fill` copy the slot into it and publish it; readers of a block still being copied wait for it (`staged_locked`),
@@ -29,6 +35,7 @@ import logging
 import mmap
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -42,6 +49,7 @@ if TYPE_CHECKING:
     from kvstore.tiers.ssd.store import SsdStore
 
 log = logging.getLogger("kvstore")
+TENANT_SHARE = 0.5            # of ssd.staging_bytes one named tenant may fill (as the write-through's queue)
 PENDING_WAIT_S = 5.0          # the longest a read waits for a block's staging copy to complete
 Watchers = list[tuple[bytes, list[Callable[[bytes], None]]]]   # keys that left staging, and who waits for them
 
@@ -67,7 +75,10 @@ class Staging:
         self.blocks: dict[bytes, bytes | bytearray | mmap.mmap | Pending] = {}
         self.crcs: dict[bytes, int | None] = {}         # the writer's CRC-32C of each staged block (None: none)
         self.nbytes = 0
+        self.tenants: dict[bytes, str] = {}              # staged key → its tenant ("" none named)
+        self.tenant_bytes: Counter[str] = Counter()      # staged bytes per tenant
         self.dropped = 0
+        self.dropped_share: Counter[str] = Counter()     # dropped at the tenant's share (TENANT_SHARE)
         self.rewrites_saved = 0
         self.crc_mismatch = 0                            # staged copies that failed their writer's CRC when read
         self.spare: dict[int, list[mmap.mmap]] = {}      # staging buffers written to disk, ready for reuse
@@ -105,7 +116,14 @@ class Staging:
             if self.nbytes + nbytes > self.cfg.staging_bytes:
                 self.dropped += 1
                 return False
+            tenant = self.store.tenant_of(key[:16]) or ""
+            if tenant and self.tenant_bytes[tenant] + nbytes > self.cfg.staging_bytes * TENANT_SHARE:
+                self.dropped += 1
+                self.dropped_share[tenant] += 1
+                return False
             self.nbytes += nbytes
+            self.tenant_bytes[tenant] += nbytes
+            self.tenants[key] = tenant
             buf = self._buffer(nbytes)
             self.blocks[key] = Pending(buf)
             self.crcs[key] = crc
@@ -161,9 +179,7 @@ class Staging:
         with self.lock:
             self.crc_mismatch += 1
             if self.crcs.get(key) == crc and not isinstance(self.blocks.get(key), Pending):
-                staged = self.blocks.pop(key)
-                self.crcs.pop(key)
-                self.nbytes -= len(staged)
+                self.forget_locked(key)
             gone = self.unstaged_locked([key])
         tell_watchers(gone)
         log.warning("ssd: a staged block does not match its writer's CRC-32C (its slot was written after commit): "
@@ -173,11 +189,19 @@ class Staging:
     def drop_locked(self, key: bytes) -> bool:
         """(Under `lock`.) Forget a staged copy (deleted): whether there was one. Its buffer is not reused: the
         writer may be writing from it."""
+        return self.forget_locked(key) is not None
+
+    def forget_locked(self, key: bytes) -> bytes | bytearray | mmap.mmap | Pending | None:
+        """(Under `lock`.) Take a block out of staging (written, dropped or deleted): its entry, or None."""
         self.crcs.pop(key, None)
         staged = self.blocks.pop(key, None)
         if staged is not None:
             self.nbytes -= len(staged)
-        return staged is not None
+            tenant = self.tenants.pop(key, "")
+            self.tenant_bytes[tenant] -= len(staged)
+            if not self.tenant_bytes[tenant]:
+                del self.tenant_bytes[tenant]
+        return staged
 
     # ----- write-through hooks -----
     def want(self, keys: Sequence[bytes]) -> None:

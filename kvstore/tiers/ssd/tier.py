@@ -230,9 +230,16 @@ class SsdTier:
         self.store.tenant_of = tenant_of
 
     def tenant_rows(self, tenants: Sequence[str]) -> dict[str, dict[str, int]]:
-        """Per tenant: SSD quota, bytes used, borrowed, evictions, evictions for another tenant's writes."""
+        """Per tenant: SSD quota, bytes used, borrowed, evictions, evictions for another tenant's writes; its
+        evicted blocks staged (bytes) and dropped at its share of staging (staging.TENANT_SHARE)."""
+        area = self.staging
+        with self.lock:
+            staged, dropped = dict(area.tenant_bytes), dict(area.dropped_share)
         with self.store.lock:
-            return self.store.quotas.rows(tenants)
+            rows = self.store.quotas.rows([*tenants, *dropped])
+        for t, r in rows.items():
+            r.update(ssd_staged_bytes=staged.get(t, 0), ssd_dropped_share=dropped.get(t, 0))
+        return rows
 
     @property
     def quotas_on(self) -> bool:
