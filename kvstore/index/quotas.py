@@ -10,9 +10,9 @@ draining). Memory moves between tenants a whole segment at a time: the segment i
 - **Around pins (issue 29).** A borrower's pinned or reserved slots do not keep its segment from reclaim: the
   segment's unpinned blocks leave (moved or evicted as below) and the pool hollows it (kvstore.tiers.host): only
   its busy slots' pages stay charged — to the borrower (`held`), until they are released — so a segment with one
-  pinned block gives back all the rest at once, and the allocation retires as many as it needs. A segment more than
-  half busy gives too little to be worth it and is skipped (the pin lease, server.pin_lease_s, bounds those): so a
-  neighbour pinning a block in every segment, within its held cap, delays a tenant within its quota by nothing.
+  pinned block gives back all the rest at once, and the allocation retires as many as it needs (idle ones first,
+  then the least busy). So whatever a neighbour pins within its own quota, a tenant within its quota gets room
+  at once; pins beyond the neighbour's quota (its held cap allowing) last until their lease (server.pin_lease_s).
   The borrower may end below its quota by less than a segment while its pins hold, as with any reclaim; when they
   go, that memory is free and its to grow into again.
 - **Borrowing (lending on).** A tenant at or over its quota may create segments while the pool has room, and take a
@@ -126,9 +126,9 @@ class Quotas:
     def borrowed_segment(self, taker: str) -> Segment | None:
         """(ScaleUp.) A borrower's segment for a tenant within its quota: of a tenant left at or above its quota if
         any, else of one holding more than its quota; idle (nothing pinned or reserved) if any, else the one with
-        the fewest busy slots, at most half of them (it gives back the rest: `Removal.retire`); then the one with
-        the fewest blocks (the books move its blocks into the owner's other segments first, evicting the owner's
-        coldest ones: which segment goes decides only what is copied). None if no tenant borrows."""
+        the fewest busy slots (it gives back the rest: `Removal.retire`), never one with every slot busy; then the
+        one with the fewest blocks (the books move its blocks into the owner's other segments first, evicting the
+        owner's coldest ones: which segment goes decides only what is copied). None if no tenant borrows."""
         best: tuple[bool, int, int, Segment] | None = None
         for cls in self.pool.classes.values():
             owner = cls.tenant
@@ -138,7 +138,7 @@ class Quotas:
             if held <= quota:
                 continue
             for seg in cls.segments.values():
-                if seg.draining or 2 * seg.busy > seg.nslots:
+                if seg.draining or seg.busy >= seg.nslots:
                     continue
                 rank = (held - (seg.nslots - seg.busy) * seg.slot_bytes < quota, seg.busy, seg.live, seg)
                 if best is None or rank[:3] < best[:3]:

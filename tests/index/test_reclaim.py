@@ -74,10 +74,11 @@ def test_a_slot_freed_in_a_hollowed_segment_is_punched_then():
     assert pool.punched_bytes == before + SLOT and seg.busy == 1 and seg.hollow
 
 
-def test_a_segment_more_than_half_pinned_is_left_to_its_lease():
+def test_pins_beyond_the_borrowers_quota_are_all_it_keeps():
     idx, t = books()
     (nb, hb), (na, ha) = t["b"], t["a"]
     put(idx, nb, hb, range(64))
     idx.acquire(nb, [k(i) for i in range(64) if i % 8 < 5], hb)  # type: ignore[arg-type]
-    assert put(idx, na, ha, range(1000, 1008)) == 0           # 5 of 8 pinned everywhere: nothing worth taking
-    assert not any(s.draining for s in idx.pool.segments.values())
+    assert put(idx, na, ha, range(1000, 1032)) == 24          # 5 of 8 pinned everywhere: a gets all the rest,
+    assert all(s.hollow for s in idx.pool.segments.values() if s.tenant == "b")   # every segment of b's
+    assert idx.pool.held["b"] == 5 * SEG and idx.pool.charged_bytes == idx.pool.capacity   # its pins: their lease
