@@ -402,14 +402,17 @@ def test_a_tenant_gets_its_quota_after_pins_go_whatever_it_tried_while_they_held
         b.close()
 
 
-def test_a_tenant_within_its_quota_gets_room_while_a_neighbours_pins_still_hold(tmp_path, daemons):
+@pytest.mark.parametrize("ssd", [False, True])
+def test_a_tenant_within_its_quota_gets_room_while_a_neighbours_pins_still_hold(tmp_path, daemons, ssd):
     """Before, reclaim skipped any segment with a pinned slot: b's pin in each segment kept a, within its quota,
     from storing anything until the pins lapsed (300 s). Now reclaim takes b's unpinned blocks out of those
     segments and gives their pages back: a stores its whole quota at once while every pin still holds, the memory
-    really held stays within the cap, b's pinned blocks stay readable, and b grows back once it lets them go."""
+    really held stays within the cap, b's pinned blocks stay readable, and b grows back once it lets them go.
+    With an SSD tier, the blocks b lost are demoted there, not dropped."""
     from tests.daemon.test_quotas import BLOCK, MIB, PER_SEG, Tenant, quota_daemon, rows
 
-    d = quota_daemon(tmp_path, daemons, {"a": "4MiB", "b": "4MiB"})
+    env = {"KVSTORE_SSD_DIR": str(tmp_path / "ssd"), "KVSTORE_SSD_CAPACITY": "64MiB"} if ssd else {}
+    d = quota_daemon(tmp_path, daemons, {"a": "4MiB", "b": "4MiB"}, env=env)
     a, b = Tenant(d, "a"), Tenant(d, "b")
     try:
         assert b.put(0, 8 * PER_SEG) == 8 * PER_SEG          # b fills the pool: its quota and a's idle half
@@ -426,6 +429,8 @@ def test_a_tenant_within_its_quota_gets_room_while_a_neighbours_pins_still_hold(
         r = rows(d)
         assert r["a"]["used_bytes"] == 4 * MIB
         assert 3 * MIB < r["b"]["used_bytes"] <= 4 * MIB     # less than a segment below: its pinned pages count
+        if ssd:                                              # b's other blocks went down, none dropped
+            assert b.held(0, 8 * PER_SEG) == 8 * PER_SEG and s["tiers"][1]["dropped"] == 0
         for x, s0 in zip(leases, pinned):                    # b's pinned blocks were never touched
             outs = [bytearray(BLOCK)]
             assert x.read_verified(outs) == 1 and bytes(outs[0]) == b.data(s0)

@@ -82,3 +82,19 @@ def test_pins_beyond_the_borrowers_quota_are_all_it_keeps():
     assert put(idx, na, ha, range(1000, 1032)) == 24          # 5 of 8 pinned everywhere: a gets all the rest,
     assert all(s.hollow for s in idx.pool.segments.values() if s.tenant == "b")   # every segment of b's
     assert idx.pool.held["b"] == 5 * SEG and idx.pool.charged_bytes == idx.pool.capacity   # its pins: their lease
+
+
+def test_a_reserved_slot_keeps_its_page_and_its_commit_lets_the_segment_go():
+    idx, t = books()
+    (nb, hb), (na, ha) = t["b"], t["a"]
+    pool = idx.pool
+    assert put(idx, nb, hb, range(63)) == 63
+    gids, _ = idx.reserve(nb, [k(63)], hb)                    # b's writer still copying into the last slot
+    pins = [g for i in range(0, 56, 8) for g in idx.acquire(nb, [k(i), k(i + 1)], hb)]   # type: ignore[arg-type]
+    assert put(idx, na, ha, range(1000, 1032)) == 32          # a's quota: the least busy, reserved, segment first
+    seg = pool.segment_of(gids[0])
+    assert seg.hollow and seg.live == seg.busy == 1
+    idx.commit(nb, [k(63)], hb)                               # the commit lands, then leaves with the segment
+    assert seg.id not in pool.segments and idx.host_prefix(nb, k(63)) == 0   # type: ignore[arg-type]
+    idx.release(pins, hb)
+    assert pool.punched_bytes == 0 and pool.charged_bytes == pool.mapped_bytes
