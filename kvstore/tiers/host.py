@@ -55,9 +55,7 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_
 
 def punch_hole(fd: int, length: int) -> None:
     """Give a memfd's pages back to the system without changing its size."""
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, length) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"fallocate(PUNCH_HOLE): {os.strerror(err)}")
+    punch_range(fd, 0, length)
 
 
 def punch_range(fd: int, offset: int, length: int) -> None:
@@ -127,7 +125,8 @@ class HostPool:
         self.reaping_bytes = 0       # released segments not yet punched out of memory
         self.retiring_bytes = 0      # lent segments (retired for another class) not yet punched: over the cap
         self.punched_bytes = 0       # pages of hollowed segments given back before their release (not charged)
-        self.held: Counter[str] = Counter()   # tenant -> bytes of its segments not draining (kvstore.index.quotas)
+        self.held: Counter[str] = Counter()   # tenant -> bytes of its segments not draining, and of the pages its
+        #                                       hollowed ones keep (kvstore.index.quotas)
         self._reap_lock = threading.Lock()
         self._to_reap: queue.SimpleQueue[Segment | None] = queue.SimpleQueue()
         self._reaper: threading.Thread | None = None
