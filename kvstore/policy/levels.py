@@ -87,9 +87,9 @@ class History:
 
     def level_of(self, f: int) -> int:
         got = self._new.get(f)
-        if got is not None:
-            return got
-        i = int(np.searchsorted(self._fps, f, "right")) - 1
+        if got is not None or not len(self._fps):
+            return got or 0
+        i = int(self._fps.searchsorted(f, "right")) - 1
         return int(self._levels[i]) if i >= 0 and self._fps[i] == f else 0
 
     @property
