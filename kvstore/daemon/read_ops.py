@@ -81,6 +81,7 @@ def _prefix(st: State, ns: NamespaceEntry, blob: bytes) -> tuple[int, int]:
     hit-rate ceiling (st.looked_up: distinct keys against keys looked up)."""
     asked = len(blob) // HASH_BYTES
     st.looked_up.add_keys(blob, int.from_bytes(ns.prefix, "little"))
+    st.index.asked(ns, blob)
     n = host = st.index.host_prefix(ns, blob)
     remote = 0                                      # blocks of the prefix only the remote store holds
     if st.lower and host < asked:                   # the rest of the prefix may be below: block by block
@@ -143,6 +144,7 @@ def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     except ValueError as e:
         raise ProtocolError(Code.BAD_REQUEST, f"acquire: {e}") from None
     touch = touch_of(st, h, m, ns)
+    st.index.asked(ns, hashes)
     stream = Stream(st.index, st.pool, h, st.lock, m.get("_emit") if m.get("stream") else None)
     _pin_prefix(st, h, ns, hashes, lane, touch, stream)
     if st.predictive is not None:

@@ -50,8 +50,8 @@ class Index:
     # Slots: over 30 attributes, an instance dict would lose CPython's shared-key fast path for every `index.x`.
     __slots__ = ("_books", "pool", "quotas", "on_evict", "table", "workflows", "namespaces", "policy", "promoting",
                  "cancelled", "pending", "deleting", "pins", "zombies", "moving", "counters", "used_at",
-                 "host_prefix", "holds", "slot", "acquire", "release", "pin", "crcs_of", "stats", "blocks", "walk",
-                 "keys_some", "reserve", "commit", "abort", "renew", "expire", "at_cap", "plan_promotion",
+                 "asked", "host_prefix", "holds", "slot", "acquire", "release", "pin", "crcs_of", "stats", "blocks",
+                 "walk", "keys_some", "reserve", "commit", "abort", "renew", "expire", "at_cap", "plan_promotion",
                  "finish_promotion", "delete", "begin_delete", "end_delete", "disconnect", "let_go", "evict_block",
                  "drain_some", "evict", "evict_plan", "evict_some", "resize")
 
@@ -83,6 +83,7 @@ class Index:
         trim = Trim(books, removal)
 
         # reads, pins, inspection
+        self.asked = reads.asked
         self.host_prefix = reads.host_prefix
         self.holds = reads.holds
         self.slot = reads.slot

@@ -20,7 +20,8 @@ from kvstore.index.namespaces import Holdings, NamespaceEntry
 from kvstore.index.removal import Removal
 from kvstore.index.state import Books, seg_slot
 from kvstore.index.sweep import SlotCursor
-from kvstore.policy import Explaining
+from kvstore.policy import Asking, Explaining
+from kvstore.protocol.schemas import split_keys
 
 if TYPE_CHECKING:
     from kvstore.workflows import Touch
@@ -31,6 +32,7 @@ class Reads:
         self.pool = books.pool
         self.table = books.table
         self.policy = books.policy
+        self._asks = isinstance(books.policy, Asking)
         self.namespaces = books.namespaces
         self.counters = books.counters
         self.pending = books.pending
@@ -41,6 +43,13 @@ class Reads:
         self._pin = removal.pin
         self._unpin = removal.unpin
         self._drain_step = removal.drain_step
+
+    def asked(self, ns: NamespaceEntry, hashes: list[bytes] | bytes) -> None:
+        """A lookup's or a get's chain (hashes, or a blob of them), head first, hit or not: told to a policy that
+        learns from what requests ask (kvstore.policy.Asking: the history policy's shadows)."""
+        if self._asks:
+            keys = split_keys(hashes) if isinstance(hashes, bytes) else hashes
+            self.policy.asked([ns.key(h) for h in keys], ns.cls)  # type: ignore[attr-defined]  # Asking
 
     def host_prefix(self, ns: NamespaceEntry, hashes: bytes) -> int:
         """How many leading blocks of `hashes` (a blob of 16-byte hashes) the host pool holds."""

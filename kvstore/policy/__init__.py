@@ -99,6 +99,14 @@ class Explaining(Protocol):
 
 
 @runtime_checkable
+class Asking(Protocol):
+    """A policy that learns from what requests ask for, hit or not (the history policy's shadows score the prefix of
+    each asked chain they would hold): the index tells it every lookup's and get's chain, head first, as keys."""
+
+    def asked(self, keys: list[bytes], cls: int) -> None: ...
+
+
+@runtime_checkable
 class Reporting(Protocol):
     """A policy whose books say something an operator wants in `kvstore stats` (the host tier's `eviction`):
     the history policy's blocks per level, history size and each class's way."""

@@ -123,6 +123,12 @@ class HistoryPolicy:
         c.duel.used(key, c.held, level, hit=not self.reads_pin)   # host: a store after its read
         self._place(key, where[0], level)
 
+    def asked(self, keys: list[bytes], cls: int) -> None:
+        """A request asked for this chain of the class (head first): the shadows score what each way would hold."""
+        c = self._classes.get(cls)
+        if c is not None:
+            c.duel.asked(keys)
+
     def removed(self, key: bytes) -> None:
         where = self._where.pop(key, None)
         if where is None:

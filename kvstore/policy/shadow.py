@@ -36,6 +36,7 @@ MARGIN = 1.02               # another way is taken when its hits exceed the curr
 MIN_LEAD = 4.0
 AGING: dict[str, float | None] = {"remember": None, "forget": None, "aging": 2.0, "lru": 1.0}   # pick's factor
 WAYS = tuple(AGING)
+INITIAL = "remember"         # the way before the shadows have seen anything: the policy's own (reuse protects)
 
 
 class Shadow:
@@ -89,8 +90,9 @@ class Duel:
         self.shadows = [Shadow(w) for w in WAYS]
         self.rate = 1
         self.events = 0
-        self.way = WAYS[0]
+        self.way = INITIAL
         self.switches = 0
+        self.by_chain = False                   # scored by `asked` (the host pool), else by reads (a lower tier)
 
     def used(self, key: bytes, held: int, level: int, hit: bool = True) -> None:
         """A block of a class that holds `held` blocks was stored or read (`hit`: count a hit where a shadow holds
@@ -107,6 +109,7 @@ class Duel:
                 return
         size = max(1, held // self.rate)
         known = (lambda: level) if level else (lambda: self.remembered(key))
+        hit = hit and not self.by_chain
         for s in self.shadows:
             s.use(fp, size, known, hit)
         self.events += 1
@@ -114,6 +117,21 @@ class Duel:
             self.events = 0
             for s in self.shadows:
                 s.hits /= 2
+
+    def asked(self, keys: list[bytes]) -> None:
+        """A request asked for this chain (head first): each shadow scores the prefix of it it holds, among the
+        sampled keys (an unsampled key is taken as held)."""
+        self.by_chain = True
+        fps = [fp for fp in map(fingerprint, keys) if fp % self.rate == 0]
+        if not fps:
+            return
+        for s in self.shadows:
+            n = 0
+            for fp in fps:
+                if fp not in s.where:
+                    break
+                n += 1
+            s.hits += n
 
     def shrunk(self, held: int) -> None:
         """The real class lost a block (evicted or deleted): the shadows trim to the same occupancy."""

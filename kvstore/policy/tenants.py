@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstore.policy import Admitting, Explaining, Reporting, Retiring
+from kvstore.policy import Admitting, Asking, Explaining, Reporting, Retiring
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
@@ -87,6 +87,11 @@ class PerTenantPolicy:
             for k, v in (p.counts() if isinstance(p, Explaining) else {}).items():
                 total[k] = total.get(k, 0) + v
         return total
+
+    def asked(self, keys: list[bytes], cls: int) -> None:
+        p = self.for_class(cls)
+        if isinstance(p, Asking):
+            p.asked(keys, cls)
 
     def report(self) -> dict[str, Any]:
         """Each policy's own report, by name."""

@@ -41,7 +41,7 @@ def test_embedded_default_loads_and_validates():
     assert cfg.tenants == []
     assert cfg.pool.capacity == auto_capacity() > 0          # "auto": a quarter of memory, at most 64 GiB
     assert cfg.pool.capacity <= 64 * GiB
-    assert (cfg.pool.segment_bytes, cfg.pool.eviction) == (64 * MiB, "lru")
+    assert (cfg.pool.segment_bytes, cfg.pool.eviction) == (64 * MiB, "history")
     assert (cfg.metrics.enabled, cfg.metrics.host, cfg.metrics.port) == (False, "127.0.0.1", 9464)
     assert cfg.log.level == "info"
 
@@ -113,7 +113,7 @@ def test_environment_wins_over_the_file_which_wins_over_the_default(tmp_path):
 def test_other_kvstore_variables_are_not_fields():
     cfg = load_config(env={"KVSTORE_NO_NATIVE": "1", "KVSTORE_CONFIG": "/nowhere.yaml", "KVSTORE_OTHER_THING": "x",
                            "PATH": "/bin"})
-    assert cfg.pool.eviction == "lru"
+    assert cfg.pool.eviction == "history"
 
 
 @pytest.mark.parametrize("section, field, value, fragment", [

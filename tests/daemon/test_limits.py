@@ -36,7 +36,8 @@ def test_a_client_that_reserves_until_no_space_and_idles_leaves_the_others_room(
     conf = os.path.join(tempfile.mkdtemp(), "kvstore.yaml")
     with open(conf, "w") as f:
         yaml.safe_dump({"tenants": [{"name": "hostile", "secret": "h"}, {"name": "other", "secret": "o"}]}, f)
-    d = start_daemon("4MiB", env={"KVSTORE_CONFIG": conf})
+    d = start_daemon("4MiB", env={"KVSTORE_CONFIG": conf,          # the caps, not the order: evict by recency
+                                  "KVSTORE_POOL_EVICTION": "lru"})
     hostile, other = Client(d.socket, tenant="hostile", secret="h"), Client(d.socket, tenant="other", secret="o")
     accomplice = Client(d.socket, tenant="hostile", secret="h")
     try:

@@ -47,17 +47,19 @@ class LruHooks:
 
 
 def index_replay(policy, reqs: list[list[int]], cap: int) -> float:
-    """Requests through `policy` in the host index's order, as the vLLM connector saves them: read the held prefix
-    (pin head first, unpin tail first), then reserve the missing blocks head first — each reserve evicts the
-    policy's victim when full and stops the chain where the victim is one of its own blocks — and publish the
-    reserved blocks tail first (a held block is refreshed). After every request, no held block lacks its
-    predecessor. Returns the hit rate."""
+    """Requests through `policy` in the host index's order, as the vLLM connector saves them: look the chain up,
+    read the held prefix (pin head first, unpin tail first), then reserve the missing blocks head first — each
+    reserve evicts the policy's victim when full and stops the chain where the victim is one of its own blocks —
+    and publish the reserved blocks tail first (a held block is refreshed). After every request, no held block
+    lacks its predecessor. Returns the hit rate."""
     parent = {b: (c[i - 1] if i else None) for c in reqs for i, b in enumerate(c)}
     held: set[int] = set()
     hit = total = 0
     for chain in reqs:
         n = next((i for i, b in enumerate(chain) if b not in held), len(chain))
         hit, total = hit + n, total + len(chain)
+        if hasattr(policy, "asked"):
+            policy.asked([k(b) for b in chain], 0)      # the lookup
         for b in chain[:n]:
             policy.pinned(k(b))
         for b in reversed(chain[:n]):

@@ -109,7 +109,8 @@ def test_each_tenant_evicts_by_its_own_policy(tmp_path, daemons):
         "tenants": [{"name": "wf", "secret": "s-wf", "host": "2MiB", "policy": "workflow"},
                     {"name": "plain", "secret": "s-plain", "host": "2MiB"}],
         "tenancy": {"lending": False}}))
-    d = DaemonProc(capacity="4MiB", segment="1MiB", env={"KVSTORE_CONFIG": str(conf)}).start()
+    d = DaemonProc(capacity="4MiB", segment="1MiB", env={"KVSTORE_CONFIG": str(conf),
+                                                          "KVSTORE_POOL_EVICTION": "lru"}).start()
     daemons.append(d)
     kept = {}
     for tenant in ("wf", "plain"):
