@@ -12,6 +12,13 @@ same model in Python (it must equal the daemon's LRU: a check of the replay); of
 farthest in the future and bypasses blocks never used again.
 
     .venv/bin/python bench/bench_policies.py [--quick] [--fractions 0.005,0.01,0.02,0.05,0.1] [--policies lru,history]
+
+`--families` replays the agent-trace families instead (bench/agent_families.py; bench/family_replay.py): each
+through `lru`, `history` and `workflow` with the framework's hints, under both save modes (whole chains as the vLLM
+connector, missed blocks only as `Namespace.put`), at 10/25/50% of the family's peak live working set, beside
+offline LRU (per save mode) and offline Belady.
+
+    .venv/bin/python bench/bench_policies.py --families [--quick] [--only toolloop,debate]
 """
 from __future__ import annotations
 
@@ -121,16 +128,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the first 1,000 requests, two pool sizes")
     ap.add_argument("--fractions", default=None, help="pool sizes as shares of the distinct blocks")
-    ap.add_argument("--policies", default="lru,history")
+    ap.add_argument("--policies", default=None, help="lru,history (the trace); lru,history,workflow (--families)")
     ap.add_argument("--trace", default=TRACE)
+    ap.add_argument("--families", action="store_true", help="replay the agent-trace families instead")
+    ap.add_argument("--only", default=None, help="with --families: these families only")
     args = ap.parse_args()
+    if args.families:
+        from family_replay import run_families
+        run_families(args.quick, args.only.split(",") if args.only else None,
+                     args.policies.split(",") if args.policies else None)
+        return
     load_before = warn_if_busy()
     started = time.perf_counter()
     reqs = load(args.trace, 1000 if args.quick else None)
     distinct = len({b for c in reqs for b in c})
     fractions = [float(f) for f in (args.fractions or ("0.01,0.05" if args.quick else
                                                          "0.005,0.01,0.02,0.05,0.1")).split(",")]
-    policies = args.policies.split(",")
+    policies = (args.policies or "lru,history").split(",")
     res: dict[str, Any] = {"trace": os.path.basename(args.trace), "requests": len(reqs), "distinct_blocks": distinct,
                            "cells": []}
     t = Table(["pool", "offline LRU", "offline Belady", *[f"{p} (gap closed)" for p in policies],
