@@ -9,8 +9,10 @@ rows made and dropped, tags written, a row's signature read, a row copied on a m
 over them: the groups, the lists threaded through the rows' prev/next, the scores, the heap, the victims and the
 hooks on a workflow's end or hint.
 
-A group is one (class, signature): the set of active workflows among the tags, or, for retired blocks, how many
-workflows touched them (0..budget); its record holds the list's head (least recent), tail and size.
+A group is one (class, signature, level): the set of active workflows among the tags, or, for retired blocks, how
+many workflows touched them (0..budget, then also its level); the level, min(touched, budget), prices its reuse by
+workflows to come (kvstore.workflows.popularity; workflow.py's docstring); its record holds the list's head (least
+recent), tail and size.
 
 A block moved to another slot (compaction: kvstore.index.capacity) takes its row along (`moved`, O(budget)): the
 new slot's row replaces the old one in its group's list, where it stood.
@@ -19,8 +21,10 @@ Cost: added / accessed / removed / pinned / unpinned are O(budget) plus a key-ta
 the blocks of its groups (each block once per tag it got). `victim`: the active groups of a class are kept in a
 heap by (score, age); a group's score changes only when one of its workflows gets a hint (its value is cached by
 `Workflows` until then), so a victim costs O(log groups) plus, once per hint, re-scoring the hinted workflow's
-groups. (The variants whose scores move with every hint, `inherit=False` and `Workflows.timed`, take the minimum
-over the class's active groups, as the reference does, kept for `pick_s` while nothing changes: `_pick`.)
+groups. (The variants whose scores move with every hint, `inherit=False` and `Workflows.timed`, and any once a
+block was reused by a second workflow (its level's worth moves with every such reuse), take the minimum over the
+class's active groups, as the reference does, kept for `pick_s` while nothing changes: `_pick`.) A victim also
+looks at the class's retired groups, one per level (O(budget)).
 
 Speed (this runs under the daemon's lock on every put and get): the hot paths call the rows' methods as
 `self.rows.m(...)` — as cheap as a method of this class on CPython 3.11 (a bound method kept in the instance dict
@@ -36,7 +40,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstore.policy.rows import ABSENT, MAX_BUDGET, NIL, PINNED, SLOT_MASK, Chunk, Rows
+from kvstore.policy.workflow import CurrentCalls, shared_value
 from kvstore.workflows import Touch, Workflow, Workflows
+from kvstore.workflows.popularity import Popularity
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
@@ -45,10 +51,10 @@ __all__ = ["ABSENT", "NIL", "PINNED", "CompactWorkflowPolicy"]
 
 
 class _Group:
-    __slots__ = ("id", "cls", "sig", "head", "tail", "size", "seq", "ver")
+    __slots__ = ("id", "cls", "sig", "level", "head", "tail", "size", "seq", "ver")
 
-    def __init__(self, gid: int, cls: int, sig: frozenset[int] | int, seq: int) -> None:
-        self.id, self.cls, self.sig, self.seq = gid, cls, sig, seq
+    def __init__(self, gid: int, cls: int, sig: frozenset[int] | int, level: int, seq: int) -> None:
+        self.id, self.cls, self.sig, self.level, self.seq = gid, cls, sig, level, seq
         self.head = self.tail = NIL
         self.size = 0
         self.ver = 0                # its entry in the class's heap is the one of this version
@@ -76,7 +82,7 @@ class CompactWorkflowPolicy:
         self.rows = rows = Rows(workflows, tag_budget, slots_of)
         self.chunks: dict[int, Chunk] = rows.chunks                # the rows' own dict (module docstring)
         self.groups: dict[int, _Group] = {}
-        self._by_sig: dict[tuple[int, frozenset[int] | int], _Group] = {}
+        self._by_sig: dict[tuple[int, frozenset[int] | int, int], _Group] = {}   # (class, signature, level)
         self._active: dict[int, dict[int, _Group]] = {}          # class → its active groups, in creation order
         self._retired_of: dict[int, list[_Group | None]] = {}    # class → retired group per touch count
         self._with: dict[int, set[int]] = {}                     # workflow number → group ids with it
@@ -87,6 +93,8 @@ class CompactWorkflowPolicy:
         self._hinted: set[int] = set()                             # workflows hinted since the last re-scoring
         self._picked: dict[int, tuple[_Group, int, int, float]] = {}   # class → (group, version, seq, when)
         self.pick_s = pick_s
+        self.pop = Popularity(tag_budget + 1, workflows.clock)
+        self.calls = CurrentCalls(workflows)
 
     # ----- the EvictionPolicy hooks -----
     def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
@@ -98,6 +106,8 @@ class CompactWorkflowPolicy:
             self._drop(ch, i, gid)
             ch, i = self.rows.occupy(gid)       # ... and may have taken the segment's chunk with it
         self.rows.tag(ch, i, touch)
+        self.calls.stored(key, touch)
+        self.pop.enter(min(ch.touched[i], self.budget))
         self._link(ch, i, gid, cls)
 
     def accessed(self, key: bytes, touch: Touch | None = None) -> None:
@@ -107,7 +117,14 @@ class CompactWorkflowPolicy:
         ch, i = self.rows.row(gid)
         if ch is None or ch.group[i] == ABSENT:
             return
+        before = ch.touched[i]
         self.rows.tag(ch, i, touch)
+        self.calls.read(key, touch)
+        if ch.touched[i] != before:              # a workflow new to it: reuse no lookahead saw coming
+            b = self.budget
+            self.pop.touched(min(before, b))
+            self.pop.leave(min(before, b))
+            self.pop.enter(min(ch.touched[i], b))
         g = ch.group[i]
         if g >= 0:
             cls = self.groups[g].cls
@@ -157,29 +174,56 @@ class CompactWorkflowPolicy:
         self.rows.vacate(sch, s, src)                # last: it may drop src's chunk
 
     def victim(self, cls: int) -> bytes | None:
-        retired = self.retired_victim(cls)
-        if retired is not None:
-            return retired
+        """As WorkflowPolicy.victim: the lowest-scored group's head, retired before active among equals."""
+        self._refresh()
+        retired = self._best_retired(cls)
         best = self._best_active(cls)
+        if retired is not None and (best is None or retired[0] <= self._score(best)):
+            return self.key_at(retired[1].head)
         return None if best is None else self.key_at(best.head)
 
     def retired_victim(self, cls: int) -> bytes | None:
         """The next retired block of the class, or None: never an active one (room a prefetch may take)."""
+        self._refresh()
+        got = self._best_retired(cls)
+        return None if got is None else self.key_at(got[1].head)
+
+    def _best_retired(self, cls: int) -> tuple[float, _Group] | None:
+        """The retired group worth least to workflows to come (the fewest-touched among equals), its worth."""
+        best: tuple[float, _Group] | None = None
         for g in self._retired_of.get(cls) or ():
             if g is not None:
-                return self.key_at(g.head)
-        return None
+                worth = shared_value(self.pop, self.flows, g.level)
+                if best is None or worth < best[0]:
+                    best = (worth, g)
+        return best
+
+    def _refresh(self) -> None:
+        """Prefixes read before their request stored the rest (workflow.CurrentCalls.stale): tail first."""
+        for keys in self.calls.stale():
+            for key in reversed(keys):
+                gid = self.table.get(key)
+                if gid is None:
+                    continue
+                ch, i = self.rows.row(gid)
+                if ch is not None and ch.group[i] >= 0:
+                    cls = self.groups[ch.group[i]].cls
+                    self._unlink(ch, i, gid)
+                    self._link(ch, i, gid, cls)
 
     def admits(self, victim: bytes, touch: Touch) -> bool:
         """As WorkflowPolicy.admits: evict `victim` for a block of `touch` unless it is worth more."""
         gid = self.table.get(victim)
         if touch.workflow not in self.flows.active or gid is None:
             return True
+        if self.calls.mine(victim, touch):
+            return False
         ch, i = self.rows.row(gid)
         if ch is None or ch.group[i] < 0:
             return True
         g = self.groups[ch.group[i]]
-        return isinstance(g.sig, int) or self._score(g) <= self.flows.value(touch.workflow)
+        worth = shared_value(self.pop, self.flows, g.level) if isinstance(g.sig, int) else self._score(g)
+        return worth <= self.flows.value(touch.workflow) + shared_value(self.pop, self.flows, 1)
 
     def describe(self, key: bytes) -> dict[str, Any] | None:
         """A block's standing and tags (`kvstore ls --tags`), or None if the policy has no row for it."""
@@ -191,15 +235,16 @@ class CompactWorkflowPolicy:
     def _drop(self, ch: Chunk, i: int, gid: int) -> None:
         if ch.group[i] >= 0:
             self._unlink(ch, i, gid)
+        self.pop.leave(min(ch.touched[i], self.budget))
         self.rows.vacate(ch, i, gid)
 
-    def _group(self, cls: int, sig: frozenset[int] | int) -> _Group:
-        g = self._by_sig.get((cls, sig))
+    def _group(self, cls: int, sig: frozenset[int] | int, level: int) -> _Group:
+        g = self._by_sig.get((cls, sig, level))
         if g is not None:
             return g
         gid = self._free_ids.pop() if self._free_ids else len(self.groups)
         self._seq += 1
-        g = self._by_sig[(cls, sig)] = self.groups[gid] = _Group(gid, cls, sig, self._seq)
+        g = self._by_sig[(cls, sig, level)] = self.groups[gid] = _Group(gid, cls, sig, level, self._seq)
         if isinstance(sig, int):
             slots = self._retired_of.setdefault(cls, [None] * (self.budget + 1))
             slots[sig] = g
@@ -212,7 +257,7 @@ class CompactWorkflowPolicy:
 
     def _forget(self, g: _Group) -> None:
         del self.groups[g.id]
-        del self._by_sig[(g.cls, g.sig)]
+        del self._by_sig[(g.cls, g.sig, g.level)]
         self._free_ids.append(g.id)
         if isinstance(g.sig, int):
             self._retired_of[g.cls][g.sig] = None
@@ -228,7 +273,7 @@ class CompactWorkflowPolicy:
 
     def _link(self, ch: Chunk, i: int, gid: int, cls: int) -> None:
         """At the most recent end of the slot's group (from its tags now)."""
-        g = self._group(cls, self.rows.sig(ch, i))
+        g = self._group(cls, self.rows.sig(ch, i), min(ch.touched[i], self.budget))
         ch.prev[i] = g.tail
         ch.next[i] = NIL
         if g.tail != NIL:
@@ -274,10 +319,11 @@ class CompactWorkflowPolicy:
         flows = self.flows
         assert isinstance(g.sig, frozenset)
         if self.inherit:
-            return math.fsum(flows.value(flows.nums[n].wid) for n in g.sig)
+            return math.fsum(flows.value(flows.nums[n].wid) for n in g.sig) + shared_value(self.pop, flows, g.level)
         ch, i = self.rows.linked_row(g.head)
         masks = self.rows.masks_of(ch, i)
-        return math.fsum(flows.agent_value(flows.nums[n].wid, masks.get(n, 0)) for n in g.sig)
+        return (math.fsum(flows.agent_value(flows.nums[n].wid, masks.get(n, 0)) for n in g.sig)
+                + shared_value(self.pop, flows, g.level))
 
     def _changed(self, w: Workflow) -> None:
         """A hint about `w`: its value is recomputed, so its groups are re-scored at the next victim of their
@@ -289,7 +335,7 @@ class CompactWorkflowPolicy:
         groups = self._active.get(cls)
         if not groups:
             return None
-        if not self.inherit or self.flows.timed:
+        if not self.inherit or self.flows.timed or self.pop.counted():
             return self._pick(cls, groups)
         if self._hinted:
             for n in self._hinted:

@@ -5,9 +5,15 @@ The engine (or an agent framework) tells the daemon which workflow, agent and se
 it (`tags`, at most `tag_budget` of them, the most recent, and how many ever did). Then, when a class is full:
 
 1. **Retired blocks first** — every workflow that touched them has ended (or went idle past `idle_s`), or no hint
-   ever named one. Fewest touching workflows first (a block many workflows used, such as a shared system prompt,
-   is the likeliest to be used by the next one), least recently used first among equals. Without any hints every
-   block is here, and the policy is LRU.
+   ever named one — unless workflows to come are likely to reuse them (below). Fewest touching workflows first,
+   least recently used first among equals. Without any hints every block is here, and the policy is LRU.
+   **Workflows to come** (issue 34): a block many workflows used — a system prompt, a shared document, a popular
+   retrieved passage — is reused by workflows that have not begun, which no lookahead sees. Each block's level,
+   min(workflows that touched it, `tag_budget`), has a rate of reuse by a workflow new to the block, measured
+   online (kvstore.workflows.popularity); a block is worth that rate in the units of the lookahead values
+   (`shared_value`: rate × mean gap × the lookahead of a workflow that never ends), retired or active. Groups are
+   per (signature, level); the victim is the lowest-worth group's head, retired before active among equals. With
+   no block ever reused by a second workflow every rate is 0 and the order is PBKV's (retired strictly first).
 2. **Then active blocks, lowest score first.** A block's score sums, over the active workflows that touched it,
    that workflow's K-step lookahead reuse value: Σ_k γ^(k-1) · s_w(k) · P(step k calls an agent that reuses the
    block), s_w(k) the probability w is still running at step k (kvstore.workflows.predictor). Under the prefix-sharing
@@ -26,12 +32,22 @@ it (`tags`, at most `tag_budget` of them, the most recent, and how many ever did
 Pinned blocks are never candidates.
 
 **Admission** (`admits`, Belady's bypass): a block coming in with a request's context enters its workflow's group;
-the index evicts a victim for it only if the victim's score is at most the workflow's value, else the put stops
-there (without a lower tier, where an eviction drops the block for good). So a request never evicts a prefix other
-live workflows share, nor a workflow due back sooner, to store blocks worth less (its own chain is kept by the
-index: a put never evicts the chain it stores).
+the index evicts a victim for it only if the victim's worth is at most the block's (the workflow's value and the
+worth of a level-1 block), else the put stops there (without a lower tier, where an eviction drops the block for
+good). So a request never evicts a prefix other live workflows share, nor a workflow due back sooner, to store
+blocks worth less (its own chain is kept by the index: a put never evicts the chain it stores).
 
-Cost: a touch is O(tags); an end re-groups the ended workflow's blocks (each block pays once per tag it got); a
+**Saves of the missed blocks only** (`Namespace.put`, the SGLang backend) must keep the order a whole-chain save
+keeps (issue 34: within 5%): such a put does not name the prefix its request hit, so the index cannot protect it,
+and it stores the new tail after the get touched the head. `CurrentCalls` remembers what each workflow's current
+call read: the policy never evicts those blocks for the same call's deeper ones (`admits`), and refreshes that
+prefix, tail first, before its next victim once the call stored blocks behind it — as a whole-chain save would.
+
+**The seam for the no-hint default**: blocks no hint ever named are the retired level-0 group, an LRU list
+(`groups[cls][0]` here, `_retired_of[cls][0]` in the compact form); the no-hint default's order
+(kvstore.policy.history) belongs there, and nowhere else: hinted blocks keep the order above.
+
+Cost: a touch is O(tags) (and O(1) of popularity books); an end re-groups the ended workflow's blocks (each block pays once per tag it got); a
 victim costs O(groups of the class) — the active workflows, not the blocks (the compact form keeps a timed pick
 for a few milliseconds: a put's evictions come in a burst).
 
@@ -47,6 +63,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvstore.workflows import Touch, Workflow, Workflows, agent_names
+from kvstore.workflows.popularity import Popularity
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
@@ -54,6 +71,7 @@ if TYPE_CHECKING:
 
 RETIRED = frozenset[str]()
 Signature = frozenset[str]
+Active = tuple[Signature, int]         # an active group: its workflows and its blocks' level (min(touched, budget))
 
 
 def host_policy(table: KeyTable, workflows: Workflows | None = None, key_at: Callable[[int], bytes | None] | None
@@ -82,22 +100,32 @@ class WorkflowPolicy:
         self.inherit = inherit
         self.tags: dict[bytes, dict[str, int]] = {}          # key → workflow → agent mask (most recent last)
         self.touched: dict[bytes, int] = {}                  # key → workflows that ever touched it (saturating)
-        self.where: dict[bytes, tuple[int, Signature | int]] = {}   # key → (class, group)
-        self.groups: dict[int, dict[Signature | int, OrderedDict[bytes, None]]] = {}
+        self.where: dict[bytes, tuple[int, Active | int]] = {}   # key → (class, group)
+        self.groups: dict[int, dict[Active | int, OrderedDict[bytes, None]]] = {}
         self.pins: set[bytes] = set()
+        self.pop = Popularity(tag_budget + 1, workflows.clock)
+        self.calls = CurrentCalls(workflows)
 
     # ----- the TierPolicy hooks -----
     def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
         if key in self.where:
             self.removed(key)
-        self.where[key] = (cls, RETIRED)
+        self.where[key] = (cls, 0)
         self._tag(key, touch)
+        self.calls.stored(key, touch)
+        self.pop.enter(self._level(key))
         self._link(key)
 
     def accessed(self, key: bytes, touch: Touch | None = None) -> None:
         if key not in self.where:
             return
+        before = self.touched.get(key, 0)
         self._tag(key, touch)
+        self.calls.read(key, touch)
+        if self.touched.get(key, 0) != before:          # a workflow new to it: reuse no lookahead saw coming
+            self.pop.touched(min(before, self.budget))
+            self.pop.leave(min(before, self.budget))
+            self.pop.enter(self._level(key))
         if key not in self.pins:
             self._unlink(key)
             self._link(key)
@@ -108,6 +136,7 @@ class WorkflowPolicy:
         if key not in self.pins:
             self._unlink(key)
         self.pins.discard(key)
+        self.pop.leave(self._level(key))
         del self.where[key]
         self.tags.pop(key, None)
         self.touched.pop(key, None)
@@ -123,26 +152,33 @@ class WorkflowPolicy:
             self._link(key)
 
     def victim(self, cls: int) -> bytes | None:
+        """The head of the lowest-scored group: retired groups (by level, each worth its reuse by workflows to
+        come) before active ones among equals, the fewest-touched retired first, the oldest active."""
+        self._refresh()
         groups = self.groups.get(cls)
         if not groups:
             return None
-        retired = self.retired_victim(cls)
-        if retired is not None:
-            return retired
+        retired: tuple[float, int] | None = None
+        for g in groups:
+            if isinstance(g, int) and (retired is None or (self._shared(g), g) < retired):
+                retired = (self._shared(g), g)
         best: tuple[float, bytes] | None = None
-        for sig, keys in groups.items():
-            if keys and isinstance(sig, frozenset):
+        for g, keys in groups.items():
+            if isinstance(g, tuple):
                 head = next(iter(keys))
-                score = self._score(sig, head)
+                score = self._score(g, head)
                 if best is None or score < best[0]:
                     best = (score, head)
+        if retired is not None and (best is None or retired[0] <= best[0]):
+            return next(iter(groups[retired[1]]))
         return None if best is None else best[1]
 
     def retired_victim(self, cls: int) -> bytes | None:
         """The next retired block of the class, or None: never an active one (room a prefetch may take)."""
+        self._refresh()
         groups = self.groups.get(cls)
         retired = [g for g in groups if isinstance(g, int) and groups[g]] if groups else None
-        return next(iter(groups[min(retired)])) if groups and retired else None
+        return next(iter(groups[min(retired, key=lambda g: (self._shared(g), g))])) if groups and retired else None
 
     def admits(self, victim: bytes, touch: Touch) -> bool:
         """Whether to evict `victim` for a block the request `touch` stores: unless the victim is worth more than
@@ -152,8 +188,11 @@ class WorkflowPolicy:
         with the first ones' blocks. Without an active workflow, always."""
         if touch.workflow not in self.flows.active or victim not in self.where:
             return True
+        if self.calls.mine(victim, touch):
+            return False
         group = self.where[victim][1]
-        return not isinstance(group, frozenset) or self._score(group, victim) <= self.flows.value(touch.workflow)
+        worth = self._score(group, victim) if isinstance(group, tuple) else self._shared(group)
+        return worth <= self.flows.value(touch.workflow) + self._shared(1)
 
     def describe(self, key: bytes) -> dict[str, Any] | None:
         """A block's standing and tags (`kvstore ls --tags`), or None if the policy does not hold it."""
@@ -166,11 +205,27 @@ class WorkflowPolicy:
                 "touched": self.touched.get(key, 0)}
 
     # ----- inside -----
-    def _score(self, sig: Signature, key: bytes) -> float:
+    def _score(self, group: Active, key: bytes) -> float:
+        sig, level = group
         if self.inherit:                 # fsum: exact, so the same in any order (the compact form sums by number)
-            return math.fsum(self.flows.value(w) for w in sig)
+            return math.fsum(self.flows.value(w) for w in sig) + self._shared(level)
         masks = self.tags.get(key, {})
-        return math.fsum(self.flows.agent_value(w, masks.get(w, 0)) for w in sig)
+        return math.fsum(self.flows.agent_value(w, masks.get(w, 0)) for w in sig) + self._shared(level)
+
+    def _refresh(self) -> None:
+        """Prefixes read before their request stored the rest (CurrentCalls.stale): refreshed tail first."""
+        for keys in self.calls.stale():
+            for key in reversed(keys):
+                if key in self.where and key not in self.pins:
+                    self._unlink(key)
+                    self._link(key)
+
+    def _shared(self, level: int) -> float:
+        """What a block of `level` is worth for the workflows to come (kvstore.workflows.popularity)."""
+        return shared_value(self.pop, self.flows, level)
+
+    def _level(self, key: bytes) -> int:
+        return min(self.touched.get(key, 0), self.budget)
 
     def _tag(self, key: bytes, touch: Touch | None) -> None:
         if touch is None or not touch.workflow:
@@ -186,11 +241,11 @@ class WorkflowPolicy:
                 del tags[next(iter(tags))]
         tags[touch.workflow] = (mask or 0) | (1 << min(w.agents.get(touch.agent, 0), 7))   # 8 bits a tag
 
-    def _group_of(self, key: bytes) -> Signature | int:
+    def _group_of(self, key: bytes) -> Active | int:
         sig = frozenset(w for w in self.tags.get(key, ()) if w in self.flows.active)
         if sig:
-            return sig
-        return min(self.touched.get(key, 0), self.budget)        # retired: by how many workflows touched it
+            return sig, self._level(key)
+        return self._level(key)                                     # retired: by how many workflows touched it
 
     def _link(self, key: bytes) -> None:
         cls, _ = self.where[key]
@@ -209,7 +264,7 @@ class WorkflowPolicy:
         """A workflow ended: its blocks move to the groups of the workflows still active on them (or retired),
         group by group in the order they were made, each from its least recent block (pinned ones at their unpin)."""
         for groups in self.groups.values():
-            for sig in [g for g in groups if isinstance(g, frozenset) and w.wid in g]:
+            for sig in [g for g in groups if isinstance(g, tuple) and w.wid in g[0]]:
                 for key in list(groups[sig]):
                     self._unlink(key)
                     self._link(key)
@@ -230,4 +285,79 @@ class WorkflowPolicy:
         return iter(self.where)
 
 
-__all__ = ["WorkflowPolicy"]
+class CurrentCalls:
+    """What each of the last CALLS calls touched (its workflow's latest call: read or stored with its context), for
+    two things a put of only the missed blocks (`Namespace.put`, the SGLang backend) does not do as a whole-chain
+    save does (kvstore.index.stores), though the order of a prefix needs them:
+    - `mine`: the index keeps a put from evicting its own chain, but that put does not name the prefix it hit; the
+      policy does not evict a block the calling request itself touched for a deeper block of it (`admits`).
+    - `stale`: a whole-chain save refreshes the hit prefix after storing the rest, so the head ends up the most
+      recent; a put of the missed blocks leaves the new tail more recent than the head it follows. The calls whose
+      blocks were stored after their prefix was read are returned once, with that prefix (read order, head first):
+      the policy refreshes it, tail first, before it next picks a victim.
+    Bounded: CALLS calls, the least recent forgotten."""
+    CALLS = 64
+
+    def __init__(self, flows: Workflows) -> None:
+        self.flows = flows
+        self._calls: OrderedDict[str, tuple[int, dict[bytes, None]]] = OrderedDict()   # wid → (step, read keys)
+        self._stale: dict[str, None] = {}
+
+    def _call(self, touch: Touch | None) -> dict[bytes, None] | None:
+        if touch is None:
+            return None
+        w = self.flows.active.get(touch.workflow)
+        if w is None:
+            return None
+        got = self._calls.get(w.wid)
+        if got is None or got[0] != w.steps:
+            got = self._calls[w.wid] = (w.steps, {})
+            self._stale.pop(w.wid, None)
+            while len(self._calls) > self.CALLS:
+                self._stale.pop(self._calls.popitem(last=False)[0], None)
+        else:
+            self._calls.move_to_end(w.wid)
+        return got[1]
+
+    def read(self, key: bytes, touch: Touch | None) -> None:
+        """A block held already was read or stored again with `touch`."""
+        keys = self._call(touch)
+        if keys is None or touch is None:
+            return
+        if keys and key == next(iter(keys)):
+            self._stale.pop(touch.workflow, None)       # the head refreshed after the rest: in prefix order
+        keys[key] = None
+
+    def stored(self, key: bytes, touch: Touch | None) -> None:
+        """A block was stored with `touch`."""
+        keys = self._call(touch)
+        if keys and touch is not None:
+            self._stale[touch.workflow] = None
+
+    def mine(self, key: bytes, touch: Touch) -> bool:
+        """Whether the current call of `touch`'s workflow read `key`."""
+        w = self.flows.active.get(touch.workflow)
+        got = self._calls.get(touch.workflow)
+        return w is not None and got is not None and got[0] == w.steps and key in got[1]
+
+    def stale(self) -> list[list[bytes]]:
+        """The read prefixes to refresh (each head first), once."""
+        if not self._stale:
+            return []
+        out = [list(self._calls[wid][1]) for wid in self._stale if wid in self._calls]
+        self._stale.clear()
+        return out
+
+
+def shared_value(pop: Popularity, flows: Workflows, level: int) -> float:
+    """A block's worth for the workflows to come, in the units of `Workflows.value`: its level's rate of reuse by
+    new workflows times the mean gap between calls, times the lookahead of a workflow that never ends (a stream of
+    reuses: `Workflows.stream`; kvstore.workflows.popularity); 0 until both are known."""
+    rate = pop.rate(level)
+    if not rate:
+        return 0.0
+    mean = flows.mean_gap()
+    return rate * mean * flows.stream() if mean else 0.0
+
+
+__all__ = ["WorkflowPolicy", "shared_value"]

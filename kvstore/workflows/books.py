@@ -183,6 +183,17 @@ class Workflows:
         due = gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
         return got if due is None else got * mean / (due + 0.05 * mean)
 
+    def mean_gap(self) -> float | None:
+        """The mean gap between a workflow's calls over every tenant's model (None before any): the time scale of
+        the policies' scores."""
+        n = sum(m.gaps.count for m in self.models.values())
+        return sum(m.gaps.total for m in self.models.values()) / n if n else None
+
+    def stream(self) -> float:
+        """The lookahead value of a workflow that never ends, Σ γ^(k-1) over the horizon: what a stream of reuses
+        due about one mean gap apart is worth (the popularity term of the policies' scores)."""
+        return sum(self.gamma ** k for k in range(self.horizon))
+
     def expect(self, wid: str) -> tuple[float, float | None]:
         """(p_next, due_s) of an active workflow: the probability that it calls again, and the expected seconds until
         it does given the time since its last call (None while no gaps are learned for its type); (0.0, None) if it

@@ -166,3 +166,49 @@ def test_one_shot_workflows_without_ends_do_not_freeze_the_pool() -> None:
         pol.added(k(i), 0, Touch(f"w{i}", "x"))
     flows.call("new", "x", "t")
     assert pol.victim(0) == k(0) and pol.admits(k(0), Touch("new", "x"))
+
+
+def test_a_block_workflows_to_come_reuse_outlives_an_idle_workflows_own() -> None:
+    """Issue 34: shared blocks (a document, a system prompt) are reused by workflows that have not begun, which no
+    lookahead sees. Workflows of type t each read doc block 0 once and end; while no block was ever reused by a
+    second workflow, a retired block goes first (PBKV's order); once new workflows keep reusing the doc, the retired
+    doc (touched by many) is worth more than the own block of an active workflow due back only much later."""
+    now = [0.0]
+    flows = Workflows(clock=lambda: now[0])
+    pol = WorkflowPolicy(flows)
+    flows.call("slow", "x", "t")
+    pol.added(k(1), 0, Touch("slow", "x"))       # the active workflow's own block
+    flows.call("w0", "x", "t")
+    pol.added(k(0), 0, Touch("w0", "x"))         # the doc, stored by the first reader
+    flows.end("w0")
+    assert pol.victim(0) == k(0)                 # nothing measured yet: retired first
+    for i in range(1, 30):                        # a new reader every second, each gone after two calls
+        now[0] += 0.5
+        flows.call(f"w{i}", "x", "t")
+        now[0] += 0.5
+        flows.call(f"w{i}", "x", "t")             # (gaps of 0.5 s: the mean gap, and so the time scale)
+        pol.accessed(k(0), Touch(f"w{i}", "x"))
+        flows.end(f"w{i}")
+    assert pol.counts()["retired"] == 1 and pol.pop.rate(1) > 0
+    assert pol.victim(0) == k(1)                 # "slow" called 30 s ago, gaps 0.5 s: due back last
+
+
+def test_a_put_of_the_missed_blocks_keeps_the_prefix_it_read() -> None:
+    """Namespace.put saves only the blocks its request missed: the head it read (0, 1) is not evicted for them and,
+    once the tail is stored, is refreshed tail first, so eviction takes the tail (3, 2) before the head — as after
+    a whole-chain save. (Before: the head, read first, went before the tail stored after it.)"""
+    flows = Workflows(timed=False)
+    pol = WorkflowPolicy(flows)
+    flows.call("a", "x", "t")
+    pol.added(k(1), 0, Touch("a", "x"))
+    pol.added(k(0), 0, Touch("a", "x"))          # the prefix 0, 1 (head most recent)
+    flows.call("a", "x", "t")                     # the next call reads it ...
+    for i in (0, 1):
+        pol.pinned(k(i))
+        pol.accessed(k(i), Touch("a", "x"))
+    for i in (1, 0):
+        pol.unpinned(k(i))
+    assert not pol.admits(k(1), Touch("a", "x"))  # ... and its put stops rather than evict what it read
+    pol.added(k(3), 0, Touch("a", "x"))          # ... then stores the rest, tail first
+    pol.added(k(2), 0, Touch("a", "x"))
+    assert drain(pol) == [3, 2, 1, 0]
