@@ -21,8 +21,8 @@ workflow's pending predictions go with it (`forget`, at its end or retirement).
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
-from collections import Counter, OrderedDict, deque
+from array import array
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,8 +34,8 @@ ANY = ""                      # the type-agnostic counts
 KEY_BYTES = 480               # a (type, agent) pair's books (the Counter, its tuple and map entry), past its strings
 SUCCESSOR_BYTES = 120         # one successor's entry in a Counter, past its name
 STR_BYTES = 49                # a str's own header (CPython, ASCII)
-GAP_KEY_BYTES = 1600          # a gap key's books past its samples: the deque, the sorted copies, its tuple (strings
-GAP_SAMPLE_BYTES = 80         # of up to 256 bytes each); a sample: its float, in the deque and the sorted copies
+GAP_KEY_BYTES = 1600          # a gap key's books past its buckets: its object, arrays' headers, the suffix sums, its
+                              # tuple (strings of up to 256 bytes each); the buckets: GAP_BUCKET_BYTES each
 
 
 class Predictor(Protocol):
@@ -205,20 +205,28 @@ class Gaps:
     call), for the eviction policy's time-aware score and the predictive prefetch's timing.
 
     Agent workflows wait between calls on the engine's decode and on tools (tests run, documents are fetched, a user
-    thinks), and those waits are not memoryless: a workflow that just called is the one least likely to call next.
-    So the estimate is the expected *residual* wait given the time already waited, E[G − e | G > e], from the last
-    `keep` gaps of the key (its empirical distribution): under memoryless gaps it stays near the mean whatever e is,
-    and the score falls back to the plain lookahead order. A workflow that has waited longer than every gap seen is
-    treated as ever less likely to come back soon (residual = mean + how far past the largest gap it is).
+    thinks), and those waits are not memoryless: a workflow that just called may be the least likely to call next
+    (a decode plus a tool run), or the likeliest (heavy-tailed tool waits: most answer at once, some take minutes).
+    So the estimate is the expected *residual* wait given the time already waited, E[G − e | G > e], from the
+    key's distribution of gaps: under memoryless gaps it stays near the mean whatever e is, and the score falls
+    back to the plain lookahead order. A workflow that has waited longer than every gap seen is treated as ever
+    less likely to come back soon (residual = mean + how far past the largest gap it is).
+
+    The distribution is a histogram of BUCKETS log-spaced buckets (a quarter octave each, from BASE_S: 1 ms to
+    ~3 hours), each with its count and its gaps' sum (so a bucket's gaps are exact on average), forgetting with an
+    effective window of `keep` gaps (each new one weighs 1/(1 − 1/keep) times the one before; 0: never forgets,
+    every gap weighs the same). Issue 34: a window
+    of the last 64 gaps kept as samples saw too little of a heavy tail (tool waits with σ = 1.4 lognormal) and
+    misjudged when a long-waiting workflow comes back; a window of ~1000 closed 4–8 points more of the LRU→Belady
+    gap there, and the histogram holds it in less memory than 64 samples did.
     Keys are bounded (`max_keys`, the oldest-made goes, and `max_bytes`: each key's books are estimated at
-    GAP_KEY_BYTES + `keep` × GAP_SAMPLE_BYTES, full): hint strings come from clients.
+    GAP_KEY_BYTES + BUCKETS × GAP_BUCKET_BYTES): hint strings come from clients.
     """
 
-    def __init__(self, keep: int = 64, max_keys: int = 4096, max_bytes: int = 4 << 20) -> None:
+    def __init__(self, keep: int = 1024, max_keys: int = 4096, max_bytes: int = 4 << 20) -> None:
         self.keep = keep
-        self.max_keys = max(1, min(max_keys, max_bytes // (GAP_KEY_BYTES + keep * GAP_SAMPLE_BYTES)))
-        self._samples: dict[tuple[str, str], deque[float]] = {}
-        self._sorted: dict[tuple[str, str], tuple[list[float], list[float]]] = {}   # sorted gaps, suffix sums
+        self.max_keys = max(1, min(max_keys, max_bytes // (GAP_KEY_BYTES + BUCKETS * GAP_BUCKET_BYTES)))
+        self._hist: dict[tuple[str, str], _Hist] = {}
         self.total = 0.0                      # over every key: the mean gap is the scale of the score
         self.count = 0
 
@@ -227,22 +235,19 @@ class Gaps:
         self.total += gap
         self.count += 1
         for key in ((wtype, agent), (wtype, ANY)):
-            s = self._samples.get(key)
-            if s is None:
-                if len(self._samples) >= self.max_keys:
-                    old = next(iter(self._samples))
-                    del self._samples[old]
-                    self._sorted.pop(old, None)
-                s = self._samples[key] = deque(maxlen=self.keep)
-            s.append(gap)
-            self._sorted.pop(key, None)
+            h = self._hist.get(key)
+            if h is None:
+                if len(self._hist) >= self.max_keys:
+                    del self._hist[next(iter(self._hist))]
+                h = self._hist[key] = _Hist()
+            h.add(gap, self.keep)
 
     def __len__(self) -> int:
-        return len(self._samples)
+        return len(self._hist)
 
     def bytes(self) -> int:
-        """The estimate of the books' bytes: every key counted full (the class docstring)."""
-        return len(self._samples) * (GAP_KEY_BYTES + self.keep * GAP_SAMPLE_BYTES)
+        """The estimate of the books' bytes (the class docstring)."""
+        return len(self._hist) * (GAP_KEY_BYTES + BUCKETS * GAP_BUCKET_BYTES)
 
     @property
     def mean(self) -> float | None:
@@ -251,19 +256,56 @@ class Gaps:
     def residual(self, wtype: str, agent: str, elapsed: float) -> float | None:
         """Expected seconds until the next call of a workflow of `wtype` whose last call (by `agent`) was `elapsed`
         seconds ago; None while nothing is learned for the type."""
-        key = (wtype, agent) if (wtype, agent) in self._samples else (wtype, ANY)
-        s = self._samples.get(key)
-        if not s:
-            return None
-        got = self._sorted.get(key)
-        if got is None:
-            gaps = sorted(s)
-            suffix = [0.0] * (len(gaps) + 1)
-            for i in range(len(gaps) - 1, -1, -1):
-                suffix[i] = suffix[i + 1] + gaps[i]
-            got = self._sorted[key] = (gaps, suffix)
-        gaps, suffix = got
-        j = bisect_right(gaps, elapsed)
-        if j == len(gaps):                    # past every gap seen: ever less likely to come back soon
-            return suffix[0] / len(gaps) + (elapsed - gaps[-1])
-        return suffix[j] / (len(gaps) - j) - elapsed
+        h = self._hist.get((wtype, agent)) or self._hist.get((wtype, ANY))
+        return None if h is None else h.residual(elapsed)
+
+
+BUCKETS = 96                  # a quarter octave each from BASE_S: 1 ms .. ~4.6 hours (the last takes the rest)
+BASE_S = 1e-3
+GAP_BUCKET_BYTES = 16         # a bucket's count and sum (two doubles in arrays)
+
+
+def _bucket(gap: float) -> int:
+    return 0 if gap <= BASE_S else min(BUCKETS - 1, int(4 * math.log2(gap / BASE_S)) + 1)
+
+
+class _Hist:
+    """One key's gaps (Gaps' docstring): weighted counts and sums per bucket, the largest gap, and suffix sums
+    rebuilt at the first residual after a change."""
+    __slots__ = ("n", "s", "weight", "largest", "_suffix")
+
+    def __init__(self) -> None:
+        self.n = array("d", [0.0]) * BUCKETS
+        self.s = array("d", [0.0]) * BUCKETS
+        self.weight = 1.0
+        self.largest = 0.0
+        self._suffix: tuple[list[float], list[float]] | None = None
+
+    def add(self, gap: float, keep: int) -> None:
+        if self.weight > 1e12:                               # renormalize: the ratios are all that matter
+            for i in range(BUCKETS):
+                self.n[i] /= self.weight
+                self.s[i] /= self.weight
+            self.weight = 1.0
+        b = _bucket(gap)
+        self.n[b] += self.weight
+        self.s[b] += self.weight * gap
+        if keep > 0:
+            self.weight /= 1.0 - 1.0 / max(2, keep)
+        self.largest = max(self.largest, gap)
+        self._suffix = None
+
+    def residual(self, elapsed: float) -> float:
+        if self._suffix is None:
+            sn, ss = [0.0] * (BUCKETS + 1), [0.0] * (BUCKETS + 1)
+            for i in range(BUCKETS - 1, -1, -1):
+                sn[i], ss[i] = sn[i + 1] + self.n[i], ss[i + 1] + self.s[i]
+            self._suffix = (sn, ss)
+        sn, ss = self._suffix
+        b = _bucket(elapsed)
+        n, s = sn[b + 1], ss[b + 1]
+        if self.n[b] and self.s[b] / self.n[b] > elapsed:    # the bucket of `elapsed`: by its gaps' mean
+            n, s = n + self.n[b], s + self.s[b]
+        if n <= 0.0:                                         # past every gap seen: ever less likely soon
+            return ss[0] / sn[0] + (elapsed - self.largest)
+        return s / n - elapsed

@@ -107,7 +107,7 @@ def test_retiring_one_workflow_moves_its_blocks_and_teaches_no_end() -> None:
 
 
 def test_gaps_give_the_expected_residual_wait() -> None:
-    gaps = Gaps()
+    gaps = Gaps(keep=0)                           # (never forgets: every gap weighs the same, the figures exact)
     assert gaps.residual("t", "a", 0.0) is None and gaps.mean is None
     for g in range(1, 11):                        # 1..10 s after agent a of type t
         gaps.observe("t", "a", float(g))
@@ -116,6 +116,22 @@ def test_gaps_give_the_expected_residual_wait() -> None:
     assert gaps.residual("t", "a", 12.0) == 7.5  # past every gap seen: the mean, plus how far past the largest
     assert gaps.residual("t", "other", 5.0) == 3.0   # an agent not seen: its type's gaps
     assert gaps.residual("u", "a", 0.0) is None
+
+
+def test_gaps_forget_with_a_window_and_see_a_heavy_tail() -> None:
+    """The distribution follows the traffic (an effective window of `keep` gaps), and a heavy tail seen often
+    enough says a workflow that waited long will wait longer still (issue 34: tool waits)."""
+    gaps = Gaps(keep=100)
+    for _ in range(1000):
+        gaps.observe("t", "a", 1.0)
+    for _ in range(1000):
+        gaps.observe("t", "a", 3.0)               # the traffic changed: ten windows later, 1 s is forgotten
+    assert abs(gaps.residual("t", "a", 0.0) - 3.0) < 1e-3
+    tail = Gaps()
+    for i in range(1000):                         # 90% answer in 1 s, 10% take 100 s
+        tail.observe("t", "tool", 100.0 if i % 10 == 0 else 1.0)
+    soon, waited = tail.residual("t", "tool", 0.0), tail.residual("t", "tool", 2.0)
+    assert soon is not None and waited is not None and soon < 11.0 < 97.0 < waited
 
 
 def test_timed_the_workflow_that_just_called_goes_first() -> None:
