@@ -79,6 +79,7 @@ class Workflows:
         self.retire_hooks: list[Callable[[Workflow], None]] = []   # each policy's: a workflow ended (already out
         self._next_num = 0                                      # of `active` and `nums`)
         self.change_hooks: list[Callable[[Workflow], None]] = []   # each policy's: the workflow's value may change
+        self._mean: tuple[int, float | None] = (-1, None)         # (version, mean gap): `mean_gap`, cached
 
     def model(self, tenant: str = "") -> Model:
         """The tenant's model, made at its first use."""
@@ -186,13 +187,15 @@ class Workflows:
     def mean_gap(self) -> float | None:
         """The mean gap between a workflow's calls over every tenant's model (None before any): the time scale of
         the policies' scores."""
-        n = sum(m.gaps.count for m in self.models.values())
-        return sum(m.gaps.total for m in self.models.values()) / n if n else None
+        if self._mean[0] != self.version:
+            n = sum(m.gaps.count for m in self.models.values())
+            self._mean = (self.version, sum(m.gaps.total for m in self.models.values()) / n if n else None)
+        return self._mean[1]
 
     def stream(self) -> float:
         """The lookahead value of a workflow that never ends, Σ γ^(k-1) over the horizon: what a stream of reuses
         due about one mean gap apart is worth (the popularity term of the policies' scores)."""
-        return sum(self.gamma ** k for k in range(self.horizon))
+        return (1.0 - self.gamma ** self.horizon) / (1.0 - self.gamma) if self.gamma != 1.0 else float(self.horizon)
 
     def expect(self, wid: str) -> tuple[float, float | None]:
         """(p_next, due_s) of an active workflow: the probability that it calls again, and the expected seconds until
