@@ -177,6 +177,8 @@ class CompactWorkflowPolicy:
         """As WorkflowPolicy.victim: the lowest-scored group's head, retired before active among equals."""
         self._refresh()
         retired = self._best_retired(cls)
+        if retired is not None and retired[0] <= 0.0:
+            return self.key_at(retired[1].head)          # worth nothing to anyone: no score is lower (PBKV's case)
         best = self._best_active(cls)
         if retired is not None and (best is None or retired[0] <= self._score(best)):
             return self.key_at(retired[1].head)
