@@ -33,7 +33,6 @@ timing. HELD_OUT names the family kept aside while the workflow policy was desig
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 import random
 from collections.abc import Callable, Iterator

@@ -10,9 +10,10 @@ workflow policy.
 `lru(events, cap, save)` is the daemon's LRU replayed in Python (a check of the daemon replay); `belady(events,
 cap)` evicts the block used farthest in the future, the deepest in its chain among equals (a prefix's tail before
 its head: every request that uses a block uses its parent), and bypasses a block used no sooner than every held
-one (the ceiling; per block, save-agnostic). `policy(events, cap, save, name)` replays a kvstore policy in-process (the dict
-form, kvstore.policy.workflow's `WorkflowPolicy` for "workflow", with hints; "history", "lru" without) with the
-index's reserve / commit / pin semantics emulated (kvstore.index.stores, .reads, .allocation) on the trace's clock.
+one (the ceiling; per block, save-agnostic). `policy(events, cap, save, name)` replays a kvstore policy in-process
+(the dict form, kvstore.policy.workflow's `WorkflowPolicy` for "workflow", with hints; "history", "lru" without)
+with the index's reserve / commit / pin semantics emulated (kvstore.index.stores, .reads, .allocation) on the
+trace's clock.
 """
 from __future__ import annotations
 

@@ -19,10 +19,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
-
 import agent_families as af
 import family_offline as fo
+import numpy as np
 from common import Daemon, Table, busy_cpus, progress, warn_if_busy, write_json
 
 from kvstore import Geometry, NamespaceSpec
@@ -116,7 +115,7 @@ def run_families(quick: bool, only: list[str] | None, policies: list[str] | None
                     r = cell["daemon"][p] = daemon_replay(events, cap, p, save, speed)
                     r["gap_closed"] = (r["hit"] - lru[0]) / (bel[0] - lru[0]) if bel[0] > lru[0] else 0.0
                 base = cell["daemon"].get("lru")
-                for p, r in cell["daemon"].items():
+                for r in cell["daemon"].values():
                     r["cost_vs_lru"] = r["busy_s"] / base["busy_s"] if base and base["busy_s"] else None
                 out["cells"].append(cell)
                 d = cell["daemon"]

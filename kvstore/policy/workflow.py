@@ -47,9 +47,9 @@ prefix, tail first, before its next victim once the call stored blocks behind it
 (`groups[cls][0]` here, `_retired_of[cls][0]` in the compact form); the no-hint default's order
 (kvstore.policy.history) belongs there, and nowhere else: hinted blocks keep the order above.
 
-Cost: a touch is O(tags) (and O(1) of popularity books); an end re-groups the ended workflow's blocks (each block pays once per tag it got); a
-victim costs O(groups of the class) — the active workflows, not the blocks (the compact form keeps a timed pick
-for a few milliseconds: a put's evictions come in a burst).
+Cost: a touch is O(tags) (and O(1) of popularity books); an end re-groups the ended workflow's blocks (each block
+pays once per tag it got); a victim costs O(groups of the class) — the active workflows, not the blocks (the compact
+form keeps a timed pick for a few milliseconds: a put's evictions come in a burst).
 
 Two forms with one order: `WorkflowPolicy` here keeps dicts per block (the reference model, and the SSD tier's
 policy, whose books are dicts already); `kvstore.policy.compact.CompactWorkflowPolicy` keeps fixed rows per host
