@@ -31,12 +31,19 @@ def pick(lists: list[OrderedDict[K, int]], aging: float | None, now: int) -> K |
             if level:
                 return next(iter(level))
         return None
-    heads = [next(iter(level.items())) for level in lists if level]
-    if not heads:
+    first = -1
+    oldest: tuple[K, int] | None = None         # the oldest of the levels' oldest (the stalest candidate)
+    for level in lists:
+        if level:
+            head = next(iter(level.items()))
+            if first < 0:
+                first = head[1]
+                lowest = head[0]
+            if oldest is None or head[1] < oldest[1]:
+                oldest = head
+    if oldest is None:
         return None
-    limit = now - aging * (now - heads[0][1])
-    stale = [h for h in heads if h[1] < limit]
-    return min(stale, key=lambda h: h[1])[0] if stale else heads[0][0]
+    return oldest[0] if oldest[1] < now - aging * (now - first) else lowest
 
 
 def fingerprint(key: bytes) -> int:

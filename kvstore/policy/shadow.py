@@ -51,22 +51,29 @@ class Shadow:
         self.hits = 0.0
         self.tick = 0
 
-    def use(self, fp: int, size: int, level: Callable[[], int], hit: bool = True) -> None:
-        """A read or a store of a key: a hit if held (it goes one level up), else it comes in (at level 1 for
-        `forget`, at `level()` for the others) and the shadow trims to `size`."""
+    def use(self, fp: int, hit: bool) -> bool:
+        """A read or a store of a key: if held, it goes one level up (a hit where `hit`) and True; else False."""
         held = self.where.get(fp)
+        if held is None:
+            return False
         self.tick += 1
-        if held is not None:
-            self.hits += hit
-            del self.lists[held][fp]
-            held = min(held + 1, LEVELS - 1)
+        self.hits += hit
+        del self.lists[held][fp]
+        if held < LEVELS - 1:
+            held += 1
             self.where[fp] = held
-            self.lists[held][fp] = self.tick
-            return
-        new = 0 if self.way == "forget" else min(level(), LEVELS - 1)
+        self.lists[held][fp] = self.tick
+        return True
+
+    def admit(self, fp: int, level: int, size: int) -> None:
+        """A key it does not hold comes in, at level 1 for `forget`, at `level` (0-based) for the others; then the
+        shadow trims to `size`."""
+        self.tick += 1
+        new = 0 if self.way == "forget" else level
         self.where[fp] = new
         self.lists[new][fp] = self.tick
-        self.trim(size)
+        if len(self.where) > size:
+            self.trim(size)
 
     def trim(self, size: int) -> None:
         while len(self.where) > size:
@@ -108,10 +115,13 @@ class Duel:
             if fp % self.rate:
                 return
         size = max(1, held // self.rate)
-        known = (lambda: level) if level else (lambda: self.remembered(key))
         hit = hit and not self.by_chain
+        new = -1                                # the level a shadow that lacks it admits it at, asked once
         for s in self.shadows:
-            s.use(fp, size, known, hit)
+            if not s.use(fp, hit):
+                if new < 0:
+                    new = min(level or self.remembered(key), LEVELS - 1)
+                s.admit(fp, new, size)
         self.events += 1
         if self.events >= WINDOW * max(16, size):
             self.events = 0
@@ -135,8 +145,10 @@ class Duel:
 
     def shrunk(self, held: int) -> None:
         """The real class lost a block (evicted or deleted): the shadows trim to the same occupancy."""
+        size = max(1, held // self.rate)
         for s in self.shadows:
-            s.trim(max(1, held // self.rate))
+            if len(s.where) > size:
+                s.trim(size)
 
     def choose(self) -> str:
         """The way to follow now: the current one unless another is ahead by MARGIN and MIN_LEAD."""
