@@ -21,7 +21,9 @@ Chains stay prefix-closed: the index sees a chain's earlier block whenever it se
 a store refreshes the whole chain, tail first), so an earlier block's level is never lower and its last use never
 older; every victim is the oldest of a level, or the oldest of several levels' oldest, so a tail leaves before its
 head. A change of way orders victims at once but admits blocks by it only where that keeps every chain's head at or
-above its tail (class `_Class`).
+above its tail (class `_Class`), and a block placed right after another (a chain published tail first, a held block
+refreshed between) never comes in below it (`_carry`: a head stored again alone, and evicted again at a lower
+level, would otherwise be remembered below its tail).
 Every hook on a held block is O(1) dict work; storing a block that was evicted costs one look in each history
 generation; the shadows see a sample of the keys (at most about SHADOW_BLOCKS a shadow).
 """
@@ -82,6 +84,7 @@ class HistoryPolicy:
         self._where: dict[bytes, tuple[int, int]] = {}     # key -> (class, level - 1)
         self._pinned: set[bytes] = set()
         self._tick = 0
+        self._carry = -1        # the level of the block placed just before, while blocks are placed in a row
 
     def _cls(self, cls: int) -> _Class:
         c = self._classes.get(cls)
@@ -103,13 +106,14 @@ class HistoryPolicy:
         c = self._cls(cls)
         old = self._where.get(key)
         if old is not None:
-            level = min(old[1] + 1, LEVELS - 1)
+            level = self._carry = min(old[1] + 1, LEVELS - 1)
         else:
             c.held += 1
             remembered = c.history.level(key)
             if c.way != c.duel.way and (c.duel.way != "forget" or remembered == 0):
                 c.way = c.duel.way
-            level = 0 if c.way == "forget" else min(remembered, LEVELS - 1)
+            level = max(0 if c.way == "forget" else min(remembered, LEVELS - 1), self._carry)
+        self._carry = level
         c.duel.used(key, c.held, level)
         self._place(key, cls, level)
         c.history.size_for(c.held)
@@ -119,17 +123,19 @@ class HistoryPolicy:
         if where is None:
             return
         c = self._classes[where[0]]
-        level = min(where[1] + 1, LEVELS - 1)
+        level = self._carry = min(where[1] + 1, LEVELS - 1)
         c.duel.used(key, c.held, level, hit=not self.reads_pin)   # host: a store after its read
         self._place(key, where[0], level)
 
     def asked(self, keys: list[bytes], cls: int) -> None:
         """A request asked for this chain of the class (head first): the shadows score what each way would hold."""
+        self._carry = -1
         c = self._classes.get(cls)
         if c is not None:
             c.duel.asked(keys)
 
     def removed(self, key: bytes) -> None:
+        self._carry = -1
         where = self._where.pop(key, None)
         if where is None:
             return
@@ -144,6 +150,7 @@ class HistoryPolicy:
 
     def pinned(self, key: bytes) -> None:
         """A read (the index pins what it reads): a use, and no candidate until unpinned."""
+        self._carry = -1
         where = self._where.get(key)
         if where is not None and key not in self._pinned:
             c = self._classes[where[0]]
@@ -154,6 +161,7 @@ class HistoryPolicy:
             self._where[key] = (where[0], level)
 
     def unpinned(self, key: bytes) -> None:
+        self._carry = -1
         where = self._where.get(key)
         if where is not None and key in self._pinned:
             self._pinned.discard(key)
@@ -164,6 +172,7 @@ class HistoryPolicy:
         pass                                    # books by key: a block's slot is not the policy's business
 
     def victim(self, cls: int) -> bytes | None:
+        self._carry = -1
         c = self._classes.get(cls)
         return None if c is None else pick(c.lists, AGING[c.duel.choose()], self._tick)
 

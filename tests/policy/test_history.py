@@ -174,8 +174,35 @@ def test_a_switch_into_forget_waits_for_a_block_the_history_does_not_remember():
     p.added(k(2), 0)                    # the tail comes back: remembered, so still admitted by the old way
     p.added(k(1), 0)                    # ... and its head
     assert c.way == "remember" and p._where[k(1)][1] >= p._where[k(2)][1] == 2
-    p.added(k(3), 0)                    # a block never seen: now the way changes
+    p.asked([k(3)], 0)                  # another request (its lookup) ...
+    p.added(k(3), 0)                    # ... stores a block never seen: now the way changes
     assert c.way == "forget" and p._where[k(3)][1] == 0
+
+
+def test_a_head_stored_again_alone_never_comes_back_below_its_tail():
+    """A chain's head stored alone (its put stopped after it) under `forget` and evicted again leaves a lower record
+    than its tail's older one; when the chain comes back, tail first, the head is still placed at least as high as
+    its tail (else the tail would outlive it)."""
+    p = HistoryPolicy()
+    p.added(k(2), 0)                                   # one chain: tail, then head
+    p.added(k(1), 0)
+    for key in (k(1), k(2)):
+        p.pinned(key)                                  # read: used twice
+    for key in (k(2), k(1)):
+        p.unpinned(key)
+    p.removed(k(2))
+    p.removed(k(1))                                    # both remembered at level 2
+    c = p._classes[0]
+    c.way = c.duel.way = "forget"
+    p.asked([k(1)], 0)
+    p.added(k(1), 0)                                   # the head alone, at level 1 ...
+    p.removed(k(1))                                    # ... and evicted: remembered at level 1
+    assert c.history.level(k(1)) < c.history.level(k(2))
+    c.way = c.duel.way = "remember"
+    p.asked([k(1), k(2)], 0)
+    p.added(k(2), 0)                                   # the chain again, tail first
+    p.added(k(1), 0)
+    assert p._where[k(1)][1] >= p._where[k(2)][1] == 2
 
 
 def test_the_shadows_sample_a_large_class_and_stay_bounded():
