@@ -262,20 +262,6 @@ def calls(events: list[Event]) -> list[Event]:
 
 def peak_live(events: list[Event]) -> int:
     """The most blocks live at once (stored already and used again later): the working set the pool is sized by."""
-    reqs = calls(events)
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for i, e in enumerate(reqs):
-        for b in e.blocks:
-            first.setdefault(b, i)
-            last[b] = i
-    delta = [0] * (len(reqs) + 1)
-    for b, f in first.items():
-        if last[b] > f:
-            delta[f] += 1
-            delta[last[b]] -= 1
-    peak = cur = 0
-    for d in delta:
-        cur += d
-        peak = max(peak, cur)
-    return peak
+    from workflows import peak_of  # a measurement shared with bench_workflows' generator, nothing else
+
+    return peak_of([e.blocks for e in calls(events)])

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.protocol.keys import chain_hashes
@@ -177,13 +177,19 @@ def next_uses(trace: list[Request]) -> list[list[int]]:
 def peak_live(trace: list[Request]) -> int:
     """The most chunks that are live at once (stored already and used again later): the capacity at which the
     ideal hit rate needs no eviction of anything still to be used."""
-    first: dict[bytes, int] = {}
-    last: dict[bytes, int] = {}
-    for i, r in enumerate(trace):
-        for h in r.hashes:
+    return peak_of([r.hashes for r in trace])
+
+
+def peak_of(chains: Sequence[Iterable[Hashable]]) -> int:
+    """The most blocks live at once over requests' chains: a block is live from its first request to its last, if
+    it has a later one (bench/agent_families.py sizes its pools by it too)."""
+    first: dict[Hashable, int] = {}
+    last: dict[Hashable, int] = {}
+    for i, chain in enumerate(chains):
+        for h in chain:
             first.setdefault(h, i)
             last[h] = i
-    delta = [0] * (len(trace) + 1)
+    delta = [0] * (len(chains) + 1)
     for h, f in first.items():
         if last[h] > f:
             delta[f] += 1
