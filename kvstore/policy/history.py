@@ -24,8 +24,10 @@ head. A change of way orders victims at once but admits blocks by it only where 
 above its tail (class `_Class`), and a block placed right after another (a chain published tail first, a held block
 refreshed between) never comes in below it (`_carry`: a head stored again alone, and evicted again at a lower
 level, would otherwise be remembered below its tail).
-Every hook on a held block is O(1) dict work; storing a block that was evicted costs one look in each history
-generation; the shadows see a sample of the keys (at most about SHADOW_BLOCKS a shadow).
+Every hook on a held block is O(1) dict work; storing a block that is not held costs one binary search of its
+class's history; the shadows see a sample of the keys (at most about SHADOW_BLOCKS a shadow), and a lookup's chain
+is walked once a shadow. In Python this is 4–8 µs a hook against the native LRU's 0.2–0.7 (bench_index), 1.2–1.7×
+LRU's cost on the whole request path (bench_policies): a native version of these lists is the next step.
 """
 from __future__ import annotations
 
