@@ -139,6 +139,7 @@ stress: $(STAMP)
 	KVSTORE_FUZZ_SCALE=1 $(BIN)/python -m pytest -q tests/daemon/test_fuzz_frames.py tests/daemon/test_fuzz_model.py
 	KVSTORE_KILL9_CYCLES=1000 $(BIN)/python -m pytest -q tests/daemon/test_kill9.py
 	KVSTORE_POWERLOSS_STATES=200 $(BIN)/python -m pytest -q tests/tiers/test_power_loss.py
+	bash tests/hostile_stress.sh $(BIN)/python 3
 	bash tests/setup_sglang_env.sh .venv-sglang
 	TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q -m sglang tests/connectors/test_salts_sglang.py
 
