@@ -36,9 +36,20 @@ def setup_on_loopback(store: Any, metadata: str, master: str, segment: int, buff
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports: every socket is held until all are chosen (closing one before binding the
+    next can hand the same port out twice: a master whose RPC and metrics ports collided exited at start, in CI)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def master_binary(name: str = "mooncake_master") -> str | None:
@@ -54,7 +65,7 @@ class MooncakeMaster:
         self.binary = binary
         self.own_dir = log_dir is None
         self.dir = log_dir or tempfile.mkdtemp(prefix="kvs-mc-")
-        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
         self.proc: subprocess.Popen[bytes] | None = None
         self.meta: subprocess.Popen[bytes] | None = None
         self.log_path = os.path.join(self.dir, "master.log")
