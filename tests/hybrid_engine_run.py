@@ -8,7 +8,8 @@ its hybrid KV cache manager on and kvstore's connector.
 
 `run` starts one engine (in-process engine core, block size 32, vLLM's own prefix cache on as in production,
 sha256_cbor hashes, hybrid manager left to vLLM's choice) and generates greedily once per step; a step is
-{"tokens": [...], "max_tokens": N, "wait": PATH or null} as in tests/vllm_engine_run.py. It prints one line per step:
+{"tokens": [...], "max_tokens": N, "wait": PATH or null, "reset": bool} as in tests/vllm_engine_run.py ("reset":
+empty vLLM's own prefix cache first, so one process stands for fresh engines in turn). It prints one line per step:
 `RESULT {"output": [...], "num_cached_tokens": n, "logprobs": [[[token, logprob], ...] per output position],
 "hybrid_manager": bool, "groups": [...]}` (top-5 logprobs of every generated token; "hybrid_manager": whether
 vLLM kept its hybrid KV cache manager on; "groups": the engine's KV cache groups, kind and layers).
@@ -77,6 +78,8 @@ def run(model: str, socket: str, steps: list[dict], extra: dict, batch: int = 0,
     hybrid = not config.scheduler_config.disable_hybrid_kv_cache_manager
     for step in steps:
         wait_for_go(step.get("wait"))
+        if step.get("reset"):
+            assert llm.reset_prefix_cache(), "vLLM could not empty its own prefix cache"
         params = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 4), ignore_eos=True, logprobs=5)
         out = llm.generate([TokensPrompt(prompt_token_ids=step["tokens"])], params, use_tqdm=False)[0]
         first = out.outputs[0]

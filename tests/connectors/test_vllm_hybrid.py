@@ -22,7 +22,7 @@ import pytest
 from kvstore.protocol.geometry import Geometry
 from kvstore.protocol.keys import NamespaceSpec, block_key
 from tests.conftest import DaemonProc
-from tests.connectors.test_vllm_connector import ENV, ROOT, alter_all_blocks, run_engine
+from tests.connectors.test_vllm_connector import ENV, ROOT, Engine, alter_all_blocks
 from tests.engine_guard import engine_missing
 
 pytestmark = pytest.mark.vllm
@@ -38,6 +38,8 @@ _RNG = random.Random(35)
 P1 = [_RNG.randrange(4, 1024) for _ in range(1000)]             # 31 full blocks
 P2 = P1[:700] + [_RNG.randrange(4, 1024) for _ in range(100)]   # shares 21 full blocks (672 tokens) with P1
 CHECKPOINT = 16 * BLOCK                                          # a window checkpoint of P1 below 672 tokens
+P2B = P1[:700] + [_RNG.randrange(4, 1024) for _ in range(100)]  # another prompt sharing P1's first 700
+P3 = P1 + [_RNG.randrange(4, 1024) for _ in range(68)]           # the next turn of a chat that began with P1
 
 
 def build(tmp_path_factory: pytest.TempPathFactory, arch: str) -> str:
@@ -57,18 +59,46 @@ def lfm2(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build(tmp_path_factory, "lfm2")
 
 
-def engine(model: str, daemon: DaemonProc, steps: list[dict], log: Path, batch: int = 0, own_cache: bool = True,
-           **extra: object) -> list[dict]:
+def start(model: str, daemon: DaemonProc, steps: list[dict], log: Path, batch: int = 0, own_cache: bool = True,
+          **extra: object) -> Engine:
+    """An engine process going through `steps`; it starts now, and `results` reads what it says."""
     args = ["--extra", json.dumps(extra), "--batch", str(batch), *([] if own_cache else ["--no-own-cache"])]
-    results, text = run_engine(model, daemon, steps, log, *args, script=SCRIPT)
+    return Engine(model, daemon, steps, log, *args, script=SCRIPT)
+
+
+def results(e: Engine, n: int) -> list[dict]:
+    """The engine's next `n` step results, each from an engine that kept vLLM's hybrid manager on."""
+    out = [e.result() for _ in range(n)]
+    assert all(r["hybrid_manager"] for r in out)
+    return out
+
+
+def close(e: Engine) -> None:
+    """Wait for a clean exit; the connector was never turned off, nor the hybrid manager."""
+    try:
+        text = e.finish()
+    finally:
+        e.kill()
     assert "Turning off hybrid kv cache manager" not in text
-    assert all(r["hybrid_manager"] for r in results)
     assert "kvstore connector disabled" not in text, text[-3000:]
-    return results
 
 
-def step(tokens: list[int], max_tokens: int = 4, wait: Path | None = None) -> dict:
-    return {"tokens": tokens, "max_tokens": max_tokens, "wait": str(wait) if wait else None}
+def engine(model: str, daemon: DaemonProc, steps: list[dict], log: Path, **kw: object) -> list[dict]:
+    """Run an engine through `steps` and return their results."""
+    e = start(model, daemon, steps, log, **kw)
+    try:
+        out = results(e, len(steps))
+    except BaseException:
+        e.kill()
+        raise
+    close(e)
+    return out
+
+
+def step(tokens: list[int], max_tokens: int = 4, wait: Path | None = None, reset: bool = False) -> dict:
+    """One prompt; with `wait`, the engine waits for the test first; with `reset`, it empties its own prefix cache
+    (what follows runs as in a fresh engine)."""
+    return {"tokens": tokens, "max_tokens": max_tokens, "wait": str(wait) if wait else None, "reset": reset}
 
 
 def same(a: dict, b: dict) -> bool:
@@ -113,20 +143,24 @@ def delete_blocks(daemon: DaemonProc, kind: str, positions: list[int]) -> int:
 
 def test_a_sliding_window_model_restores_exactly_and_never_without_its_window(model, tmp_path, start_daemon):
     daemon = start_daemon(capacity="64MiB", segment="1MiB")
-    (written,) = engine(model, daemon, [step(P1, 8)], tmp_path / "a.log", load=False, window_checkpoint_blocks=16)
+    # the references (a full recompute: no load, no save, vLLM's own cache off) run beside the first engine
+    ref = start(model, daemon, [step(P2), step(P2B), step(P3)], tmp_path / "ref.log", own_cache=False, load=False,
+                save=False)
+    try:
+        engine(model, daemon, [step(P1, 8)], tmp_path / "a.log", load=False, window_checkpoint_blocks=16)
+        refs = results(ref, 3)
+    except BaseException:
+        ref.kill()
+        raise
+    close(ref)
+    assert [r["num_cached_tokens"] for r in refs] == [0, 0, 0]
+    ref_p2, ref_p2b, ref_p3 = refs
     groups = group_namespaces(daemon)
     assert sorted(groups) == ["0:window64", "1:full"]
     # full attention keeps all 31 blocks of P1; the window group the 2 blocks before block 16 (a checkpoint, as
     # configured) and before block 31 (the step's end): 4 blocks, an eighth of the bytes
     assert groups["1:full"]["blocks"] == 31
     assert groups["0:window64"]["blocks"] == 4
-    p2b = P1[:700] + [_RNG.randrange(4, 1024) for _ in range(100)]   # another prompt sharing P1's first 700
-    p3 = P1 + written["output"] + [_RNG.randrange(4, 1024) for _ in range(60)]   # the next turn of a chat
-
-    refs = engine(model, daemon, [step(P2), step(p2b), step(p3)], tmp_path / "ref.log", own_cache=False,
-                  load=False, save=False)
-    assert [r["num_cached_tokens"] for r in refs] == [0, 0, 0]
-    ref_p2, ref_p2b, ref_p3 = refs
 
     # P2 shares 21 blocks with P1, but P1's windows are kept only before blocks 16 and 31: 16 blocks restorable.
     # Its engine saves the window before block 21, where P2 left what the daemon held
@@ -134,48 +168,78 @@ def test_a_sliding_window_model_restores_exactly_and_never_without_its_window(mo
     assert got_p2["num_cached_tokens"] == CHECKPOINT
     assert same(got_p2, ref_p2)
 
-    got_p2b, own_p2b, got_p3 = engine(model, daemon, [step(p2b), step(p2b), step(p3)], tmp_path / "c.log",
-                                      save=False)
-    assert got_p2b["num_cached_tokens"] == 21 * BLOCK      # the shared prefix, to its last full block
-    assert same(got_p2b, ref_p2b)
-    assert own_p2b["num_cached_tokens"] > 0 and same(own_p2b, ref_p2b)   # vLLM's own hit agrees
-    assert got_p3["num_cached_tokens"] == 31 * BLOCK      # the turn resumes where the last one stopped
-    assert same(got_p3, ref_p3)
+    # one engine, then (its own cache emptied) as a fresh one once the windows before blocks 16 and 21 are gone
+    gone = tmp_path / "gone"
+    e = start(model, daemon, [step(P2B), step(P2B), step(P3), step(P2B, wait=gone, reset=True)], tmp_path / "c.log",
+              save=False)
+    try:
+        got_p2b, own_p2b, got_p3 = results(e, 3)
+        assert got_p2b["num_cached_tokens"] == 21 * BLOCK      # the shared prefix, to its last full block
+        assert same(got_p2b, ref_p2b)
+        assert own_p2b["num_cached_tokens"] > 0 and same(own_p2b, ref_p2b)   # vLLM's own hit agrees
+        assert got_p3["num_cached_tokens"] == 31 * BLOCK      # the turn resumes where the last one stopped
+        assert same(got_p3, ref_p3)
 
-    # the windows before blocks 16 and 21 gone: no prefix of P2b is restorable, though its full blocks are there
-    assert delete_blocks(daemon, "window", [14, 15, 19, 20]) == 4
-    (lost,) = engine(model, daemon, [step(p2b)], tmp_path / "d.log", save=False)
+        # no prefix of P2B is restorable now, though its full blocks are there
+        e.wait_point()
+        assert delete_blocks(daemon, "window", [14, 15, 19, 20]) == 4
+        e.go()
+        (lost,) = results(e, 1)
+    except BaseException:
+        e.kill()
+        raise
+    close(e)
     assert lost["num_cached_tokens"] == 0
     assert same(lost, ref_p2b)
 
 
 def test_a_recurrent_state_model_restores_only_where_its_state_was_kept(lfm2, tmp_path, start_daemon):
     daemon = start_daemon(capacity="64MiB", segment="1MiB")
-    # prefilled in chunks of 512 tokens (vLLM's align mode ends each on a block): the convolution state is kept
-    # where the engine computed it, after blocks 16 and 31; never under a key it does not belong to
-    (written,) = engine(lfm2, daemon, [step(P1, 8)], tmp_path / "a.log", batch=512, load=False)
+    # the references (no load, no save) run beside the first engine
+    ref = start(lfm2, daemon, [step(P2), step(P3)], tmp_path / "ref.log", load=False, save=False)
+    try:
+        # prefilled in chunks of 512 tokens (vLLM's align mode ends each on a block): the convolution state is kept
+        # where the engine computed it, after blocks 16 and 31; never under a key it does not belong to
+        engine(lfm2, daemon, [step(P1, 8)], tmp_path / "a.log", batch=512, load=False)
+        ref_p2, ref_p3 = results(ref, 2)
+    except BaseException:
+        ref.kill()
+        raise
+    close(ref)
+    assert ref_p2["num_cached_tokens"] == 0 and ref_p3["num_cached_tokens"] == 0
     groups = group_namespaces(daemon)
     assert sorted(groups) == ["0:state", "1:full"]
     assert (groups["1:full"]["blocks"], groups["0:state"]["blocks"]) == (31, 2)
-    p3 = P1 + written["output"] + [_RNG.randrange(4, 1024) for _ in range(60)]
 
-    ref_p2, ref_p3 = engine(lfm2, daemon, [step(P2), step(p3)], tmp_path / "ref.log", load=False, save=False)
-    assert ref_p2["num_cached_tokens"] == 0 and ref_p3["num_cached_tokens"] == 0
+    # one engine standing for three fresh ones (its own cache emptied before each phase): loads as kept, loads of
+    # altered blocks, and loads where the states are gone
+    altered, gone = tmp_path / "altered", tmp_path / "gone"
+    steps = [step(P2), step(P3), step(P2, wait=altered, reset=True), step(P3), step(P2, wait=gone, reset=True),
+             step(P3)]
+    e = start(lfm2, daemon, steps, tmp_path / "b.log", save=False)
+    try:
+        got_p2, got_p3 = results(e, 2)
+        assert got_p2["num_cached_tokens"] == CHECKPOINT      # between two states: the one before (block 16)
+        assert same(got_p2, ref_p2)
+        assert got_p3["num_cached_tokens"] == 31 * BLOCK
+        assert same(got_p3, ref_p3)
 
-    got_p2, got_p3 = engine(lfm2, daemon, [step(P2), step(p3)], tmp_path / "b.log", save=False)
-    assert got_p2["num_cached_tokens"] == CHECKPOINT      # between two states: the one before (block 16)
-    assert same(got_p2, ref_p2)
-    assert got_p3["num_cached_tokens"] == 31 * BLOCK
-    assert same(got_p3, ref_p3)
+        # every stored block altered behind the daemon's back: the loads fail their checks, and the engine (which
+        # takes a load error of a hybrid model only per request) recomputes the requests from their start, exactly
+        e.wait_point()
+        assert alter_all_blocks(daemon, lfm2) == 33
+        e.go()
+        bad_p2, bad_p3 = results(e, 2)
+        assert "does not match its checksum" in e.read_log()
+        assert same(bad_p2, ref_p2) and same(bad_p3, ref_p3)
 
-    # every stored block altered behind the daemon's back: the loads fail their checks, and the engine (which takes a
-    # load error of a hybrid model only per request) recomputes the requests from their start, exactly
-    assert alter_all_blocks(daemon, lfm2) == 33
-    bad_p2, bad_p3 = engine(lfm2, daemon, [step(P2), step(p3)], tmp_path / "bad.log", save=False)
-    assert "does not match its checksum" in (tmp_path / "bad.log").read_text()
-    assert same(bad_p2, ref_p2) and same(bad_p3, ref_p3)
-
-    assert delete_blocks(daemon, "state", [15, 30]) == 2  # the attention KV is all there, the states are not
-    lost_p2, lost_p3 = engine(lfm2, daemon, [step(P2), step(p3)], tmp_path / "c.log", save=False)
+        e.wait_point()
+        assert delete_blocks(daemon, "state", [15, 30]) == 2  # the attention KV is all there, the states are not
+        e.go()
+        lost_p2, lost_p3 = results(e, 2)
+    except BaseException:
+        e.kill()
+        raise
+    close(e)
     assert (lost_p2["num_cached_tokens"], lost_p3["num_cached_tokens"]) == (0, 0)
     assert same(lost_p2, ref_p2) and same(lost_p3, ref_p3)
