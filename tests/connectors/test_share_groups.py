@@ -78,18 +78,30 @@ def build_models(tmp: Path) -> tuple[str, str, str]:
     return a, b, c
 
 
-def run_engine(model: str, socket: str, extra: dict[str, Any], log: Path) -> dict[str, Any]:
+def launch(model: str, socket: str, extra: dict[str, Any], log: Path) -> subprocess.Popen:
     """One engine process (vllm_engine_run.py: kvstore's connector, `extra` merged into its extra config), one greedy
-    request of PROMPT; its result: output token ids and num_cached_tokens (tokens loaded from the daemon)."""
+    request of PROMPT; it starts now and `collect` reads its result."""
     steps = [{"tokens": PROMPT, "max_tokens": 8, "wait": None}]
     argv = [sys.executable, RUN, "run", "--model", model, "--socket", socket, "--steps", json.dumps(steps),
             "--extra", json.dumps(extra)]
     with open(log, "w") as out:
-        rc = subprocess.run(argv, env=ENV, stdout=out, stderr=subprocess.STDOUT, timeout=300).returncode
+        return subprocess.Popen(argv, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+
+
+def collect(proc: subprocess.Popen, log: Path) -> dict[str, Any]:
+    """The engine's result (output token ids and num_cached_tokens: tokens loaded from the daemon), once it exits."""
+    try:
+        rc = proc.wait(300)
+    finally:
+        proc.kill()
     text = log.read_text(errors="replace")
     results = [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")]
     assert rc == 0 and len(results) == 1, f"engine failed ({rc}):\n{text[-4000:]}"
     return results[0]
+
+
+def run_engine(model: str, socket: str, extra: dict[str, Any], log: Path) -> dict[str, Any]:
+    return collect(launch(model, socket, extra, log), log)
 
 
 def block_hits(daemon: DaemonProc) -> int:
@@ -107,12 +119,16 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     try:
         daemon.start()
         out: dict[str, Any] = {"models": (a, b, c), "daemon": daemon, "tmp": tmp}
-        out["a"] = run_engine(a, daemon.socket, {"group": GROUP}, tmp / "engine-a.log")
+        # B's own recompute: no daemon at the configured socket, so the connector serves without it (it touches
+        # nothing of the others', so it runs beside A)
+        alone = launch(b, str(tmp / "no-daemon.sock"), {}, tmp / "engine-b-alone.log")
+        try:
+            out["a"] = run_engine(a, daemon.socket, {"group": GROUP}, tmp / "engine-a.log")
+        finally:
+            out["b_alone"] = collect(alone, tmp / "engine-b-alone.log")
         out["hits_a"] = block_hits(daemon)
         out["b"] = run_engine(b, daemon.socket, {"group": GROUP}, tmp / "engine-b.log")
         out["hits_b"] = block_hits(daemon)
-        # B's own recompute: no daemon at the configured socket, so the connector serves without it
-        out["b_alone"] = run_engine(b, str(tmp / "no-daemon.sock"), {}, tmp / "engine-b-alone.log")
         out["c"] = run_engine(c, daemon.socket, {}, tmp / "engine-c.log")
         out["hits_c"] = block_hits(daemon)
         yield out
