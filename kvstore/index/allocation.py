@@ -86,9 +86,9 @@ class Allocation:
                 return None
 
     def _admitted(self, victim: bytes, touch: Touch | None) -> bool:
-        """Whether the policy would evict `victim` for a block of the request `touch` (always without a context
-        or under a policy that cannot tell: LRU admits everything)."""
-        return touch is None or self._admits is None or self._admits(victim, touch)
+        """Whether the policy would evict `victim` for a block of the request `touch` (hints, or None; always
+        under a policy that cannot tell: LRU admits everything)."""
+        return self._admits is None or self._admits(victim, touch)
 
     def _staler_segment(self, slot: SlotKey, victim: bytes | None) -> Segment | None:
         """An idle segment of another class (block size or tenant) whose next victim was used before ours: the

@@ -77,7 +77,7 @@ class Admitting(Protocol):
     """A policy that may value a block coming below the victim it would evict for it (Belady's bypass, estimated:
     kvstore.policy.workflow): the index stops the put rather than evict a block worth more."""
 
-    def admits(self, victim: bytes, touch: Touch) -> bool: ...
+    def admits(self, victim: bytes, touch: Touch | None) -> bool: ...
 
 
 @runtime_checkable

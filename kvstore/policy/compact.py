@@ -213,10 +213,10 @@ class CompactWorkflowPolicy:
                     self._unlink(ch, i, gid)
                     self._link(ch, i, gid, cls)
 
-    def admits(self, victim: bytes, touch: Touch) -> bool:
+    def admits(self, victim: bytes, touch: Touch | None) -> bool:
         """As WorkflowPolicy.admits: evict `victim` for a block of `touch` unless it is worth more."""
         gid = self.table.get(victim)
-        if touch.workflow not in self.flows.active or gid is None:
+        if touch is None or touch.workflow not in self.flows.active or gid is None:
             return True
         if self.calls.mine(victim, touch):
             return False

@@ -10,12 +10,13 @@ blocks it evicted (HISTORY_FACTOR times the blocks the class holds, 10 bytes a r
 that one tenant's evictions never push another's out).
 
 What to do with a block that comes back, and for how long uses protect a block, depends on the traffic, so each
-class follows whichever of four ways its shadow caches (kvstore.policy.shadow) show hitting most: `remember` (it
+class follows whichever of five ways its shadow caches (kvstore.policy.shadow) show hitting most: `remember` (it
 comes back at the level it left with, one higher), `forget` (it starts over at level 1: a round robin of sessions
-larger than the pool keeps the sessions that are resident instead of thrashing through all of them), `aging` (as
-`remember`, but a block unused for twice as long as the lowest level's oldest block loses its protection: where the
-working set moves, dead blocks do not stay for their past uses; kvstore.policy.levels.pick) or `lru` (the least
-recently used block of any level).
+larger than the pool keeps the sessions that are resident instead of thrashing through all of them), `bypass` (as
+`forget`, and a block used more than once is never evicted for a new one: the put stops there, `admits`; only
+where an eviction drops the block, i.e. no lower tier), `aging` (as `remember`, but a block unused for twice as
+long as the lowest level's oldest block loses its protection: where the working set moves, dead blocks do not stay
+for their past uses; kvstore.policy.levels.pick) or `lru` (the least recently used block of any level).
 
 Chains stay prefix-closed: the index sees a chain's earlier block whenever it sees a later one (a read is a prefix;
 a store refreshes the whole chain, tail first), so an earlier block's level is never lower and its last use never
@@ -26,8 +27,9 @@ refreshed between) never comes in below it (`_carry`: a head stored again alone,
 level, would otherwise be remembered below its tail).
 Every hook on a held block is O(1) dict work; storing a block that is not held costs one binary search of its
 class's history; the shadows see a sample of the keys (at most about SHADOW_BLOCKS a shadow), and a lookup's chain
-is walked once a shadow. In Python this is 4–8 µs a hook against the native LRU's 0.2–0.7 (bench_index), 1.2–1.7×
-LRU's cost on the whole request path (bench_policies): a native version of these lists is the next step.
+is served by each shadow (its sampled keys: a read of the prefix held, a store of the chain). In Python this is
+4–8 µs a hook against the native LRU's 0.2–0.7 (bench_index), 1.2–1.7× LRU's cost on the whole request path
+(bench_policies): a native version of these lists is the next step.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstore.policy.levels import GENERATIONS, HISTORY_FACTOR, LEVELS, MIN_GENERATION, History, pick
-from kvstore.policy.shadow import AGING, Duel
+from kvstore.policy.shadow import AGING, ANEW, Duel
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
@@ -112,9 +114,9 @@ class HistoryPolicy:
         else:
             c.held += 1
             remembered = c.history.level(key)
-            if c.way != c.duel.way and (c.duel.way != "forget" or remembered == 0):
+            if c.way != c.duel.way and (c.duel.way not in ANEW or remembered == 0):
                 c.way = c.duel.way
-            level = max(0 if c.way == "forget" else min(remembered, LEVELS - 1), self._carry)
+            level = max(0 if c.way in ANEW else min(remembered, LEVELS - 1), self._carry)
         self._carry = level
         c.duel.used(key, c.held, level)
         self._place(key, cls, level)
@@ -134,7 +136,20 @@ class HistoryPolicy:
         self._carry = -1
         c = self._classes.get(cls)
         if c is not None:
-            c.duel.asked(keys)
+            c.duel.asked(keys, c.held)
+
+    def admits(self, victim: bytes, touch: Touch | None) -> bool:
+        """Whether the index may evict `victim` for a block coming (asked only where an eviction drops the block):
+        not under `bypass` if the victim was used more than once. The block coming enters at level 1 and would be
+        the next to go, so the put stops there (Belady's bypass, estimated by reuse: a round robin of sessions
+        larger than the pool keeps the resident ones whole instead of cutting their tails for a session that will
+        not fit; where the traffic moves, a pool that stores nothing new loses, and the `bypass` shadow shows it)."""
+        where = self._where.get(victim)
+        if where is None:
+            return True
+        duel = self._classes[where[0]].duel
+        duel.refusing = True
+        return where[1] == 0 or duel.way != "bypass"
 
     def removed(self, key: bytes) -> None:
         self._carry = -1

@@ -6,16 +6,26 @@ than the pool it is the one to let go (forget them: the sessions already residen
 thrashing); where the working set moves (sessions that end, a shift), uses that protect a block for ever keep dead
 blocks and fall below LRU, and uses that protect it for a while do not. A fixed choice falls below LRU somewhere.
 
-So each class of the history policy runs a `Duel` of four key-only caches of the same occupancy as the real one,
+So each class of the history policy runs a `Duel` of five key-only caches of the same occupancy as the real one,
 all with levels by use: `remember` (a returning block comes back at the level the real policy knows for it: held,
-or in its history), `forget` (a returning block starts over), `aging` (as `remember`, but a block's uses protect it
-only while it has gone unused for less than twice as long as the oldest block used once: kvstore.policy.levels.pick)
-and `lru` (levels protect nothing: the safety net, never far below LRU). Every store and read is offered to each
-shadow: a hit if the shadow still holds the key, else the shadow takes it in (it would have missed and stored it).
-Hits are halved every WINDOW shadow-occupancies of events, so the choice follows the traffic, and the real policy
-changes its way only when another shadow is ahead by MARGIN and MIN_LEAD. This is set dueling (Qureshi et al., ISCA
-2007) with whole shadow caches instead of sampled sets: sets would split a chain's blocks between ways and break its
-prefix closure; shadows hold no bytes, so the real cache stays one order.
+or in its history), `forget` (a returning block starts over), `bypass` (as `forget`, and a full shadow takes a new
+block in only in place of a block used once: the block coming is the victim otherwise, and the index, asked by
+`HistoryPolicy.admits`, stops the put there), `aging` (as `remember`, but a block's uses protect it only while it
+has gone unused for less than twice as long as the oldest block used once: kvstore.policy.levels.pick) and `lru`
+(levels protect nothing: the safety net, never far below LRU).
+
+**What a shadow sees is the requests, not the real cache.** Where requests tell their chains (the host pool: every
+lookup and get, `Duel.asked`), each shadow serves each request as the index would: the prefix it holds is a hit and
+is read, then the chain is stored, tail first (held blocks refreshed; evictions never take the put's own blocks).
+An earlier form fed the shadows the real cache's stores and reads: a shadow then saw only what the way being
+followed stored, and a pool that refuses blocks (`bypass`) starved every other shadow of the traffic that would
+show refusing was wrong (measured: 25 points below LRU on sessions whose population moves). Where no request tells
+its chain (a lower tier, scored by reads), every store and read is offered to each shadow: a hit if the shadow
+still holds the key, else the shadow takes it in. Hits are halved every WINDOW shadow-occupancies of events, so the
+choice follows the traffic, and the real policy changes its way only when another shadow is ahead by MARGIN and
+MIN_LEAD. This is set dueling (Qureshi et al., ISCA 2007) with whole shadow caches instead of sampled sets: sets
+would split a chain's blocks between ways and break its prefix closure; shadows hold no bytes, so the real cache
+stays one order.
 
 Cost: the shadows see a sample of the keys (SHARDS, Waldspurger et al., FAST 2015: keys whose fingerprint is 0
 modulo `rate`, each shadow sized to the class's occupancy / `rate`), the rate doubling whenever a shadow would hold
@@ -34,20 +44,23 @@ SHADOW_BLOCKS = 2048        # keys a shadow holds at most before it samples half
 WINDOW = 4                  # hits are halved every WINDOW shadow-occupancies of events
 MARGIN = 1.02               # another way is taken when its hits exceed the current way's by 2% (and by MIN_LEAD)
 MIN_LEAD = 4.0
-AGING: dict[str, float | None] = {"remember": None, "forget": None, "aging": 2.0, "lru": 1.0}   # pick's factor
-WAYS = tuple(AGING)
+AGING: dict[str, float | None] = {"remember": None, "forget": None, "aging": 2.0, "lru": 1.0, "bypass": None}
+WAYS = tuple(AGING)                         # (AGING: pick's factor)
+ANEW = frozenset({"forget", "bypass"})      # the ways that admit a returning block at level 1
 INITIAL = "remember"         # the way before the shadows have seen anything: the policy's own (reuse protects)
 
 
 class Shadow:
     """One way of ordering, keys only: LEVELS recency lists (fingerprint -> tick of its last use), the victim by
-    `pick`."""
+    `pick`. Keys admitted by the request being served wait in `staged` (held, not yet candidates) until the next
+    request or their next use: the index never evicts a put's own blocks for its later ones."""
 
     def __init__(self, way: str) -> None:
         self.way = way
         self.aging = AGING[way]
         self.lists: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(LEVELS)]
         self.where: dict[int, int] = {}
+        self.staged: dict[int, None] = {}       # admitted by this request, in order (tail first)
         self.hits = 0.0
         self.tick = 0
 
@@ -56,6 +69,8 @@ class Shadow:
         held = self.where.get(fp)
         if held is None:
             return False
+        if fp in self.staged:
+            self.settle()
         self.tick += 1
         self.hits += hit
         del self.lists[held][fp]
@@ -66,23 +81,58 @@ class Shadow:
         return True
 
     def admit(self, fp: int, level: int, size: int) -> None:
-        """A key it does not hold comes in, at level 1 for `forget`, at `level` (0-based) for the others; then the
-        shadow trims to `size`."""
-        self.tick += 1
-        new = 0 if self.way == "forget" else level
-        self.where[fp] = new
-        self.lists[new][fp] = self.tick
-        if len(self.where) > size:
+        """A key it does not hold comes in, at level 1 for `forget` and `bypass`, at `level` (0-based) for the
+        others. Where full, the index evicts first (never a block of the same put: `staged`); `bypass` takes the
+        key in and then trims, so the key itself goes if it is the victim — the index refuses it then
+        (HistoryPolicy.admits)."""
+        new = 0 if self.way in ANEW else level
+        if self.way == "bypass":
+            self.tick += 1
+            self.where[fp] = new
+            self.lists[new][fp] = self.tick
             self.trim(size)
+            return
+        self.trim(size - 1)
+        self.where[fp] = new
+        self.staged[fp] = None
+
+    def serve(self, chain: list[tuple[int, bytes]], size: int, remembered: Callable[[bytes], int]) -> None:
+        """A request for `chain` ((fingerprint, key), head first): the prefix held is a hit and is read; then the
+        whole chain is stored, tail first (see Duel.asked)."""
+        self.trim(size)                         # the real class may have shrunk (deletes, memory lent away)
+        n = 0
+        for fp, _ in chain:
+            if fp not in self.where:
+                break
+            n += 1
+        self.hits += n
+        for fp, _ in chain[:n]:
+            self.use(fp, False)                 # the read
+        for fp, key in reversed(chain):
+            if not self.use(fp, False):         # the put: a held block refreshed, another admitted
+                self.admit(fp, min(remembered(key), LEVELS - 1), size)
+        self.settle()
+
+    def settle(self) -> None:
+        """The staged keys become candidates, in the order they came (a put publishes tail first)."""
+        for fp in self.staged:
+            level = self.where.get(fp)
+            if level is not None:
+                self.tick += 1
+                self.lists[level][fp] = self.tick
+        self.staged.clear()
 
     def trim(self, size: int) -> None:
+        """Evict candidates until at most `size` keys are held (staged keys count, but are not candidates)."""
         while len(self.where) > size:
             fp = pick(self.lists, self.aging, self.tick)
-            assert fp is not None
+            if fp is None:
+                return
             del self.lists[self.where.pop(fp)][fp]
 
     def resample(self, rate: int) -> None:
         """Keep only the keys of the sample at `rate` (the rate doubled)."""
+        self.settle()
         for keys in self.lists:
             for fp in [f for f in keys if f % rate]:
                 del keys[fp]
@@ -99,52 +149,73 @@ class Duel:
         self.events = 0
         self.way = INITIAL
         self.switches = 0
+        self.chain: list[bytes] = []            # the last chain asked for (head first)
+        self.refusing = False                   # the index asks `admits` (no lower tier): `bypass` may be followed
         self.by_chain = False                   # scored by `asked` (the host pool), else by reads (a lower tier)
 
     def used(self, key: bytes, held: int, level: int, hit: bool = True) -> None:
         """A block of a class that holds `held` blocks was stored or read (`hit`: count a hit where a shadow holds
-        it; False for a store of a block just read, whose read counted); `level`: where the real policy places it
-        (0-based), or 0 where it does not know: then one above the level its history remembers."""
+        it); `level`: where the real policy places it (0-based), or 0 where it does not know: then one above the
+        level its history remembers. Only where no request tells its chain (a lower tier, scored by reads): where
+        one does (`asked`), the shadows replay the requests themselves."""
+        if self.by_chain:
+            return
+        self._fit(held)
         fp = fingerprint(key)
         if fp % self.rate:
             return
-        while held // self.rate > SHADOW_BLOCKS:
-            self.rate *= 2
-            for s in self.shadows:
-                s.resample(self.rate)
-            if fp % self.rate:
-                return
         size = max(1, held // self.rate)
-        hit = hit and not self.by_chain
         new = -1                                # the level a shadow that lacks it admits it at, asked once
         for s in self.shadows:
             if not s.use(fp, hit):
                 if new < 0:
                     new = min(level or self.remembered(key), LEVELS - 1)
                 s.admit(fp, new, size)
-        self.events += 1
+                s.settle()                      # a lower tier's blocks come one at a time
+        self._count(1, size)
+
+    def asked(self, keys: list[bytes], held: int) -> None:
+        """A request asked for this chain (head first) of a class that holds `held` blocks: each shadow serves it
+        as the index would — the prefix it holds is a hit, read, and the put that follows stores the whole chain
+        (tail first: the held blocks refreshed, the others admitted, at the level the history remembers). So a
+        shadow's hits depend on the requests only, never on what the real cache, following another way, stored or
+        refused. A chain that is the head of the one just asked (a get of the prefix a lookup found) is the same
+        request: not served twice. Sampled keys only (an unsampled key is taken as held)."""
+        self.by_chain = True
+        last, self.chain = self.chain, keys
+        if keys and len(keys) <= len(last) and keys[0] == last[0] and keys[-1] == last[len(keys) - 1]:
+            return
+        self._fit(held)
+        sampled = [(fp, key) for key in keys if (fp := fingerprint(key)) % self.rate == 0]
+        if not sampled:
+            return
+        size = max(1, held // self.rate)
+        for s in self.shadows:
+            s.serve(sampled, size, self.remembered)
+        self._count(len(sampled), size)
+
+    def _fit(self, held: int) -> None:
+        """The sampling rate for a class of `held` blocks: doubled (the shadows resampled) while a shadow would
+        hold more than SHADOW_BLOCKS keys."""
+        while held // self.rate > SHADOW_BLOCKS:
+            self.rate *= 2
+            for s in self.shadows:
+                s.resample(self.rate)
+
+    def _count(self, events: int, size: int) -> None:
+        """Hits are halved every WINDOW shadow-occupancies of events."""
+        self.events += events
         if self.events >= WINDOW * max(16, size):
             self.events = 0
             for s in self.shadows:
                 s.hits /= 2
 
-    def asked(self, keys: list[bytes]) -> None:
-        """A request asked for this chain (head first): each shadow scores the prefix of it it holds, among the
-        sampled keys (an unsampled key is taken as held)."""
-        self.by_chain = True
-        fps = [fp for fp in map(fingerprint, keys) if fp % self.rate == 0]
-        if not fps:
-            return
-        for s in self.shadows:
-            n = 0
-            for fp in fps:
-                if fp not in s.where:
-                    break
-                n += 1
-            s.hits += n
-
     def shrunk(self, held: int) -> None:
-        """The real class lost a block (evicted or deleted): the shadows trim to the same occupancy."""
+        """The real class lost a block (evicted or deleted): the shadows trim to the same occupancy. Not where the
+        shadows serve requests themselves: there a put's evictions come before its stores, and the occupancy is
+        taken when the next request is served."""
+        if self.by_chain:
+            return
         size = max(1, held // self.rate)
         for s in self.shadows:
             if len(s.where) > size:
@@ -153,7 +224,7 @@ class Duel:
     def choose(self) -> str:
         """The way to follow now: the current one unless another is ahead by MARGIN and MIN_LEAD."""
         hits = {s.way: s.hits for s in self.shadows}
-        best = max(WAYS, key=hits.__getitem__)
+        best = max((w for w in WAYS if self.refusing or w != "bypass"), key=hits.__getitem__)
         if best != self.way and hits[best] > max(hits[self.way] * MARGIN, hits[self.way] + MIN_LEAD):
             self.way = best
             self.switches += 1

@@ -73,7 +73,7 @@ class PerTenantPolicy:
         p = self.for_class(cls)
         return p.retired_victim(cls) if isinstance(p, Retiring) else None
 
-    def admits(self, victim: bytes, touch: Touch) -> bool:
+    def admits(self, victim: bytes, touch: Touch | None) -> bool:
         p = self._for_key(victim)
         return not isinstance(p, Admitting) or bool(p.admits(victim, touch))
 

@@ -180,13 +180,13 @@ class WorkflowPolicy:
         retired = [g for g in groups if isinstance(g, int) and groups[g]] if groups else None
         return next(iter(groups[min(retired, key=lambda g: (self._shared(g), g))])) if groups and retired else None
 
-    def admits(self, victim: bytes, touch: Touch) -> bool:
+    def admits(self, victim: bytes, touch: Touch | None) -> bool:
         """Whether to evict `victim` for a block the request `touch` stores: unless the victim is worth more than
         the block coming, which enters the group of `touch`'s workflow alone (Belady's bypass, estimated: the
         block whose next use is expected farthest is not stored). Equals are evicted, least recent first, as LRU
         would: workflows nothing tells apart (one-shot ones whose ends never come, say) must not freeze the pool
         with the first ones' blocks. Without an active workflow, always."""
-        if touch.workflow not in self.flows.active or victim not in self.where:
+        if touch is None or touch.workflow not in self.flows.active or victim not in self.where:
             return True
         if self.calls.mine(victim, touch):
             return False
