@@ -13,6 +13,7 @@ import pytest
 from kvstore.policy import make_tier_policy
 from kvstore.policy.history import HistoryPolicy
 from kvstore.policy.shadow import SHADOW_BLOCKS
+from tests.conftest import spec
 
 TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "traces", "mooncake-synthetic.jsonl.gz")
 
@@ -263,3 +264,54 @@ def test_the_default_policy_is_history(start_daemon):
     d = start_daemon(capacity="2MiB", segment="1MiB")
     with d.client() as c:
         assert c.stats()["tiers"][0]["eviction"]["policy"] == "history"
+
+
+def rotating_sessions(sessions: int = 6, turns: int = 12, first: int = 40, seed: int = 11) -> list[list[bytes]]:
+    """Agent sessions in a shuffled round robin, each turn its whole context plus 4–8 new blocks: 658 distinct
+    blocks, the largest chain 115."""
+    from tests.conftest import hashes
+
+    rng = random.Random(seed)
+    ctx = [hashes(first, tag=b"s%d" % s) for s in range(sessions)]
+    out = []
+    for _ in range(turns):
+        order = list(range(sessions))
+        rng.shuffle(order)
+        for s in order:
+            n = len(ctx[s])
+            ctx[s] = ctx[s] + hashes(rng.randint(4, 8), start=n, tag=b"s%d" % s)
+            out.append(ctx[s])
+    return out
+
+
+def test_through_the_daemon_a_round_robin_larger_than_the_pool_keeps_whole_sessions(start_daemon):
+    """Sessions larger than the pool (256 blocks) through the real daemon, saved as the vLLM connector saves (look
+    up, read the prefix, reserve the whole chain): LRU cuts every session's tail for the next one and thrashes; the
+    default stops storing new blocks in place of blocks used again (`bypass`, counted as not_admitted), keeps the
+    resident sessions whole, and every chain it holds is a prefix."""
+    from tests.conftest import block
+
+    reqs = rotating_sessions()
+    payload = block(0)
+    rates = {}
+    for policy in ("lru", "history"):
+        d = start_daemon(capacity="2MiB", segment="1MiB", env={"KVSTORE_POOL_EVICTION": policy})
+        hits = total = 0
+        with d.client() as c:
+            ns = c.namespace(spec())
+            for chain in reqs:
+                n = ns.lookup(chain)
+                hits, total = hits + n, total + len(chain)
+                assert ns.get(chain[:n], [bytearray(len(payload)) for _ in range(n)]) == n
+                with ns.reserve(chain) as r:
+                    r.write_and_commit([payload] * len(chain))
+            rates[policy] = hits / total
+            stats = c.stats()
+            finals = {chain[0]: chain for chain in reqs}.values()     # each session's last (longest) chain
+            for chain in finals:
+                held = [ns.lookup([h]) == 1 for h in chain]
+                assert held == sorted(held, reverse=True), "a block kept without its predecessor"
+        if policy == "history":
+            assert stats["counters"]["not_admitted"] > 0
+            assert [cls["way"] for cls in stats["tiers"][0]["eviction"]["classes"].values()] == ["bypass"]
+    assert rates["history"] > rates["lru"] + 0.15, rates
