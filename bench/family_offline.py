@@ -120,6 +120,8 @@ def policy(events: list[Event], cap: int, save: str, name: str = "workflow", **k
         chain = [_key(b) for b in e.blocks]
         n = prefix_held(chain, held)
         hit, total = hit + n, total + len(chain)
+        if hasattr(pol, "asked"):                        # the lookup (kvstore.policy.Asking)
+            pol.asked(chain, 0)
         pins = hasattr(pol, "pinned")                    # (a tier's LRU has no pins: a read is a use)
         for k in chain[:n]:                              # acquire: pinned, tagged
             if pins:
@@ -155,7 +157,7 @@ def _reserve_commit(pol: Any, held: set[bytes], batch: list[bytes], cap: int, to
             continue
         while len(held) + len(reserved) >= cap:
             v = pol.victim(0)
-            if v is None or v in protect or (touch is not None and admits is not None and not admits(v, touch)):
+            if v is None or v in protect or (admits is not None and not admits(v, touch)):
                 stopped = True
                 break
             pol.removed(v)

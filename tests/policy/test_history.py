@@ -132,12 +132,14 @@ def distinct(reqs: list[list[int]]) -> int:
 
 @pytest.mark.skipif(not os.path.exists(TRACE), reason="the public trace is not beside this checkout")
 def test_chains_stay_prefix_closed_and_hits_beat_lru_on_the_public_trace():
-    """A pool of 2% of the distinct blocks of the trace's first 1,500 requests: the returning blocks are the ones
-    worth keeping, and the policy keeps the way that remembers them."""
-    reqs = [json.loads(line)["hash_ids"] for line in gzip.open(TRACE, "rt")][:1500]
+    """A pool of 2% of the distinct blocks of the trace (its 3,993 requests): the returning blocks are the ones worth
+    keeping; the policy starts as LRU and leaves it for a way that remembers uses (8.5% of blocks hit against
+    7.8%)."""
+    reqs = [json.loads(line)["hash_ids"] for line in gzip.open(TRACE, "rt")]
     p = HistoryPolicy()
-    assert index_replay(p, reqs, distinct(reqs) // 50) > index_replay(LruHooks(), reqs, distinct(reqs) // 50)
-    assert p.levels()["classes"]["0"]["way"] in ("remember", "aging")
+    ours, lru = index_replay(p, reqs, distinct(reqs) // 50), index_replay(LruHooks(), reqs, distinct(reqs) // 50)
+    assert ours > lru + 0.004, (ours, lru)
+    assert p.levels()["classes"]["0"]["switches"] > 0
 
 
 def test_a_round_robin_of_sessions_larger_than_the_pool_keeps_the_resident_ones():
@@ -188,7 +190,7 @@ def test_a_switch_into_forget_waits_for_a_block_the_history_does_not_remember():
     c.duel.way = "forget"               # the shadows now favour forgetting
     p.added(k(2), 0)                    # the tail comes back: remembered, so still admitted by the old way
     p.added(k(1), 0)                    # ... and its head
-    assert c.way == "remember" and p._where[k(1)][1] >= p._where[k(2)][1] == 2
+    assert c.way != "forget" and p._where[k(1)][1] >= p._where[k(2)][1] == 2
     p.asked([k(3)], 0)                  # another request (its lookup) ...
     p.added(k(3), 0)                    # ... stores a block never seen: now the way changes
     assert c.way == "forget" and p._where[k(3)][1] == 0
