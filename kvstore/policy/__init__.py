@@ -75,7 +75,9 @@ class EvictionPolicy(TierPolicy, Protocol):
 @runtime_checkable
 class Admitting(Protocol):
     """A policy that may value a block coming below the victim it would evict for it (Belady's bypass, estimated:
-    kvstore.policy.workflow): the index stops the put rather than evict a block worth more."""
+    by the hints' lookahead in kvstore.policy.workflow, by reuse in kvstore.policy.history's `bypass` way): the index
+    stops the put rather than evict a block worth more. Asked only where an eviction drops the block (no lower
+    tier), with the request's hints or None."""
 
     def admits(self, victim: bytes, touch: Touch | None) -> bool: ...
 
