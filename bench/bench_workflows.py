@@ -36,7 +36,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH))
 sys.path.insert(0, BENCH)
 import workflows as wf  # noqa: E402
-from common import Daemon, Table, busy_cpus, progress, warn_if_busy, write_json  # noqa: E402
+from common import Daemon, Table, busy_cpus, paced, progress, warn_if_busy, write_json  # noqa: E402
 
 from kvstore.protocol.geometry import Geometry  # noqa: E402
 from kvstore.protocol.keys import NamespaceSpec  # noqa: E402
@@ -66,11 +66,8 @@ def replay(trace: list[wf.Request], capacity: int, ssd: str | None, policy: str,
             ns = c.namespace(NamespaceSpec("workflows", GEOM))
             bufs = [np.zeros(BLOCK, np.uint8) for _ in range(max(len(r.hashes) for r in trace))]
             hit = stored = hit_tokens = 0
-            start = time.monotonic()
-            for r in trace:
-                wait = start + r.at / speed - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
+            start = time.monotonic()                 # (the lag below: how far behind the trace's clock it ended)
+            for r in paced(trace, lambda r: r.at, speed):
                 ctx = None
                 if hints:
                     c.workflow(r.workflow, type=r.family).call(r.agent)

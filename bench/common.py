@@ -11,7 +11,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence, TypeVar
+
+T = TypeVar("T")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,6 +34,17 @@ class Table:
 
 def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def paced(items: Iterable[T], at: Any, speed: float) -> Iterator[T]:
+    """Yield each item of a timed trace when its time comes: `at(item)` seconds after the first, run `speed` times
+    faster than the trace's clock (never earlier; a late item goes at once)."""
+    start = time.monotonic()
+    for item in items:
+        wait = start + at(item) / speed - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        yield item
 
 
 def quantile(xs: Sequence[float], q: float) -> float:

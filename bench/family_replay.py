@@ -22,7 +22,7 @@ from typing import Any
 import agent_families as af
 import family_offline as fo
 import numpy as np
-from common import Daemon, Table, busy_cpus, progress, warn_if_busy, write_json
+from common import Daemon, Table, busy_cpus, paced, progress, warn_if_busy, write_json
 
 from kvstore import Geometry, NamespaceSpec
 
@@ -48,11 +48,8 @@ def daemon_replay(events: list[af.Event], cap: int, policy: str, save: str, spee
         with d.client() as c:
             ns = c.namespace(NamespaceSpec("families", GEOM))
             bufs = [np.zeros(GEOM.full_bytes, np.uint8) for _ in range(max(len(e.blocks) for e in events))]
-            start = time.monotonic()
-            for e in events:
-                wait = start + e.at / speed - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
+            start = time.monotonic()                 # (the lag below: how far behind the trace's clock it ended)
+            for e in paced(events, lambda e: e.at, speed):
                 ctx = None
                 if hints:
                     h = e.hint()
