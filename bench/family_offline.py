@@ -4,8 +4,9 @@ workflow policy.
 
 - `whole`: as kvstore's vLLM connector — read the longest held prefix, then reserve the request's whole chain
   (held blocks refreshed, the rest stored; the put never evicts its own chain's blocks).
-- `missed`: as `Namespace.put` and the SGLang backend — read the longest held prefix, then put only the blocks
-  after it, RESERVE_BATCH a reserve from the tail (a batch protects only itself).
+- `missed`: as `Namespace.put` without `after` and the SGLang backend — read the longest held prefix, then put
+  only the blocks after it, reserved head first as one chain (it protects only itself: the prefix it hit is not
+  named).
 
 `lru(events, cap, save)` is the daemon's LRU replayed in Python (a check of the daemon replay); `belady(events,
 cap)` evicts the block used farthest in the future, the deepest in its chain among equals (a prefix's tail before
@@ -25,7 +26,6 @@ from typing import Any
 from agent_families import Event, calls
 
 SAVES = ("whole", "missed")
-RESERVE_BATCH = 32                      # Namespace.put's blocks a reserve
 
 
 def prefix_held(chain: list[int], held: Any) -> int:
@@ -42,10 +42,8 @@ def lru(events: list[Event], cap: int, save: str) -> tuple[int, int]:
         hit, total = hit + n, total + len(chain)
         for b in reversed(chain[:n]):                   # the get: unpinned tail first, the head most recent
             held.move_to_end(b)
-        part = chain if save == "whole" else chain[n:]
-        batches = [part] if save == "whole" else [part[i:i + RESERVE_BATCH]
-                                                  for i in reversed(range(0, len(part), RESERVE_BATCH))]
-        for batch in batches:
+        batch = chain if save == "whole" else chain[n:]
+        if batch:
             protect = set(batch)
             stored = []
             for b in batch:
@@ -133,11 +131,7 @@ def policy(events: list[Event], cap: int, save: str, name: str = "workflow", **k
                 pol.unpinned(k)
             else:
                 pol.accessed(k, touch)
-        part = chain if save == "whole" else chain[n:]
-        batches = [part] if save == "whole" else [part[i:i + RESERVE_BATCH]
-                                                  for i in reversed(range(0, len(part), RESERVE_BATCH))]
-        for batch in batches:
-            _reserve_commit(pol, held, batch, cap, touch)
+        _reserve_commit(pol, held, chain if save == "whole" else chain[n:], cap, touch)
     return hit, total
 
 

@@ -99,11 +99,12 @@ class AsyncNamespace:
         return await self._owner._run(self.sync.held, hashes, context)
 
     async def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32, durable: bool = False,
-                  durable_timeout_s: float | None = None, context: ContextLike = None) -> PutResult:
+                  durable_timeout_s: float | None = None, context: ContextLike = None,
+                  after: Sequence[bytes] = ()) -> PutResult:
         """Namespace.put; with `durable`, the awaitable completes once the blocks are on disk (or at the
         deadline), without blocking the event loop meanwhile."""
         return await self._owner._run(partial(self.sync.put, hashes, blocks, batch, durable=durable,
-                                              durable_timeout_s=durable_timeout_s, context=context))
+                                              durable_timeout_s=durable_timeout_s, context=context, after=after))
 
     async def wait_durable(self, hashes: Sequence[bytes], timeout_s: float | None = None) -> dict[str, Any]:
         return await self._owner._run(self.sync.wait_durable, hashes, timeout_s)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,7 +36,7 @@ from kvstore.client.copier import as_bytes
 from kvstore.client.hints import ContextLike, context_fields
 from kvstore.client.lease import Lease, StreamLease
 from kvstore.client.reservation import ANSWER_ORDER, PutResult, Reservation, merge_answers
-from kvstore.protocol import HASH_BYTES, VERSION, encode
+from kvstore.protocol import HASH_BYTES, VERSION, ReserveStatus, encode
 from kvstore.protocol.geometry import Geometry
 from kvstore.protocol.keys import NamespaceSpec, pack_keys
 
@@ -85,14 +86,21 @@ class Namespace:
             out += [b == 1 for b in self.client.call("lookup", ns=self.id, keys=blob, mask=True, **ctx)["held"]]
         return out
 
-    def reserve(self, hashes: Sequence[bytes], context: ContextLike = None) -> Reservation:
-        """Slots for these blocks (see Reservation); its commits carry `context`."""
+    def reserve(self, hashes: Sequence[bytes], context: ContextLike = None,
+                after: Sequence[bytes] = (), more: bool = False) -> Reservation:
+        """Slots for these blocks, a chain head first (see Reservation: from the first block without a slot on,
+        none gets one, and `stopped` says why); its commits carry `context`. `after`: blocks of the same chain
+        stored just before these, which the daemon must not evict for them; `more`: this connection's next reserve
+        goes on with the chain (the blocks stored already at the end of this one are refreshed with it)."""
         keys = pack_keys(hashes)
-        if len(keys) > self.client.max_keys * HASH_BYTES:
-            raise ValueError(f"reserve takes at most {self.client.max_keys} blocks at a time")
+        if len(keys) > self.client.max_keys * HASH_BYTES or len(after) > self.client.max_keys:
+            raise ValueError(f"reserve takes at most {self.client.max_keys} blocks at a time (and as many after)")
         ctx = context_fields(context)
-        reply = self.client.call("reserve", ns=self.id, keys=keys, **ctx)
-        return Reservation(self, keys, reply["slots"], reply["status"], ctx)
+        extra: dict[str, Any] = {"after": pack_keys(after)} if after else {}
+        if more:
+            extra["more"] = True
+        reply = self.client.call("reserve", ns=self.id, keys=keys, **ctx, **extra)
+        return Reservation(self, keys, reply["slots"], reply["status"], ctx, reply.get("stopped"))
 
     def acquire(self, hashes: Sequence[bytes], lane: str = "critical", context: ContextLike = None) -> Lease:
         """Pin the longest stored prefix (promoting SSD blocks into host slots, in `lane`)."""
@@ -118,23 +126,35 @@ class Namespace:
         return keys
 
     def put(self, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int = 32, checksum: bool = True,
-            durable: bool = False, durable_timeout_s: float | None = None, context: ContextLike = None) -> PutResult:
-        """Store whole blocks: reserve → copy → commit, `batch` blocks per reserve; with `checksum`, each block's
-        CRC-32C goes with its commit (a block committed without one is never served as verified). With `durable`,
-        return once the blocks are on disk (or at the deadline): `result.durability` is the daemon's answer.
+            durable: bool = False, durable_timeout_s: float | None = None, context: ContextLike = None,
+            after: Sequence[bytes] = ()) -> PutResult:
+        """Store a chain of whole blocks (head first): reserve → copy → commit, `batch` blocks per reserve; with
+        `checksum`, each block's CRC-32C goes with its commit (a block committed without one is never served as
+        verified). With `durable`, return once the blocks are on disk (or at the deadline): `result.durability` is
+        the daemon's answer. `after`: the blocks of the chain before these (a request that puts only the blocks it
+        missed passes the prefix it hit), which the daemon does not evict to store these (the last
+        client.max_keys of them).
 
-        Commits are pipelined: a batch is copied in parts and each part's commit is sent without waiting, so the
-        daemon books part i while this process copies part i+1; the replies are read before the next reserve.
-        A durable put's commits only queue their blocks for the disk, first in line; it waits once, at the end.
+        What the daemon keeps of the chain is always a prefix, its head the most recent (eviction takes the tail
+        first): the chain is reserved head first — where a block gets no slot the put stops, for a block after a
+        hole is never read — and committed tail first. A chain larger than this tenant's share of reservations
+        (server.max_reserved_fraction) goes in windows of that size, the last window first, so that the head is
+        still committed last; where a window gets no room, the windows after it, stored already, are deleted.
+        Commits are pipelined (Reservation.write_and_commit). A durable put's commits only queue their blocks for
+        the disk, first in line; it waits once, at the end.
         """
         if len(hashes) != len(blocks):
             raise ValueError(f"{len(hashes)} hashes but {len(blocks)} blocks")
         deadline = self._durable_deadline(durable_timeout_s) if durable else None
-        result = PutResult()
-        for i in reversed(range(0, len(hashes), batch)):     # tail first: see Reservation.write_and_commit
-            with self.reserve(hashes[i:i + batch], context) as r:
-                r.write_and_commit(blocks[i:i + batch], checksum=checksum, durable=durable)
-            result.add(r)
+        store = _Store(self, hashes, blocks, batch, checksum, durable, context, after)
+        run, hole, stopped = store.reserve(0, len(hashes))
+        if stopped == "share" and hole:                  # larger than the share: in windows of what it let in
+            for _, r in run:
+                r.abort()
+            result = store.in_windows(hole)
+        else:
+            store.commit(run)
+            result = store.result([run])
         self.client.flush()
         if durable:
             answer = self.wait_durable(hashes, deadline)
@@ -211,3 +231,84 @@ class Namespace:
                 raise ValueError(f"wrong geometry: {what} {i} is {a.nbytes} bytes, namespace {self.id} "
                                  f"({self.spec.model}) expects {nbytes}")
         return arrs
+
+
+Run = list[tuple[int, Reservation]]     # reservations of consecutive parts of a chain: (position of the first, it)
+
+
+class _Store:
+    """One `Namespace.put`: its chain reserved head first and committed tail first, in windows where it is larger
+    than the tenant's share of reservations (see `Namespace.put`)."""
+
+    def __init__(self, ns: Namespace, hashes: Sequence[bytes], blocks: Sequence[Any], batch: int, checksum: bool,
+                 durable: bool, context: ContextLike, prefix: Sequence[bytes]) -> None:
+        self.ns, self.hashes, self.blocks, self.batch = ns, hashes, blocks, batch
+        self.checksum, self.durable, self.context = checksum, durable, context
+        self.prefix = list(prefix[-ns.client.max_keys:])       # the chain's blocks before `hashes`
+
+    def reserve(self, start: int, end: int) -> tuple[Run, int | None, str | None]:
+        """Reserve hashes[start:end] `batch` at a time, head first, until a block gets no slot (the hole). Returns
+        the reservations, the hole's position (None if none) and why the daemon stopped there. The blocks of the
+        chain before `start` (those stored) are not evicted for these, and are refreshed with them (`after`, sent
+        with the first reserve: the daemon keeps the run's chain while `more` says it goes on)."""
+        run: Run = []
+        keep = self.ns.client.max_keys
+        after = self.hashes[max(0, start - keep):start] if start >= keep else \
+            [*self.prefix, *self.hashes[:start]][-keep:]
+        try:
+            for i in range(start, end, self.batch):
+                j = min(i + self.batch, end)
+                r = self.ns.reserve(self.hashes[i:j], self.context, after if i == start else (), more=j < end)
+                run.append((i, r))
+                if ReserveStatus.NO_SPACE in r.status:
+                    return run, i + r.status.index(ReserveStatus.NO_SPACE), r.stopped
+        except BaseException:
+            for _, r in run:
+                r.abort()
+            raise
+        return run, None, None
+
+    def commit(self, run: Run) -> None:
+        """Write and commit a run's reservations, the last first (its head ends up the most recent)."""
+        with ExitStack() as open_reservations:           # an error aborts those not committed yet
+            for _, r in run:
+                open_reservations.enter_context(r)
+            for i, r in reversed(run):
+                r.write_and_commit(self.blocks[i:i + len(r.status)], checksum=self.checksum, durable=self.durable)
+                self.ns.client.flush()       # its commits' replies: unread, the socket's buffer fills (deadlock)
+
+    def in_windows(self, size: int) -> PutResult:
+        """Store the chain in windows of `size` blocks, the last window first; where one stops at a hole, the
+        blocks the windows after it stored are deleted (they would follow the hole)."""
+        kept: list[Run] = []
+        dropped: list[Run] = []
+        for start in reversed(range(0, len(self.hashes), size)):
+            run, hole, _ = self.reserve(start, min(start + size, len(self.hashes)))
+            self.commit(run)
+            if hole is not None:
+                dropped, kept = dropped + kept, []
+            kept.append(run)
+        orphans = [self.hashes[i + k] for run in dropped for i, r in run for k, st in enumerate(r.status)
+                   if st == ReserveStatus.RESERVED]
+        if orphans:
+            self.ns.delete(orphans)
+        return self.result(kept, dropped)
+
+    def result(self, kept: Sequence[Run], dropped: Sequence[Run] = ()) -> PutResult:
+        """What the put did: the blocks of the runs kept as the daemon answered, those stored by the runs dropped
+        (deleted since) and those never asked as refused."""
+        result = PutResult()
+        asked = 0
+        for run in kept:
+            for _, r in run:
+                result.add(r)
+                asked += len(r.status)
+        for run in dropped:
+            for _, r in run:
+                result.add(r)
+                stored = r.status.count(ReserveStatus.RESERVED)
+                result.stored -= stored
+                result.no_space += stored
+                asked += len(r.status)
+        result.no_space += len(self.hashes) - asked
+        return result

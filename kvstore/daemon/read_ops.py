@@ -118,13 +118,12 @@ def _prefix(st: State, ns: NamespaceEntry, blob: bytes) -> tuple[int, int]:
     return n, host
 
 
-def touch_of(st: State, h: Conn, m: dict[str, Any], ns: NamespaceEntry | None = None,
-           forward: bool = True) -> Touch | None:
+def touch_of(st: State, h: Conn, m: dict[str, Any], ns: NamespaceEntry | None = None) -> Touch | None:
     """The request's hint context (its `wf` and `agent` fields) for the index's policy; None without one. With
-    `ns`, the request's keys become the workflow's chain (the predictive prefetch; `forward`: see its `saw`)."""
+    `ns`, the request's keys become the workflow's chain (the predictive prefetch)."""
     touch = st.hints.touch(tenant_of(st.config, h), m) if "wf" in m else None
     if touch is not None and ns is not None and st.predictive is not None:
-        st.predictive.saw(ns, touch, m["keys"], forward)
+        st.predictive.saw(ns, touch, m["keys"])
     return touch
 
 

@@ -15,11 +15,18 @@ from kvstore.protocol import Code, ProtocolError, split_keys
 
 
 def op_reserve(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+    """Slots for a chain's blocks, head first (kvstore.index.stores); `after`: the chain's blocks this put stored
+    just before them, never evicted for them; `more`: this connection's next reserve goes on with the chain."""
     ns = st.index.namespace(m["ns"], h)
     lease_until = time.monotonic() + st.config.server.reservation_lease_s
-    touch = touch_of(st, h, m, ns, forward=False)     # a put's batches come tail first
-    gids, status = st.index.reserve(ns, split_keys(m["keys"]), h, lease_until, touch=touch)
-    return {"slots": gids, "status": [int(s) for s in status], "generation": st.pool.generation}
+    touch = touch_of(st, h, m, ns)
+    after = split_keys(m["after"]) if "after" in m else None
+    gids, status = st.index.reserve(ns, split_keys(m["keys"]), h, lease_until, touch=touch, after=after,
+                                    more=m.get("more", False))
+    reply = {"slots": gids, "status": [int(s) for s in status], "generation": st.pool.generation}
+    if st.index.stopped:
+        reply["stopped"] = st.index.stopped         # why the rest of the chain got no slot (Stores.reserve)
+    return reply
 
 
 def op_commit(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:

@@ -27,8 +27,6 @@ if TYPE_CHECKING:
 
 
 class Allocation:
-    kept_own: bool = False      # the last `allocate` refused to evict a block of the put's own chain
-
     def __init__(self, books: Books, removal: Removal) -> None:
         self._books = books             # `compacting` is set here while a compaction runs
         self.pool = books.pool
@@ -47,11 +45,10 @@ class Allocation:
     def allocate(self, slot: SlotKey, cls: int, protect: set[bytes] | None = None,
                  touch: Touch | None = None) -> int | None:
         """A slot of the class `slot` (tenant, slot bytes), whose eviction class is `cls`. With `protect` (a put's
-        own chain, given only where an eviction drops the block: no lower tier), None with `kept_own` set rather
-        than evict one of its blocks, or — Belady's bypass, estimated — a block the policy values above the
-        block coming (`admits`, with the request's hint context `touch`). A tenant within its quota takes borrowed
-        memory back before it evicts its own (kvstore.index.quotas)."""
-        self.kept_own = False
+        own chain, given only where an eviction drops the block: no lower tier), None rather than evict one of its
+        blocks, or — Belady's bypass, estimated — a block the policy values above the block coming (`admits`, with
+        the request's hint context `touch`). A tenant within its quota takes borrowed memory back before it evicts
+        its own (kvstore.index.quotas)."""
         tenant, slot_bytes = slot
         q = self.quotas
         unit = self.pool.segment_size(slot_bytes)
@@ -76,7 +73,6 @@ class Allocation:
                 self._hand_over(stale, tenant)      # memory moves to this class: a new segment fits
             elif protect is not None and key is not None and (key in protect or not self._admitted(key, touch)):
                 self.counters["kept_own_chain" if key in protect else "not_admitted"] += 1
-                self.kept_own = True
                 return None
             elif key is not None:
                 gid = self._evict_for_slot(key)

@@ -48,8 +48,8 @@ from kvstore.workflows import Workflows
 
 class Index:
     # Slots: over 30 attributes, an instance dict would lose CPython's shared-key fast path for every `index.x`.
-    __slots__ = ("_books", "pool", "quotas", "on_evict", "table", "workflows", "namespaces", "policy", "promoting",
-                 "cancelled", "pending", "deleting", "pins", "zombies", "moving", "counters", "used_at",
+    __slots__ = ("_books", "_stores", "pool", "quotas", "on_evict", "table", "workflows", "namespaces", "policy",
+                 "promoting", "cancelled", "pending", "deleting", "pins", "zombies", "moving", "counters", "used_at",
                  "asked", "host_prefix", "holds", "slot", "acquire", "release", "pin", "crcs_of", "stats", "blocks",
                  "walk", "keys_some", "reserve", "commit", "abort", "renew", "expire", "at_cap", "plan_promotion",
                  "finish_promotion", "delete", "begin_delete", "end_delete", "disconnect", "let_go", "evict_block",
@@ -78,7 +78,7 @@ class Index:
         self.used_at = books.clock.used_at
 
         removal = Removal(books)
-        stores = Stores(books, removal, Allocation(books, removal))
+        stores = self._stores = Stores(books, removal, Allocation(books, removal))
         reads = Reads(books, removal, stores.may_hold)
         trim = Trim(books, removal)
 
@@ -116,6 +116,11 @@ class Index:
         self.evict_plan = trim.evict_plan
         self.evict_some = trim.evict_some
         self.resize = trim.resize
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the last `reserve` stored no more of its chain (Stores.reserve): "share", "room", or None."""
+        return self._stores.stopped
 
     @property
     def coupled(self) -> bool:

@@ -70,6 +70,8 @@ class Holdings:
     leases: OrderedDict[bytes, float] = field(default_factory=OrderedDict)   # stores' reservations → lease end
     refresh: dict[bytes, list[bytes]] = field(default_factory=dict)   # reserved key → blocks stored already before
     #                                                                    it, refreshed at its commit (Index.reserve)
+    carry: list[bytes] = field(default_factory=list)   # blocks stored already at the end of a reserve with `more`
+    run: set[bytes] = field(default_factory=set)       # the chain of reserves with `more` so far: not evicted for it
     _held: int = 0              # held_bytes: bytes of the slots it reserves or pins (each slot once)
     held_share: float = 0.0     # at most this share of the pool's capacity held at once (0: no cap)
     _reserved: int = 0          # reserved_bytes: bytes of its store reservations not committed yet

@@ -46,7 +46,7 @@ class Stores:
         self.clock = books.clock
         self._allocation = allocation
         self._allocate = allocation.allocate
-        self._kept_own = False          # the last `_reserve_one` refused to evict a block of the put's own chain
+        self.stopped: str | None = None  # why the last `reserve` stored no more of its chain ("share", "room")
         self._pin = removal.pin
         self._unpin = removal.unpin
         self._remove = removal.remove
@@ -56,9 +56,20 @@ class Stores:
 
     # ----- two-phase store -----
     def reserve(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings, lease_until: float = 0.0,
-                touch: Touch | None = None) -> tuple[list[int], list[ReserveStatus]]:
+                touch: Touch | None = None, after: list[bytes] | None = None,
+                more: bool = False) -> tuple[list[int], list[ReserveStatus]]:
         """Slots for the blocks not stored yet. Returns (gids, status) per block; gid 0 unless RESERVED. With
         `lease_until` (a time.monotonic() value), `expire` aborts the reservations still open at that time.
+
+        The hashes are a chain, head first: from the first block that gets no slot on, none does (a block after a
+        hole is never read), and `stopped` says why — "share" (the holder is at server.max_reserved_fraction or
+        max_held_fraction: the rest may come once these are committed; each block refused so counts as `held_cap`)
+        or "room" (no slot without evicting the put's own chain or a block worth more: the rest would fare no
+        better). `after`: the chain's blocks before these (those a request hit when it puts only the blocks it
+        computed, or a window's predecessors), never evicted for these and refreshed as if stored again. `more`: the
+        holder's next reserve goes on with this chain (a put's batches): the chain so far stays protected
+        (`Holdings.run`), and the blocks stored already at this one's end are refreshed with the next one's
+        (`Holdings.carry`), not now.
 
         A block stored already is stored again: it is refreshed (issue 14 part 5), so that the prefix's order holds
         (tails before heads): those after the last block reserved here now, tail first; the others when the block
@@ -66,27 +77,34 @@ class Stores:
         after it, holes filled or not."""
         self._drain_step()
         gids, status = [], []
-        waiting: list[bytes] = []                    # blocks stored already, since the last one reserved
+        before = [ns.key(h) for h in after or ()]
+        waiting = holder.carry + [k for k in before if k in self.table]   # stored already, since the last reserved
         share = holder.reserved_share
         # A put never drops its own chain's blocks to store later ones (they would follow a hole), nor blocks
         # worth more than its own (`Allocation.allocate`); with a lower tier an eviction demotes instead of
         # dropping, so there the chain may overflow the pool (its head read back from below).
-        mine = {ns.key(h) for h in hashes} if self.on_evict is None else None
-        stopped = False
+        mine = holder.run.union(before, (ns.key(h) for h in hashes)) if self.on_evict is None else None
+        holder.carry, holder.run = [], set()
+        self.stopped = None
         for h in hashes:
             key = ns.key(h)
-            if stopped:                              # the rest of the chain would follow a hole: not stored
+            if self.stopped:                         # the rest of the chain would follow a hole: not stored
+                exists = key in self.table
+                self.counters["held_cap"] += self.stopped == "share" and not exists
                 gids.append(0)
-                status.append(EXISTS if key in self.table else NO_SPACE)
+                status.append(EXISTS if exists else NO_SPACE)
                 continue
             if share and key not in self.table and key not in self.pending \
                     and holder.over(share, self.pool.capacity, ns.slot_bytes, reserved=True):
                 self.counters["held_cap"] += 1           # server.max_reserved_fraction: the rest waits for commits
+                self.stopped = "share" if share < 1 else "room"
                 gids.append(0)
                 status.append(NO_SPACE)
                 continue
             gid, st = self._reserve_one(key, ns, holder, protect=mine, touch=touch)
-            stopped = st == NO_SPACE and self._kept_own
+            if st == NO_SPACE:                       # a share of the whole pool binds only when the pool is full
+                capped = holder.held_share < 1 and self.at_cap(holder, ns.slot_bytes)
+                self.stopped = "share" if capped else "room"
             if st == EXISTS:
                 waiting.append(key)
             elif gid and waiting:
@@ -99,17 +117,18 @@ class Stores:
                 holder.leases[key] = lease_until     # in time order: the oldest lease first
             gids.append(gid)
             status.append(st)
-        for key in reversed(waiting):
-            self.policy.accessed(key, touch)
+        if more and not self.stopped:                # the next reserve goes on with this chain
+            holder.carry, holder.run = waiting, mine or set()
+        else:
+            for key in reversed(waiting):
+                self.policy.accessed(key, touch)
         return gids, status
 
     def _reserve_one(self, key: bytes, ns: NamespaceEntry, holder: Holdings, evict: bool = True,
                      protect: set[bytes] | None = None, touch: Touch | None = None) -> tuple[int, ReserveStatus]:
         """A slot for one key not stored yet; without `evict`, from free space only (a prefetch). The blocks in
         `protect` (the put's own chain) are never evicted for it, nor (with `touch`, under a policy that can tell)
-        a block worth more than the one coming: then NO_SPACE, and `_kept_own` says why — the rest of the chain
-        would be worth no more (see `Allocation.allocate`)."""
-        self._kept_own = False
+        a block worth more than the one coming: then NO_SPACE (see `Allocation.allocate`)."""
         if key in self.table:
             return 0, EXISTS                          # refreshed by `reserve` (a promotion stops here)
         if key in self.pending:
@@ -118,7 +137,6 @@ class Stores:
             return 0, NO_SPACE
         if evict:
             gid = self._allocate(ns.slot_key, ns.cls, protect, touch)
-            self._kept_own = self._allocation.kept_own
         else:
             gid = self.pool.allocate(ns.slot_bytes, ns.tenant)
         if gid is None:
@@ -243,6 +261,7 @@ class Stores:
         holder.reserved.clear()
         holder.leases.clear()
         holder.refresh.clear()
+        holder.carry, holder.run = [], set()
         for gid, n in holder.pins.items():
             for _ in range(n):
                 self._unpin(gid)

@@ -5,8 +5,8 @@ instead of waiting on the SSD.
 - **A workflow's blocks** are the chain (namespace, block hashes) of its latest lookup, acquire or reserve naming it
   in the request's context (`saw`), the head of it only (prefetch.max_chain_blocks: prefixes matter, and a block is
   worth nothing without those before it). A request for a part of the chain kept does not shorten it, and the
-  batches of one long request (a get's head first, a put's tail first, less than BURST_S apart) are put back
-  together (`merge_chain`). The chain is forgotten when the workflow retires (ends, goes idle or is one too many):
+  batches of one long request (head first, less than BURST_S apart) are put back together
+  (`merge_chain`). The chain is forgotten when the workflow retires (ends, goes idle or is one too many):
   memory is bounded by hints.max_workflows × max_chain_blocks × 16 bytes. Measured: a tick with 1000 armed
   workflows whose 4096-block chains are all in the host pool holds the lock ~7 ms (256 of them looked at).
 - **Triggers.** A `call` hint with `next` (the caller says who comes next: speculative prefill) prefetches the
@@ -89,10 +89,9 @@ class PredictivePrefetch:
         workflows.retire_hooks.append(self._retired)
 
     # ----- what the daemon tells it -----
-    def saw(self, ns: NamespaceEntry, touch: Touch, keys: bytes, forward: bool = True) -> None:
+    def saw(self, ns: NamespaceEntry, touch: Touch, keys: bytes) -> None:
         """A request naming an active workflow: its keys (a blob of hashes) become the workflow's chain (see
-        `merge_chain`: a request's batches are put back together). `forward`: the client sends a long request's
-        batches head first (lookups, gets) rather than tail first (puts)."""
+        `merge_chain`: a request's batches are put back together)."""
         now = self.clock()
         w = self.watches.get(touch.workflow)
         if w is None:
@@ -102,7 +101,7 @@ class PredictivePrefetch:
                 self.armed[touch.workflow] = None
             return
         burst = w.ns is ns and now - w.seen <= BURST_S
-        chain = merge_chain(w.chain if w.ns is ns else b"", keys, burst, forward)
+        chain = merge_chain(w.chain if w.ns is ns else b"", keys, burst)
         w.seen = now
         if chain is None:
             return
@@ -326,12 +325,12 @@ class PredictivePrefetch:
         return out
 
 
-def merge_chain(chain: bytes, keys: bytes, burst: bool, forward: bool) -> bytes | None:
+def merge_chain(chain: bytes, keys: bytes, burst: bool) -> bytes | None:
     """A workflow's chain after a request for `keys`; None to keep it as it is. Clients split a long request into
-    batches (a get head first, a put tail first), so: keys the chain holds already (a part of it, such as one
-    batch or a shorter prefix) keep it; keys that begin inside it go on from there; within a burst (`burst`:
-    requests of the workflow less than BURST_S apart) other keys are the next batch, after the chain (`forward`)
-    or before it; otherwise they are the workflow's new chain."""
+    batches, head first, so: keys the chain holds already (a part of it, such as one batch or a shorter prefix)
+    keep it; keys that begin inside it go on from there; within a burst (`burst`: requests of the workflow less
+    than BURST_S apart) other keys are the next batch, after the chain; otherwise they are the workflow's new
+    chain."""
     i = _find(chain, keys[:HASH_BYTES]) if keys else -1
     if i >= 0 and chain[i:i + len(keys)] == keys:
         return None
@@ -339,7 +338,7 @@ def merge_chain(chain: bytes, keys: bytes, burst: bool, forward: bool) -> bytes 
         return chain[:i] + keys
     if not burst or i == 0:
         return keys
-    return chain + keys if forward else keys + chain
+    return chain + keys
 
 
 def _find(chain: bytes, h: bytes) -> int:

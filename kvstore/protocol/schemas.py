@@ -26,7 +26,7 @@ SCHEMAS: dict[str, Schema] = {
               "secret": ("str", False), "admin_secret": ("str", False)},
     "segments": {"ids": ("ints", True)},
     "lookup": {**_KEYS, **_CONTEXT, "residual": ("int", False), "mask": ("bool", False)},
-    "reserve": {**_KEYS, **_CONTEXT},
+    "reserve": {**_KEYS, **_CONTEXT, "after": ("keys", False), "more": ("bool", False)},
     "commit": {**_KEYS, **_CONTEXT, "crcs": ("ints", False), "durable": ("bool", False),
                "timeout_ms": ("int", False)},
     "abort": _KEYS,

@@ -2,8 +2,9 @@
 chain order): blocks stored already are refreshed so the chain leaves tail first, and, without a lower tier, the
 reserve never evicts its own chain's blocks to store deeper ones (the deeper ones would follow a hole). With an SSD
 tier an eviction demotes, and a chain longer than the pool is stored whole (tests/daemon/test_cli.py: 200 blocks in
-128 slots). `Namespace.put` reserves in batches from the tail, so a chain longer than the pool keeps its head there
-too (tests/policy/test_eviction.py), by evicting its own tail."""
+128 slots). `Namespace.put` reserves in batches from the head and commits from the tail, so what it stores is a
+prefix wherever it stops; a chain larger than the tenant's share of reservations goes in windows, the last first,
+and keeps its head (tests/policy/test_eviction.py), by evicting its own tail."""
 from __future__ import annotations
 
 import pytest
@@ -70,3 +71,63 @@ def test_a_whole_chain_put_after_a_get_leaves_tail_first(start_daemon, policy):
         assert ns.put(hashes(224, tag=b"later"), bufs(224)).stored == 224   # the filler goes, then 96 of the chain
         assert ns.lookup(chain) == 32
         assert sum(ns.lookup([h]) for h in chain[32:]) == 0
+
+
+def held_chain(ns, hs: list[bytes]) -> list[bool]:
+    """Which of the chain's blocks the daemon holds, block by block (a lookup stops at the first miss)."""
+    return [ns.lookup([h]) == 1 for h in hs]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_put_that_runs_out_of_room_keeps_a_prefix_never_a_tail(start_daemon, policy):
+    """Before, `Namespace.put` reserved its batches from the tail: with room for 40 blocks of a 96-block chain (the
+    rest of the pool pinned), it stored its last batch and 8 blocks of the middle one, the head got no slot, and
+    the 40 blocks it held were never read (a lookup of the chain hit none). Now the chain is reserved head first:
+    blocks 0..39 are stored, the rest refused, and nothing after the first block refused."""
+    d = start_daemon(capacity="2MiB", segment="1MiB", env={"KVSTORE_POOL_EVICTION": policy})
+    with d.client() as c:
+        ns = c.namespace(spec())
+        others = hashes(216, tag=b"pinned")
+        assert ns.put(others, bufs(216)).stored == 216
+        with ns.acquire(others):                                  # 216 of 256 slots pinned: room for 40
+            hs = hashes(96)
+            r = ns.put(hs, bufs(96), batch=32)
+            assert (r.stored, r.no_space) == (40, 56)
+            assert held_chain(ns, hs) == [True] * 40 + [False] * 56
+            outs = [bytearray(len(block(0))) for _ in range(96)]
+            assert ns.get(hs, outs) == 40 and [bytes(o) for o in outs[:40]] == bufs(40)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_put_larger_than_its_share_goes_in_windows_and_keeps_a_prefix(start_daemon, policy):
+    """One reserve may take half the pool (server.max_reserved_fraction 0.5: 128 of 256 slots). A 200-block chain
+    with 156 slots free (100 pinned) goes in windows of 128, the last first: its head is committed last, evicts
+    the tail of its own last window, and the daemon holds blocks 0..155 — a prefix, its head the most recent."""
+    d = start_daemon(capacity="2MiB", segment="1MiB", env={"KVSTORE_POOL_EVICTION": policy})
+    with d.client() as c:
+        ns = c.namespace(spec())
+        others = hashes(100, tag=b"pinned")
+        assert ns.put(others, bufs(100)).stored == 100
+        with ns.acquire(others):
+            hs = hashes(200)
+            r = ns.put(hs, bufs(200))
+            assert r.stored + r.no_space == 200 and r.stored >= 156
+            assert held_chain(ns, hs) == [True] * 156 + [False] * 44
+            assert ns.put(hashes(40, tag=b"later"), bufs(40)).stored == 40     # the chain's tail goes first
+            assert held_chain(ns, hs) == [True] * 116 + [False] * 84
+
+
+def test_a_put_of_the_blocks_a_request_missed_does_not_evict_the_prefix_it_hit(start_daemon):
+    """A client that puts only the blocks it computed names the prefix it hit (`after`): the daemon does not evict
+    that prefix to store them (the new blocks would follow a hole). 256 slots: a hit prefix of 200 blocks, 100
+    new ones — the first 56 are stored after the prefix, the rest refused, and the prefix is whole."""
+    d = start_daemon(capacity="2MiB", segment="1MiB", env={"KVSTORE_POOL_EVICTION": "lru",
+                                                            "KVSTORE_SERVER_MAX_RESERVED_FRACTION": "1"})
+    with d.client() as c:
+        ns = c.namespace(spec())
+        hs = hashes(300)
+        assert ns.put(hs[:200], bufs(200)).stored == 200
+        r = ns.put(hs[200:], bufs(100), after=hs[:200])
+        assert (r.stored, r.no_space) == (56, 44)
+        assert held_chain(ns, hs) == [True] * 256 + [False] * 44
+        assert c.stats()["counters"]["kept_own_chain"] >= 1

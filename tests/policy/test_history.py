@@ -286,11 +286,14 @@ def rotating_sessions(sessions: int = 6, turns: int = 12, first: int = 40, seed:
     return out
 
 
-def test_through_the_daemon_a_round_robin_larger_than_the_pool_keeps_whole_sessions(start_daemon):
+@pytest.mark.parametrize("save", ["whole", "missed"])
+def test_through_the_daemon_a_round_robin_larger_than_the_pool_keeps_whole_sessions(start_daemon, save):
     """Sessions larger than the pool (256 blocks) through the real daemon, saved as the vLLM connector saves (look
-    up, read the prefix, reserve the whole chain): LRU cuts every session's tail for the next one and thrashes; the
+    up, read the prefix, reserve the whole chain) or as a client that puts only the blocks it missed, in batches of
+    8 (`Namespace.put`, naming the prefix it hit): LRU cuts every session's tail for the next one and thrashes; the
     default stops storing new blocks in place of blocks used again (`bypass`, counted as not_admitted), keeps the
-    resident sessions whole, and every chain it holds is a prefix."""
+    resident sessions whole, and every chain it holds is a prefix (before, a put's batches went tail first: where
+    its head batch was refused, its tail stayed, after a hole)."""
     from tests.conftest import block
 
     reqs = rotating_sessions()
@@ -305,6 +308,9 @@ def test_through_the_daemon_a_round_robin_larger_than_the_pool_keeps_whole_sessi
                 n = ns.lookup(chain)
                 hits, total = hits + n, total + len(chain)
                 assert ns.get(chain[:n], [bytearray(len(payload)) for _ in range(n)]) == n
+                if save == "missed":
+                    ns.put(chain[n:], [payload] * (len(chain) - n), batch=8, after=chain[:n])
+                    continue
                 with ns.reserve(chain) as r:
                     r.write_and_commit([payload] * len(chain))
             rates[policy] = hits / total
