@@ -14,9 +14,10 @@ farthest in the future and bypasses blocks never used again.
     .venv/bin/python bench/bench_policies.py [--quick] [--fractions 0.005,0.01,0.02,0.05,0.1] [--policies lru,history]
 
 `--families` replays the agent-trace families instead (bench/agent_families.py; bench/family_replay.py): each
-through `lru`, `history` and `workflow` with the framework's hints, under both save modes (whole chains as the vLLM
-connector, missed blocks only as `Namespace.put`), at 10/25/50% of the family's peak live working set, beside
-offline LRU (per save mode) and offline Belady.
+through `lru`, `history` and `workflow` with the framework's hints, under three save modes (whole chains as the vLLM
+connector; missed blocks only, as `Namespace.put` without `after` and the SGLang backend; missed blocks naming the
+prefix hit, `after`), at 10/25/50% of the family's peak live working set, beside offline LRU (per save mode) and
+offline Belady.
 
     .venv/bin/python bench/bench_policies.py --families [--quick] [--only toolloop,debate]
 """

@@ -7,6 +7,8 @@ workflow policy.
 - `missed`: as `Namespace.put` without `after` and the SGLang backend — read the longest held prefix, then put
   only the blocks after it, reserved head first as one chain (it protects only itself: the prefix it hit is not
   named).
+- `named`: `Namespace.put` of the blocks after the prefix, naming the prefix (`after`): the daemon protects and
+  refreshes the prefix as a whole-chain reserve does, so offline it is `whole`.
 
 `lru(events, cap, save)` is the daemon's LRU replayed in Python (a check of the daemon replay); `belady(events,
 cap)` evicts the block used farthest in the future, the deepest in its chain among equals (a prefix's tail before
@@ -25,7 +27,8 @@ from typing import Any
 
 from agent_families import Event, calls
 
-SAVES = ("whole", "missed")
+SAVES = ("whole", "missed", "named")
+WHOLE = ("whole", "named")              # the saves that name the whole chain to the daemon
 
 
 def prefix_held(chain: list[int], held: Any) -> int:
@@ -42,7 +45,7 @@ def lru(events: list[Event], cap: int, save: str) -> tuple[int, int]:
         hit, total = hit + n, total + len(chain)
         for b in reversed(chain[:n]):                   # the get: unpinned tail first, the head most recent
             held.move_to_end(b)
-        batch = chain if save == "whole" else chain[n:]
+        batch = chain if save in WHOLE else chain[n:]
         if batch:
             protect = set(batch)
             stored = []
@@ -131,7 +134,7 @@ def policy(events: list[Event], cap: int, save: str, name: str = "workflow", **k
                 pol.unpinned(k)
             else:
                 pol.accessed(k, touch)
-        _reserve_commit(pol, held, chain if save == "whole" else chain[n:], cap, touch)
+        _reserve_commit(pol, held, chain if save in WHOLE else chain[n:], cap, touch)
     return hit, total
 
 

@@ -70,7 +70,7 @@ def daemon_replay(events: list[af.Event], cap: int, policy: str, save: str, spee
                     with ns.reserve(hs, context=ctx) as r:
                         r.write_and_commit(bufs[:len(hs)])
                 elif n < len(hs):
-                    ns.put(hs[n:], bufs[n:len(hs)], context=ctx)
+                    ns.put(hs[n:], bufs[n:len(hs)], context=ctx, after=hs[:n] if save == "named" else ())
                 busy += time.perf_counter() - t0
                 hit, total = hit + n, total + len(hs)
             lag = time.monotonic() - start - events[-1].at / speed

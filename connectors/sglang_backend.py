@@ -253,17 +253,20 @@ class KVStoreHiCache(HybridV2, HiCacheStorage):
         try:
             pages = self._pages(host_indices, len(keys))
             step, ctx = ns.client.max_keys, self._context(ns, extra_info)
-            for start in range(0, len(keys), step):
+            for start in range(0, len(keys), step):     # the pages of a chain, head first
+                more = start + step < len(keys)
                 done = self._store(ns, [page_key(k) for k in keys[start:start + step]], pages[start:start + step],
-                                   ctx)
+                                   ctx, more)
                 ok[start:start + len(done)] = done
+                if not all(done):
+                    break                              # the pages after a hole would never be read
         except Exception as e:  # noqa: BLE001
             self._failed(e)
         return ok
 
     def _store(self, ns: Namespace, kv_keys: list[bytes], pages: list[list[np.ndarray]],
-               ctx: tuple[str, str] | None = None) -> list[bool]:
-        with ns.reserve(kv_keys, **with_context(ctx)) as res:
+               ctx: tuple[str, str] | None = None, more: bool = False) -> list[bool]:
+        with ns.reserve(kv_keys, **with_context(ctx), more=more) as res:
             if self.verify:           # the CRC-32C of each slot computed while it is written (one pass)
                 res.commit([copy_checked(slot, pages[i], to_slot=True) for slot, i in zip(res.views, res.reserved)])
             else:
