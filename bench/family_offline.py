@@ -46,22 +46,24 @@ def lru(events: list[Event], cap: int, save: str) -> tuple[int, int]:
         for b in reversed(chain[:n]):                   # the get: unpinned tail first, the head most recent
             held.move_to_end(b)
         batch = chain if save in WHOLE else chain[n:]
-        if batch:
-            protect = set(batch)
-            stored = []
-            for b in batch:
-                if b in held:
-                    continue
-                if len(held) + len(stored) >= cap:
-                    v = next(iter(held), None)
-                    if v is None or v in protect:
-                        break
-                    del held[v]
-                stored.append(b)
-            for b in reversed(batch):                   # published / refreshed tail first
-                if b in held or b in stored:
-                    held[b] = None
-                    held.move_to_end(b)
+        protect: set[int] = set()                       # the chain up to the block being stored
+        stored = []
+        end = len(batch)
+        for i, b in enumerate(batch):
+            protect.add(b)
+            if b in held:
+                continue
+            if len(held) + len(stored) >= cap:
+                v = next(iter(held), None)
+                if v is None or v in protect:
+                    end = i                             # stopped: what follows would follow a hole
+                    break
+                del held[v]
+            stored.append(b)
+        for b in reversed(batch[:end]):                 # published / refreshed tail first
+            if b in held or b in stored:
+                held[b] = None
+                held.move_to_end(b)
     return hit, total
 
 
@@ -140,7 +142,7 @@ def policy(events: list[Event], cap: int, save: str, name: str = "workflow", **k
 
 def _reserve_commit(pol: Any, held: set[bytes], batch: list[bytes], cap: int, touch: Any) -> None:
     """kvstore.index.stores' reserve then commit of one batch, without a lower tier."""
-    protect = set(batch)
+    protect: set[bytes] = set()                 # the chain up to the block being stored
     admits = getattr(pol, "admits", None)
     reserved: list[bytes] = []
     refresh: dict[bytes, list[bytes]] = {}
@@ -149,6 +151,7 @@ def _reserve_commit(pol: Any, held: set[bytes], batch: list[bytes], cap: int, to
     for k in batch:
         if stopped:
             continue
+        protect.add(k)
         if k in held:
             waiting.append(k)
             continue

@@ -1,11 +1,13 @@
 """bench_policies' `--families` mode (issue 34 parts 2–3): each agent-trace family (bench/agent_families.py) replayed
 through the real daemon and client for `lru`, `history` (no hints) and `workflow` with the framework's hints, under
-both save modes, beside offline LRU (per save mode) and offline Belady (bench/family_offline.py) at the same pools.
+the three save modes, beside offline LRU (per save mode) and offline Belady (bench/family_offline.py) at the same
+pools.
 
 The pool holds `cap` blocks of 128 KiB (whole 1 MiB segments: caps are multiples of PER_SEGMENT), `cap` = 10, 25,
 50% of the family's peak live working set. Each request reads the longest held prefix of its chain (`get`, with its
 context), then saves: `whole` reserves the whole chain in one reserve (the vLLM connector), `missed` puts the
-blocks after the hit prefix (`Namespace.put`: 32 a reserve, from the tail; the SGLang backend). Hints, with
+blocks after the hit prefix (`Namespace.put` without `after`; the SGLang backend), `named` puts them naming the
+prefix hit (`after`). Hints, with
 `workflow` only, as a framework sends them (agent_families.Event.hint): begin, each call (agent, step, the possible
 next agents), the end after the last call returned. The daemon's clock is real: the trace runs at `speed` times its
 own pace (a call every TURN_S of wall time on average), so the gaps the policy learns are the trace's, scaled.

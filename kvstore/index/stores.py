@@ -80,14 +80,17 @@ class Stores:
         before = [ns.key(h) for h in after or ()]
         waiting = holder.carry + [k for k in before if k in self.table]   # stored already, since the last reserved
         share = holder.reserved_share
-        # A put never drops its own chain's blocks to store later ones (they would follow a hole), nor blocks
-        # worth more than its own (`Allocation.allocate`); with a lower tier an eviction demotes instead of
-        # dropping, so there the chain may overflow the pool (its head read back from below).
-        mine = holder.run.union(before, (ns.key(h) for h in hashes)) if self.on_evict is None else None
+        # A put never drops the blocks of its chain before a block to store it (the block would follow a hole),
+        # nor blocks worth more than its own (`Allocation.allocate`); a block after it, held already, may go (it
+        # comes again later in the put, or stays out behind a hole). With a lower tier an eviction demotes instead
+        # of dropping, so there the chain may overflow the pool (its head read back from below).
+        mine = holder.run.union(before) if self.on_evict is None else None
         holder.carry, holder.run = [], set()
         self.stopped = None
         for h in hashes:
             key = ns.key(h)
+            if mine is not None:
+                mine.add(key)
             if self.stopped:                         # the rest of the chain would follow a hole: not stored
                 exists = key in self.table
                 self.counters["held_cap"] += self.stopped == "share" and not exists

@@ -131,3 +131,21 @@ def test_a_put_of_the_blocks_a_request_missed_does_not_evict_the_prefix_it_hit(s
         assert (r.stored, r.no_space) == (56, 44)
         assert held_chain(ns, hs) == [True] * 256 + [False] * 44
         assert c.stats()["counters"]["kept_own_chain"] >= 1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_put_may_evict_its_own_chains_later_blocks_held_behind_a_hole(start_daemon, policy):
+    """Blocks 20..29 of a chain are held without 0..19 (stored on their own: never read) and are the pool's least
+    recent. Before, a put of the whole chain found its victim in its own chain and stored nothing (a put never
+    evicted any block of the chain it stores). Only the blocks before the one being stored need to stay: the put
+    now evicts 20..29 for the head, stores them again in turn, and the chain is held whole."""
+    d = start_daemon(capacity="2MiB", segment="1MiB", env={"KVSTORE_POOL_EVICTION": policy, **ONE_ENGINE})
+    with d.client() as c:
+        ns = c.namespace(spec())
+        hs = hashes(40)
+        assert ns.put(hs[20:30], bufs(10)).stored == 10
+        assert ns.put(hashes(246, tag=b"filler"), bufs(246)).stored == 246          # the pool is full
+        assert ns.lookup(hs) == 0
+        assert save(ns, hs) == ["RESERVED"] * 40
+        assert held_chain(ns, hs) == [True] * 40
+        assert c.stats()["counters"]["kept_own_chain"] == 0

@@ -68,18 +68,22 @@ def index_replay(policy, reqs: list[list[int]], cap: int, bypass: bool = True) -
             policy.pinned(k(b))
         for b in reversed(chain[:n]):
             policy.unpinned(k(b))
-        mine, reserved = set(chain), []
-        for b in chain:
+        mine: set[int] = set()                              # the chain up to the block being stored
+        reserved: list[int] = []
+        end = len(chain)
+        for i, b in enumerate(chain):
+            mine.add(b)
             if b in held:
                 continue
             if len(held) + len(reserved) >= cap:
                 v = policy.victim(0)
                 if v is None or int.from_bytes(v, "big") in mine or not admits(v, None):
-                    break                                   # the index keeps the put's own chain: the rest waits
+                    end = i                                 # the index keeps the put's own chain: the rest waits
+                    break
                 held.discard(int.from_bytes(v, "big"))
                 policy.removed(v)
             reserved.append(b)
-        for b in reversed(chain):
+        for b in reversed(chain[:end]):
             if b in held:
                 policy.accessed(k(b))
             elif b in reserved:
