@@ -119,8 +119,9 @@ def test_a_put_larger_than_its_share_goes_in_windows_and_keeps_a_prefix(start_da
 
 def test_a_put_of_the_blocks_a_request_missed_does_not_evict_the_prefix_it_hit(start_daemon):
     """A client that puts only the blocks it computed names the prefix it hit (`after`): the daemon does not evict
-    that prefix to store them (the new blocks would follow a hole). 256 slots: a hit prefix of 200 blocks, 100
-    new ones — the first 56 are stored after the prefix, the rest refused, and the prefix is whole."""
+    that prefix to store them (the new blocks would follow a hole), and refreshes it behind them, as a whole-chain
+    save does. 256 slots: a hit prefix of 200 blocks, 100 new ones — the first 56 are stored after the prefix, the
+    rest refused, the prefix is whole, and later evictions take the chain from its tail."""
     d = start_daemon(capacity="2MiB", segment="1MiB", env={"KVSTORE_POOL_EVICTION": "lru",
                                                             "KVSTORE_SERVER_MAX_RESERVED_FRACTION": "1"})
     with d.client() as c:
@@ -131,6 +132,9 @@ def test_a_put_of_the_blocks_a_request_missed_does_not_evict_the_prefix_it_hit(s
         assert (r.stored, r.no_space) == (56, 44)
         assert held_chain(ns, hs) == [True] * 256 + [False] * 44
         assert c.stats()["counters"]["kept_own_chain"] >= 1
+        # the prefix named was refreshed behind the new blocks: pressure takes the chain's tail, not the prefix's
+        assert ns.put(hashes(10, tag=b"later"), bufs(10)).stored == 10
+        assert held_chain(ns, hs) == [True] * 246 + [False] * 54
 
 
 @pytest.mark.parametrize("policy", POLICIES)
