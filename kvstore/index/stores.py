@@ -84,7 +84,9 @@ class Stores:
         # nor blocks worth more than its own (`Allocation.allocate`); a block after it, held already, may go (it
         # comes again later in the put, or stays out behind a hole). With a lower tier an eviction demotes instead
         # of dropping, so there the chain may overflow the pool (its head read back from below).
-        mine = holder.run.union(before) if self.on_evict is None else None
+        mine = holder.run if self.on_evict is None else None      # (grown in place: a long put's run is O(n))
+        if mine is not None:
+            mine.update(before)
         holder.carry, holder.run = [], set()
         self.stopped = None
         for h in hashes:
