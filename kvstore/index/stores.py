@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 RESERVED, EXISTS, IN_PROGRESS, NO_SPACE = (ReserveStatus.RESERVED, ReserveStatus.EXISTS, ReserveStatus.IN_PROGRESS,
                                           ReserveStatus.NO_SPACE)
+RUN_KEYS = 1 << 14      # a connection's chain carried between reserves (`more`): at most this many keys (~1.5 MB),
+#                         so that a client sending `more` for ever holds bounded memory; a longer chain's run ends
 
 
 class Stores:
@@ -122,8 +124,9 @@ class Stores:
                 holder.leases[key] = lease_until     # in time order: the oldest lease first
             gids.append(gid)
             status.append(st)
-        if more and not self.stopped:                # the next reserve goes on with this chain
-            holder.carry, holder.run = waiting, mine or set()
+        run = mine or set()
+        if more and not self.stopped and len(run) + len(waiting) <= RUN_KEYS:     # the next reserve goes on
+            holder.carry, holder.run = waiting, run
         else:
             for key in reversed(waiting):
                 self.policy.accessed(key, touch)

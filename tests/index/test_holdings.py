@@ -94,3 +94,25 @@ def test_tenants_get_their_own_digests_classes_and_segments(idx):
     (gb,), _ = idx.reserve(nb, k(1), b)                 # the same hash: another key, another tenant's segment
     sa, sb = idx.pool.segment_of(ga), idx.pool.segment_of(gb)
     assert (sa.tenant, sb.tenant) == ("a", "b") and sa is not sb
+
+
+def test_a_chain_carried_between_reserves_is_bounded():
+    """`more` carries a put's chain to the connection's next reserve (protected, and its held blocks refreshed with
+    the next one's). A client that sends `more` for ever does not grow it past RUN_KEYS: the run ends there and its
+    held blocks are refreshed at once."""
+    from kvstore.index.stores import RUN_KEYS
+
+    idx = Index(HostPool(capacity=64 * SEG, segment_bytes=SEG))
+    h = Holdings()
+    ns = idx.register(NamespaceSpec("m", SMALL), h)
+    idx.reserve(ns, k(*range(8)), h)
+    idx.commit(ns, k(*range(8)), h)
+    grew = 0
+    for i in range(0, RUN_KEYS + 4096, 1024):                  # held keys (refreshed later), a long chain named
+        _, status = idx.reserve(ns, k(*range(8)), h, after=k(*range(1000 + i, 2024 + i)), more=True)
+        assert status == [EXISTS] * 8
+        assert len(h.run) + len(h.carry) <= RUN_KEYS
+        grew = max(grew, len(h.run))
+    assert grew > RUN_KEYS - 2048                              # it was carried, up to the bound
+    idx.reserve(ns, k(99), h)                                  # a reserve without `more` ends the run
+    assert h.run == set() and h.carry == []
