@@ -40,9 +40,8 @@ class PutResult:
     durability: str | None = None
     not_durable: int = 0
 
-    def add(self, r: Reservation, upto: int | None = None) -> None:
-        """Count the blocks of a reservation (its first `upto` only, when the put asks the rest again)."""
-        for s in r.status[:upto]:
+    def add(self, r: Reservation) -> None:
+        for s in r.status:
             if s == ReserveStatus.RESERVED:
                 self.stored += 1
             elif s == ReserveStatus.EXISTS:
@@ -57,8 +56,9 @@ class Reservation:
     """Slots reserved for blocks being stored. Invisible to everyone until `commit()`; `abort()` (or leaving the
     `with` block on an exception, or the connection ending) frees them. `keys`: the block hashes asked, packed;
     `status[i]`: the ReserveStatus of the i-th; `stopped`: why the blocks from the first NO_SPACE on got no slot
-    ("share": this tenant's reservations are at server.max_reserved_fraction, "room": no slot without evicting the
-    chain's own blocks or blocks worth more), None if none was refused."""
+    ("share": this connection or tenant is at server.max_reserved_fraction or max_held_fraction, and committing
+    frees room; "room": no slot without evicting the chain's earlier blocks or blocks worth more), None if none was
+    refused."""
 
     def __init__(self, ns: Namespace, keys: bytes, gids: list[int], status: list[int],
                  context: dict[str, str] | None = None, stopped: str | None = None) -> None:

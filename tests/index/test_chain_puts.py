@@ -153,3 +153,16 @@ def test_a_put_may_evict_its_own_chains_later_blocks_held_behind_a_hole(start_da
         assert save(ns, hs) == ["RESERVED"] * 40
         assert held_chain(ns, hs) == [True] * 40
         assert c.stats()["counters"]["kept_own_chain"] == 0
+
+
+def test_a_reserve_naming_more_blocks_before_it_than_a_request_holds_is_refused_before_it_is_sent(start_daemon):
+    """`after` is bounded like the keys (client.max_keys): the client says so and sends nothing; the daemon's own
+    bound (the schema's) is fuzzed in tests/protocol. A put names at most the last max_keys of its prefix."""
+    d = start_daemon(capacity="2MiB", segment="1MiB")
+    with d.client() as c:
+        ns = c.namespace(spec())
+        hs = hashes(c.max_keys + 2)
+        with pytest.raises(ValueError, match="at most"):
+            ns.reserve(hs[-1:], after=hs[:-1])
+        r = ns.put(hs[-1:], bufs(1), after=hs[:-1])             # the put sends the last max_keys of them
+        assert r.stored == 1 and ns.lookup(hs[-1:]) == 1
