@@ -12,8 +12,18 @@
  *     t.touch(key) -> bool            linked key to the MRU end; False if absent; an unlinked key stays unlinked
  *     t.unlink(key) / t.relink(key)   out of / back at the MRU end of its list (both idempotent); KeyError if absent
  *     t.is_linked(key), t.cls_of(key) KeyError if absent
- *     t.oldest(cls) -> (key, value) | None   the least recently used linked key of cls
+ *     t.oldest(cls) -> (key, value) | None   the least recently used linked key of cls (over its levels)
  *     t.class_len(cls) -> int         linked keys of cls
+ *   LEVELS (the `history` eviction policy's books, kvstore.policy.history): every key also has a level 0..3 (0 on
+ *   insert), and a class's list is one list per level, each least recently used first. LRU never leaves level 0.
+ *     t.level_of(key) -> int          KeyError if absent
+ *     t.set_level(key, level)         to that level, at its MRU end if linked; KeyError if absent
+ *     t.use(key, top, pin=False) -> int   one level up (top at most), to the MRU end if linked; with pin a use
+ *                                     only of a linked key, which leaves its list; the level after; -1 if absent
+ *     t.pick(cls, aging=None) -> (key, value) | None   the LRU key of the lowest non-empty level; with aging >= 0,
+ *                                     the stalest of the levels' LRU keys where it has gone unused for more than
+ *                                     aging times as long as that one (aging 1: plain LRU over the levels)
+ *   Ages are u32 differences of a tick counted per push (`now`): a key unused for 2^32 pushes looks young again.
  *     t.prefix_len(prefix, hashes, touch=False) -> int
  *         key i = prefix (4 bytes) + hashes[16i:16i+16]; how many leading keys are present (stops at the first
  *         absent one); touch=True also touches each of them. prefix/hashes: any bytes-like object. ValueError if
@@ -29,12 +39,12 @@
  *   Rec  recs[]:  key[20], meta u32, value u64 — 32 bytes, two per 64-byte cache line. meta = top 32 bits of
  *                 the key's 64-bit hash with bit 0 forced on (0 = empty slot); the key's home slot is
  *                 meta >> (32 - bits), so moves and growth never rehash keys. A lookup reads one cache line.
- *   Link links[]: prev u32, next u32 (slot numbers, NIL = none), cls u16, linked u8 — 12 bytes, read only by
- *                 the LRU operations.
- * Per-class head (LRU end) / tail (MRU end) / length arrays grow on demand up to 65536 classes.
+ *   Link links[]: prev u32, next u32 (slot numbers, NIL = none), cls u16, linked u8, level u8, tick u32 (of its
+ *                 last push) — 16 bytes, read only by the LRU operations.
+ * Per-list head (LRU end) / tail (MRU end) / length arrays (NLEV lists a class) grow on demand up to 65536 classes.
  * When an entry moves slot (backward shift) its list neighbours are re-pointed; growth re-inserts every entry
  * into the new arrays, leaving each one's new slot number behind in its old record to translate the links.
- * Memory: 44 bytes per slot, 59–117 bytes per key (about 74 at 10 million keys). Arrays of 1 MiB and more are
+ * Memory: 48 bytes per slot, 64–128 bytes per key (about 80 at 10 million keys). Arrays of 1 MiB and more are
  * anonymous mappings advised to use transparent huge pages (fewer TLB misses on random probes).
  * prefix_len, the hot path, overlaps the memory misses of up to 32 keys (see there).
  */
@@ -58,8 +68,10 @@
 #define HUGE_PAGE ((size_t)2 << 20)
 
 typedef struct { uint8_t key[KEY_BYTES]; uint32_t meta; uint64_t value; } Rec;
-typedef struct { uint32_t prev, next; uint16_t cls; uint8_t linked, pad; } Link;
-_Static_assert(sizeof(Rec) == 32 && sizeof(Link) == 12, "record layout");
+typedef struct { uint32_t prev, next; uint16_t cls; uint8_t linked, level; uint32_t tick; } Link;
+_Static_assert(sizeof(Rec) == 32 && sizeof(Link) == 16, "record layout");
+#define NLEV 4                      /* levels a class's list is split in */
+#define LID(x) ((uint32_t)(x)->cls * NLEV + (x)->level)
 
 typedef struct {
     PyObject_HEAD
@@ -67,8 +79,9 @@ typedef struct {
     Link *links;
     uint32_t bits, mask;            /* 2^bits slots, mask = 2^bits - 1 */
     uint32_t n;                     /* keys */
-    uint32_t *head, *tail, *clen;   /* per class: LRU slot, MRU slot, linked keys */
-    uint32_t ncls;                  /* classes allocated in those three arrays */
+    uint32_t *head, *tail, *clen;   /* per list (class x NLEV + level): LRU slot, MRU slot, linked keys */
+    uint32_t ncls;                  /* classes allocated in those three arrays (NLEV lists each) */
+    uint32_t now;                   /* the tick of the last push (wraps: ages are u32 differences) */
 } KeyTable;
 
 static inline uint64_t load64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
@@ -134,14 +147,15 @@ static int ensure_cls(KeyTable *t, uint32_t cls) {
     uint32_t n = t->ncls ? t->ncls : 16;
     while (n <= cls) n *= 2;
     if (n > MAX_CLS) n = MAX_CLS;
-    uint32_t *h = PyMem_Realloc(t->head, n * 4u);
+    size_t bytes = (size_t)n * NLEV * 4u;
+    uint32_t *h = PyMem_Realloc(t->head, bytes);
     if (h) t->head = h;
-    uint32_t *tl = h ? PyMem_Realloc(t->tail, n * 4u) : NULL;
+    uint32_t *tl = h ? PyMem_Realloc(t->tail, bytes) : NULL;
     if (tl) t->tail = tl;
-    uint32_t *c = tl ? PyMem_Realloc(t->clen, n * 4u) : NULL;
+    uint32_t *c = tl ? PyMem_Realloc(t->clen, bytes) : NULL;
     if (!c) { PyErr_NoMemory(); return -1; }   /* the arrays that did grow are simply larger than ncls says */
     t->clen = c;
-    for (uint32_t i = t->ncls; i < n; i++) { t->head[i] = t->tail[i] = NIL; t->clen[i] = 0; }
+    for (uint32_t i = t->ncls * NLEV; i < n * NLEV; i++) { t->head[i] = t->tail[i] = NIL; t->clen[i] = 0; }
     t->ncls = n;
     return 0;
 }
@@ -149,23 +163,47 @@ static int ensure_cls(KeyTable *t, uint32_t cls) {
 static void lru_unlink(KeyTable *t, uint32_t i) {
     Link *x = &t->links[i];
     if (!x->linked) return;
-    if (x->prev != NIL) t->links[x->prev].next = x->next; else t->head[x->cls] = x->next;
-    if (x->next != NIL) t->links[x->next].prev = x->prev; else t->tail[x->cls] = x->prev;
+    uint32_t l = LID(x);
+    if (x->prev != NIL) t->links[x->prev].next = x->next; else t->head[l] = x->next;
+    if (x->next != NIL) t->links[x->next].prev = x->prev; else t->tail[l] = x->prev;
     x->linked = 0; x->prev = x->next = NIL;
-    t->clen[x->cls]--;
+    t->clen[l]--;
 }
 
-static void lru_push(KeyTable *t, uint32_t i) {   /* at the MRU end */
+static void lru_push(KeyTable *t, uint32_t i) {   /* at the MRU end of its level's list */
     Link *x = &t->links[i];
-    x->prev = t->tail[x->cls]; x->next = NIL;
-    if (x->prev != NIL) t->links[x->prev].next = i; else t->head[x->cls] = i;
-    t->tail[x->cls] = i;
+    uint32_t l = LID(x);
+    x->prev = t->tail[l]; x->next = NIL;
+    if (x->prev != NIL) t->links[x->prev].next = i; else t->head[l] = i;
+    t->tail[l] = i;
     x->linked = 1;
-    t->clen[x->cls]++;
+    x->tick = ++t->now;
+    t->clen[l]++;
 }
 
 static inline void lru_touch(KeyTable *t, uint32_t i) {
-    if (t->links[i].linked && t->tail[t->links[i].cls] != i) { lru_unlink(t, i); lru_push(t, i); }
+    Link *x = &t->links[i];
+    if (!x->linked) return;
+    if (t->tail[LID(x)] != i) { lru_unlink(t, i); lru_push(t, i); }
+    else x->tick = ++t->now;        /* the MRU of its level, maybe not of its class: its age starts again */
+}
+
+/* The victim of class cls: the LRU key of its lowest non-empty level; or, aging by a factor (aging >= 0), the
+ * stalest of the levels' LRU keys where it has gone unused for more than `aging` times as long as that one
+ * (aging 1: plain LRU over all levels). -1 if the class has no linked key. */
+static int64_t pick_slot(const KeyTable *t, uint32_t cls, double aging) {
+    if (cls >= t->ncls) return -1;
+    int64_t first = -1, oldest = -1;
+    uint32_t oldest_age = 0;
+    for (uint32_t l = cls * NLEV; l < cls * NLEV + NLEV; l++) {
+        uint32_t h = t->head[l];
+        if (h == NIL) continue;
+        uint32_t age = t->now - t->links[h].tick;
+        if (first < 0) { first = h; if (aging < 0) return first; }
+        if (oldest < 0 || age > oldest_age) { oldest = h; oldest_age = age; }
+    }
+    if (first < 0 || oldest == first) return first;
+    return (double)oldest_age > aging * (double)(t->now - t->links[first].tick) ? oldest : first;
 }
 
 /* ---- table maintenance ---- */
@@ -204,9 +242,9 @@ static int resize(KeyTable *t, uint32_t bits) {
         if (nl[i].prev != NIL) nl[i].prev = (uint32_t)orecs[nl[i].prev].value;
         if (nl[i].next != NIL) nl[i].next = (uint32_t)orecs[nl[i].next].value;
     }
-    for (uint32_t c = 0; c < t->ncls; c++) {
-        if (t->head[c] != NIL) t->head[c] = (uint32_t)orecs[t->head[c]].value;
-        if (t->tail[c] != NIL) t->tail[c] = (uint32_t)orecs[t->tail[c]].value;
+    for (uint32_t l = 0; l < t->ncls * NLEV; l++) {
+        if (t->head[l] != NIL) t->head[l] = (uint32_t)orecs[t->head[l]].value;
+        if (t->tail[l] != NIL) t->tail[l] = (uint32_t)orecs[t->tail[l]].value;
     }
     free_arrays(t);
     t->recs = nr; t->links = nl; t->bits = bits; t->mask = nmask;
@@ -219,8 +257,8 @@ static void move_slot(KeyTable *t, uint32_t from, uint32_t to) {
     Link *x = &t->links[to];
     *x = t->links[from];
     if (!x->linked) return;
-    if (x->prev != NIL) t->links[x->prev].next = to; else t->head[x->cls] = to;
-    if (x->next != NIL) t->links[x->next].prev = to; else t->tail[x->cls] = to;
+    if (x->prev != NIL) t->links[x->prev].next = to; else t->head[LID(x)] = to;
+    if (x->next != NIL) t->links[x->next].prev = to; else t->tail[LID(x)] = to;
 }
 
 /* Remove the entry in slot i: unlink it, then shift back each later entry of the run that may fill the hole
@@ -232,7 +270,7 @@ static void remove_at(KeyTable *t, uint32_t i) {
         if (((j - home) & t->mask) >= ((j - i) & t->mask)) { move_slot(t, j, i); i = j; }
     }
     memset(&t->recs[i], 0, sizeof(Rec));
-    t->links[i] = (Link){NIL, NIL, 0, 0, 0};
+    t->links[i] = (Link){NIL, NIL, 0, 0, 0, 0};
     t->n--;
 }
 
@@ -321,7 +359,7 @@ static PyObject *kt_insert(KeyTable *t, PyObject *const *args, Py_ssize_t nargs,
     }
     Rec *r = &t->recs[hole];
     memcpy(r->key, k, KEY_BYTES); r->meta = meta; r->value = v;
-    t->links[hole] = (Link){NIL, NIL, (uint16_t)cls, 0, 0};
+    t->links[hole] = (Link){NIL, NIL, (uint16_t)cls, 0, 0, 0};
     lru_push(t, hole);
     t->n++;
     Py_RETURN_NONE;
@@ -387,14 +425,83 @@ static PyObject *rec_item(const Rec *r) {
 static PyObject *kt_oldest(KeyTable *t, PyObject *clsobj) {
     uint32_t cls;
     if (get_cls(clsobj, &cls) < 0) return NULL;
-    if (cls >= t->ncls || t->head[cls] == NIL) Py_RETURN_NONE;
-    return rec_item(&t->recs[t->head[cls]]);
+    int64_t s = pick_slot(t, cls, 1.0);
+    if (s < 0) Py_RETURN_NONE;
+    return rec_item(&t->recs[s]);
 }
 
 static PyObject *kt_class_len(KeyTable *t, PyObject *clsobj) {
-    uint32_t cls;
+    uint32_t cls, n = 0;
     if (get_cls(clsobj, &cls) < 0) return NULL;
-    return PyLong_FromUnsignedLong(cls < t->ncls ? t->clen[cls] : 0);
+    for (uint32_t l = cls * NLEV; cls < t->ncls && l < cls * NLEV + NLEV; l++) n += t->clen[l];
+    return PyLong_FromUnsignedLong(n);
+}
+
+static int get_level(PyObject *o, const char *what, uint32_t *level) {
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < 0 || v >= NLEV) { PyErr_Format(PyExc_ValueError, "%s must be in 0..%d, got %ld", what, NLEV - 1, v); return -1; }
+    *level = (uint32_t)v;
+    return 0;
+}
+
+/* Move the entry in slot s to `level`: at the MRU end of that level's list if linked. */
+static void set_level_at(KeyTable *t, uint32_t s, uint32_t level) {
+    Link *x = &t->links[s];
+    if (!x->linked) { x->level = (uint8_t)level; return; }
+    lru_unlink(t, s);
+    x->level = (uint8_t)level;
+    lru_push(t, s);
+}
+
+static PyObject *kt_level_of(KeyTable *t, PyObject *key) {
+    int64_t s = lookup(t, key, 1);
+    if (s < 0) return NULL;
+    return PyLong_FromLong(t->links[s].level);
+}
+
+static PyObject *kt_set_level(KeyTable *t, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"key", "level"};
+    PyObject *a[2]; uint32_t level;
+    if (parse_args("set_level", args, nargs, kwnames, names, 2, 2, a) < 0) return NULL;
+    int64_t s = lookup(t, a[0], 1);
+    if (s < 0 || get_level(a[1], "level", &level) < 0) return NULL;
+    set_level_at(t, (uint32_t)s, level);
+    Py_RETURN_NONE;
+}
+
+/* A use of a key: one level up (to `top` at most), at the MRU end of its list if linked; with pin, a use only of a
+ * linked key, which then leaves its list. The key's level after it; -1 if absent. */
+static PyObject *kt_use(KeyTable *t, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"key", "top", "pin"};
+    PyObject *a[3]; uint32_t top;
+    if (parse_args("use", args, nargs, kwnames, names, 2, 3, a) < 0) return NULL;
+    int pin = a[2] ? PyObject_IsTrue(a[2]) : 0;
+    if (pin < 0) return NULL;
+    int64_t s = lookup(t, a[0], 0);
+    if (s == -2 || get_level(a[1], "top", &top) < 0) return NULL;
+    if (s < 0) return PyLong_FromLong(-1);
+    Link *x = &t->links[s];
+    if (pin && !x->linked) return PyLong_FromLong(x->level);
+    uint32_t level = x->level < top ? x->level + 1u : x->level;
+    if (pin) { lru_unlink(t, (uint32_t)s); x->level = (uint8_t)level; }
+    else set_level_at(t, (uint32_t)s, level);
+    return PyLong_FromLong(level);
+}
+
+static PyObject *kt_pick(KeyTable *t, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"cls", "aging"};
+    PyObject *a[2]; uint32_t cls;
+    if (parse_args("pick", args, nargs, kwnames, names, 1, 2, a) < 0 || get_cls(a[0], &cls) < 0) return NULL;
+    double aging = -1.0;
+    if (a[1] && a[1] != Py_None) {
+        aging = PyFloat_AsDouble(a[1]);
+        if (aging == -1.0 && PyErr_Occurred()) return NULL;
+        if (aging < 0) { PyErr_Format(PyExc_ValueError, "aging must be >= 0 or None, got %R", a[1]); return NULL; }
+    }
+    int64_t s = pick_slot(t, cls, aging);
+    if (s < 0) Py_RETURN_NONE;
+    return rec_item(&t->recs[s]);
 }
 
 /* The lookup hot path, a chunk of keys at a time: hash each key and prefetch its home slot's cache line (and its
@@ -485,7 +592,7 @@ static PyObject *kt_items(KeyTable *t, PyObject *unused) {
 static PyObject *kt_nbytes(KeyTable *t, PyObject *unused) {
     (void)unused;
     size_t slots = (size_t)t->mask + 1;
-    size_t b = sizeof(KeyTable) + big_round(slots * sizeof(Rec)) + big_round(slots * sizeof(Link)) + (size_t)t->ncls * 12;
+    size_t b = sizeof(KeyTable) + big_round(slots * sizeof(Rec)) + big_round(slots * sizeof(Link)) + (size_t)t->ncls * NLEV * 12;
     return PyLong_FromSize_t(b);
 }
 
@@ -540,6 +647,10 @@ static PyMethodDef kt_methods[] = {
     {"cls_of", (PyCFunction)kt_cls_of, METH_O, "cls_of(key, /): the class of key"},
     {"oldest", (PyCFunction)kt_oldest, METH_O, "oldest(cls, /): (key, value) of the LRU linked key of cls, or None"},
     {"class_len", (PyCFunction)kt_class_len, METH_O, "class_len(cls, /): linked keys in cls"},
+    {"level_of", (PyCFunction)kt_level_of, METH_O, "level_of(key, /): the level of key (0..3); KeyError if absent"},
+    {"set_level", FAST(kt_set_level), "set_level(key, level): key to level (at its MRU end if linked); KeyError if absent"},
+    {"use", FAST(kt_use), "use(key, top, pin=False): one level up (top at most) and MRU; pin: a linked key only, unlinked; its level, -1 if absent"},
+    {"pick", FAST(kt_pick), "pick(cls, aging=None): (key, value) of the victim by levels (see the module doc), or None"},
     {"prefix_len", FAST(kt_prefix_len), "prefix_len(prefix, hashes, touch=False): how many leading keys are present"},
     {"items", (PyCFunction)kt_items, METH_NOARGS, "items(): iterator of (key, value) over a snapshot"},
     {"nbytes", (PyCFunction)kt_nbytes, METH_NOARGS, "nbytes(): bytes of memory the table holds"},
@@ -562,17 +673,203 @@ static PyTypeObject KeyTableType = {
     .tp_as_sequence = &kt_as_sequence,
 };
 
+/* ==== History: what the `history` eviction policy remembers of the blocks it evicted (kvstore.policy.levels) ====
+ *   History(capacity) remembers up to `capacity` records key -> level (1..255), forgetting the oldest first.
+ *     h.record(key, level)     a record, the newest (a key recorded again: only the new record stays)
+ *     h.level(key) -> int      the key's level, 0 if not remembered
+ *     h.resize(capacity)       keeps the newest records that fit
+ *     len(h), h.capacity, h.nbytes()
+ *   Keys are any bytes (the host pool's 20-byte keys, the SSD tier's block ids), kept as a 64-bit fingerprint: two
+ *   keys that share one (odds 2^-64 a pair) share a record. LAYOUT: a ring of the records in the order they came
+ *   (fingerprint u64 + level u8: 9 bytes; fingerprint 0 = a dead record, one recorded again later) and an
+ *   open-addressing index over it (u32 ring position + 1, linear probing, load <= 1/2, backward-shift deletion):
+ *   17–25 bytes a record. Every operation is O(1) but resize, O(capacity). */
+typedef struct {
+    PyObject_HEAD
+    uint64_t *fps;          /* ring: fingerprints, oldest at `first` */
+    uint8_t *lv;            /* ring: levels */
+    uint32_t *ix;           /* index: ring position + 1, 0 = empty */
+    uint32_t cap, first, used;      /* ring capacity, oldest position, positions used (live or dead) */
+    uint32_t live, bits;            /* live records; the index has 2^bits slots */
+} History;
+
+static uint64_t fp_of(const uint8_t *p, Py_ssize_t n) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
+    for (; n >= 8; p += 8, n -= 8) { h ^= load64(p); h *= 0xff51afd7ed558ccdull; h ^= h >> 32; }
+    uint64_t tail = 0;
+    memcpy(&tail, p, (size_t)n);
+    h ^= tail; h *= 0xc4ceb9fe1a85ec53ull; h ^= h >> 29; h *= 0xff51afd7ed558ccdull; h ^= h >> 32;
+    return h ? h : 1;
+}
+
+static inline uint32_t hx_home(const History *h, uint64_t fp) { return (uint32_t)(fp >> (64 - h->bits)); }
+
+/* The index slot holding fp, or -1 (with *hole the empty slot that ends its run). */
+static int64_t hx_find(const History *h, uint64_t fp, uint32_t *hole) {
+    uint32_t mask = (1u << h->bits) - 1;
+    for (uint32_t i = hx_home(h, fp);; i = (i + 1) & mask) {
+        uint32_t e = h->ix[i];
+        if (!e) { if (hole) *hole = i; return -1; }
+        if (h->fps[e - 1] == fp) return i;
+    }
+}
+
+static void hx_delete(History *h, uint32_t i) {      /* backward shift, as the key table's remove_at */
+    uint32_t mask = (1u << h->bits) - 1;
+    for (uint32_t j = (i + 1) & mask; h->ix[j]; j = (j + 1) & mask) {
+        uint32_t home = hx_home(h, h->fps[h->ix[j] - 1]);
+        if (((j - home) & mask) >= ((j - i) & mask)) { h->ix[i] = h->ix[j]; i = j; }
+    }
+    h->ix[i] = 0;
+}
+
+static void hx_forget_oldest(History *h) {
+    uint64_t fp = h->fps[h->first];
+    if (fp) { hx_delete(h, (uint32_t)hx_find(h, fp, NULL)); h->live--; }
+    h->first = h->first + 1 == h->cap ? 0 : h->first + 1;
+    h->used--;
+}
+
+static void hx_record(History *h, uint64_t fp, uint8_t level) {
+    uint32_t hole = 0;
+    int64_t i = hx_find(h, fp, &hole);
+    if (i >= 0) { h->fps[h->ix[i] - 1] = 0; hx_delete(h, (uint32_t)i); h->live--; }
+    if (h->used == h->cap) hx_forget_oldest(h);
+    uint32_t pos = (uint32_t)(((uint64_t)h->first + h->used) % h->cap);
+    h->fps[pos] = fp; h->lv[pos] = level;
+    h->used++; h->live++;
+    hx_find(h, fp, &hole);          /* the run may have moved under the deletions */
+    h->ix[hole] = pos + 1;
+}
+
+static void hx_free(History *h) {
+    PyMem_Free(h->fps); PyMem_Free(h->lv); PyMem_Free(h->ix);
+    h->fps = NULL; h->lv = NULL; h->ix = NULL;
+}
+
+/* A new ring of `cap` records holding the newest live ones of the old, in order. */
+static int hx_resize(History *h, uint32_t cap) {
+    uint32_t bits = 4;
+    while ((1ull << bits) < 2ull * cap) bits++;
+    uint64_t *fps = PyMem_Calloc(cap, 8); uint8_t *lv = PyMem_Calloc(cap, 1);
+    uint32_t *ix = PyMem_Calloc((size_t)1 << bits, 4);
+    if (!fps || !lv || !ix) { PyMem_Free(fps); PyMem_Free(lv); PyMem_Free(ix); PyErr_NoMemory(); return -1; }
+    History old = *h;
+    h->fps = fps; h->lv = lv; h->ix = ix; h->cap = cap; h->first = 0; h->used = 0; h->live = 0; h->bits = bits;
+    uint32_t skip = old.live > cap ? old.live - cap : 0;
+    for (uint32_t k = 0; k < old.used; k++) {
+        uint32_t pos = (uint32_t)(((uint64_t)old.first + k) % (old.cap ? old.cap : 1));
+        if (!old.fps[pos]) continue;
+        if (skip) { skip--; continue; }
+        hx_record(h, old.fps[pos], old.lv[pos]);
+    }
+    hx_free(&old);
+    return 0;
+}
+
+static int get_bytes(PyObject *o, const uint8_t **p, Py_ssize_t *n) {
+    if (!PyBytes_Check(o)) { PyErr_Format(PyExc_TypeError, "key must be bytes, not %.100s", Py_TYPE(o)->tp_name); return -1; }
+    *p = (const uint8_t *)PyBytes_AS_STRING(o); *n = PyBytes_GET_SIZE(o);
+    return 0;
+}
+
+static int get_capacity(PyObject *o, uint32_t *cap) {
+    Py_ssize_t c = PyNumber_AsSsize_t(o, PyExc_OverflowError);
+    if (c == -1 && PyErr_Occurred()) return -1;
+    if (c < 1 || c > (1 << 30)) { PyErr_Format(PyExc_ValueError, "capacity must be in 1..%d, got %zd", 1 << 30, c); return -1; }
+    *cap = (uint32_t)c;
+    return 0;
+}
+
+static PyObject *hx_py_record(History *h, PyObject *const *args, Py_ssize_t nargs) {
+    const uint8_t *k; Py_ssize_t n;
+    if (nargs != 2) { PyErr_Format(PyExc_TypeError, "record() takes 2 arguments (%zd given)", nargs); return NULL; }
+    if (!h->ix) { PyErr_SetString(PyExc_RuntimeError, "History was not initialised"); return NULL; }
+    if (get_bytes(args[0], &k, &n) < 0) return NULL;
+    long level = PyLong_AsLong(args[1]);
+    if (level == -1 && PyErr_Occurred()) return NULL;
+    if (level < 1 || level > 255) { PyErr_Format(PyExc_ValueError, "level must be in 1..255, got %ld", level); return NULL; }
+    hx_record(h, fp_of(k, n), (uint8_t)level);
+    Py_RETURN_NONE;
+}
+
+static PyObject *hx_py_level(History *h, PyObject *key) {
+    const uint8_t *k; Py_ssize_t n;
+    if (get_bytes(key, &k, &n) < 0) return NULL;
+    if (!h->ix) return PyLong_FromLong(0);
+    int64_t i = hx_find(h, fp_of(k, n), NULL);
+    return PyLong_FromLong(i < 0 ? 0 : h->lv[h->ix[i] - 1]);
+}
+
+static PyObject *hx_py_resize(History *h, PyObject *capobj) {
+    uint32_t cap;
+    if (get_capacity(capobj, &cap) < 0) return NULL;
+    if (cap != h->cap && hx_resize(h, cap) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *hx_py_nbytes(History *h, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromSize_t(sizeof(History) + (size_t)h->cap * 9 + ((size_t)4 << h->bits));
+}
+
+static PyObject *hx_py_capacity(History *h, void *unused) { (void)unused; return PyLong_FromUnsignedLong(h->cap); }
+
+static Py_ssize_t hx_len(History *h) { return h->live; }
+
+static int hx_init(History *h, PyObject *args, PyObject *kw) {
+    static char *names[] = {"capacity", NULL};
+    PyObject *capobj;
+    uint32_t cap;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O:History", names, &capobj) || get_capacity(capobj, &cap) < 0) return -1;
+    hx_free(h);
+    h->cap = 0; h->first = h->used = h->live = 0;
+    return hx_resize(h, cap);
+}
+
+static void hx_dealloc(History *h) {
+    hx_free(h);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static PyMethodDef hx_methods[] = {
+    {"record", (PyCFunction)(void (*)(void))hx_py_record, METH_FASTCALL, "record(key, level): remember key's level (1..255)"},
+    {"level", (PyCFunction)hx_py_level, METH_O, "level(key, /): the level remembered for key, 0 if none"},
+    {"resize", (PyCFunction)hx_py_resize, METH_O, "resize(capacity, /): keep the newest records that fit"},
+    {"nbytes", (PyCFunction)hx_py_nbytes, METH_NOARGS, "nbytes(): bytes of memory the history holds"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef hx_getset[] = {
+    {"capacity", (getter)hx_py_capacity, NULL, "records it keeps at most", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods hx_as_sequence = {.sq_length = (lenfunc)hx_len};
+
+static PyTypeObject HistoryType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvstore._kvindex.History",
+    .tp_basicsize = sizeof(History),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "History(capacity): the levels of evicted keys, the newest `capacity` records (see kvindex.c).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)hx_init,
+    .tp_dealloc = (destructor)hx_dealloc,
+    .tp_methods = hx_methods,
+    .tp_getset = hx_getset,
+    .tp_as_sequence = &hx_as_sequence,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, .m_name = "_kvindex", .m_doc = "Native key table of the kvstore index.", .m_size = -1,
 };
 
 PyMODINIT_FUNC PyInit__kvindex(void) {
-    if (PyType_Ready(&KeyTableType) < 0) return NULL;
+    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&HistoryType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    Py_INCREF(&KeyTableType);
-    if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
-        Py_DECREF(&KeyTableType); Py_DECREF(m); return NULL;
-    }
+    if (PyModule_AddObjectRef(m, "KeyTable", (PyObject *)&KeyTableType) < 0 ||
+        PyModule_AddObjectRef(m, "History", (PyObject *)&HistoryType) < 0) { Py_DECREF(m); return NULL; }
     return m;
 }

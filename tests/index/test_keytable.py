@@ -364,3 +364,127 @@ def test_no_native_env_var(env, native):
     out = subprocess.run([sys.executable, "-c", code], env=env_vars, cwd=root, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == [str(native), str(not native)]
+
+
+class LevelsModel:
+    """The levels' contract as a reference: per key (value, cls, level, linked), one clock of pushes, and the
+    victim rule written out (kvstore/index/keytable.py's docstring)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[bytes, list] = {}          # key -> [value, cls, level, tick or None (unlinked)]
+        self.now = 0
+
+    def push(self, key: bytes) -> None:
+        self.now += 1
+        self.keys[key][3] = self.now
+
+    def insert(self, key, value, cls):
+        self.keys[key] = [value, cls, 0, None]
+        self.push(key)
+
+    def use(self, key, top, pin=False):
+        e = self.keys.get(key)
+        if e is None:
+            return -1
+        if pin and e[3] is None:
+            return e[2]
+        e[2] = min(e[2] + 1, top) if e[2] < top else e[2]
+        if pin:
+            e[3] = None
+        elif e[3] is not None:
+            self.push(key)
+        return e[2]
+
+    def set_level(self, key, level):
+        e = self.keys[key]
+        e[2] = level
+        if e[3] is not None:
+            self.push(key)
+
+    def pick(self, cls, aging=None):
+        heads = []
+        for level in range(keytable.LEVELS):
+            linked = [(e[3], kk) for kk, e in self.keys.items() if e[1] == cls and e[2] == level and e[3]]
+            if linked:
+                heads.append(min(linked))
+        if not heads:
+            return None
+        first, oldest = heads[0], min(heads)
+        if aging is not None and self.now - oldest[0] > aging * (self.now - first[0]):
+            first = oldest
+        return first[1], self.keys[first[1]][0]
+
+
+def level_ops(seed: int, steps: int, universe: int = 200):
+    rng = random.Random(seed)
+    keys = [k(i) for i in range(universe)]
+    for step in range(steps):
+        key, op = rng.choice(keys), rng.random()
+        if op < 0.25:
+            yield "insert", (key, step, rng.randrange(3))
+        elif op < 0.35:
+            yield "remove", (key,)
+        elif op < 0.5:
+            yield "use", (key, rng.randrange(4), rng.random() < 0.3)
+        elif op < 0.6:
+            yield "set_level", (key, rng.randrange(4))
+        elif op < 0.7:
+            yield rng.choice(["unlink", "relink", "touch"]), (key,)
+        else:
+            yield "pick", (rng.randrange(3), rng.choice([None, 0.0, 1.0, 2.0, 0.5]))
+
+
+def test_levels_match_the_reference(T):
+    """use / set_level / pick against the contract written out, with inserts, removals, pins and touches between:
+    levels split a class's order, pick takes the lowest level's LRU key or, aging, the stalest one."""
+    t, m = T(), LevelsModel()
+    picks = 0
+    for op, args in level_ops(5, 20_000):
+        key = args[0]
+        held = key in m.keys
+        if op == "insert":
+            if not held:
+                t.insert(*args)
+                m.insert(*args)
+        elif op == "remove":
+            assert t.remove(key) == (m.keys.pop(key)[0] if held else None)
+        elif op == "use":
+            assert t.use(*args) == m.use(*args)
+        elif op == "set_level" and held:
+            t.set_level(*args)
+            m.set_level(*args)
+        elif op in ("unlink", "relink") and held:
+            getattr(t, op)(key)
+            if op == "unlink":
+                m.keys[key][3] = None
+            elif m.keys[key][3] is None:
+                m.push(key)
+        elif op == "touch":
+            assert t.touch(key) == held
+            if held and m.keys[key][3] is not None:
+                m.push(key)
+        elif op == "pick":
+            got = t.pick(*args)
+            assert got == m.pick(*args), (args, got)
+            picks += got is not None
+            assert t.oldest(args[0]) == m.pick(args[0], 1.0)
+            assert t.class_len(args[0]) == sum(1 for e in m.keys.values() if e[1] == args[0] and e[3])
+        if held and op != "remove":
+            assert t.level_of(key) == m.keys[key][2]
+    assert picks > 1000
+    with pytest.raises(KeyError):
+        t.level_of(k(10_000))
+    with pytest.raises(KeyError):
+        t.set_level(k(10_000), 1)
+    for bad in (("set_level", (next(iter(m.keys)), 4)), ("use", (k(1), -1)), ("pick", (0, -1.0)),
+                ("pick", (65536,))):
+        with pytest.raises(ValueError):
+            getattr(t, bad[0])(*bad[1])
+
+
+@needs_native
+def test_native_and_python_levels_agree_step_by_step():
+    py, nat = keytable.PyKeyTable(), Native()
+    for n, (op, args) in enumerate(level_ops(17, 20_000, universe=300)):
+        assert outcome(py, op, args) == outcome(nat, op, args), (n, op, args)
+    assert sorted(py.items()) == sorted(nat.items())
