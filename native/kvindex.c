@@ -13,10 +13,11 @@
  *     t.unlink(key) / t.relink(key)   out of / back at the MRU end of its list (both idempotent); KeyError if absent
  *     t.is_linked(key), t.cls_of(key) KeyError if absent
  *     t.oldest(cls) -> (key, value) | None   the least recently used linked key of cls (over its levels)
- *     t.class_len(cls) -> int         linked keys of cls
+ *     t.class_len(cls, level=None) -> int   linked keys of cls (at that level)
  *   LEVELS (the `history` eviction policy's books, kvstore.policy.history): every key also has a level 0..3 (0 on
  *   insert), and a class's list is one list per level, each least recently used first. LRU never leaves level 0.
  *     t.level_of(key) -> int          KeyError if absent
+ *     t.placement(key) -> int         cls * 4 + level, -1 if absent (one call where both are wanted)
  *     t.set_level(key, level)         to that level, at its MRU end if linked; KeyError if absent
  *     t.use(key, top, pin=False) -> int   one level up (top at most), to the MRU end if linked; with pin a use
  *                                     only of a linked key, which leaves its list; the level after; -1 if absent
@@ -430,19 +431,23 @@ static PyObject *kt_oldest(KeyTable *t, PyObject *clsobj) {
     return rec_item(&t->recs[s]);
 }
 
-static PyObject *kt_class_len(KeyTable *t, PyObject *clsobj) {
-    uint32_t cls, n = 0;
-    if (get_cls(clsobj, &cls) < 0) return NULL;
-    for (uint32_t l = cls * NLEV; cls < t->ncls && l < cls * NLEV + NLEV; l++) n += t->clen[l];
-    return PyLong_FromUnsignedLong(n);
-}
-
 static int get_level(PyObject *o, const char *what, uint32_t *level) {
     long v = PyLong_AsLong(o);
     if (v == -1 && PyErr_Occurred()) return -1;
     if (v < 0 || v >= NLEV) { PyErr_Format(PyExc_ValueError, "%s must be in 0..%d, got %ld", what, NLEV - 1, v); return -1; }
     *level = (uint32_t)v;
     return 0;
+}
+
+static PyObject *kt_class_len(KeyTable *t, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"cls", "level"};
+    PyObject *a[2]; uint32_t cls, level = 0, n = 0;
+    if (parse_args("class_len", args, nargs, kwnames, names, 1, 2, a) < 0 || get_cls(a[0], &cls) < 0) return NULL;
+    int one = a[1] && a[1] != Py_None;
+    if (one && get_level(a[1], "level", &level) < 0) return NULL;
+    for (uint32_t l = 0; cls < t->ncls && l < NLEV; l++)
+        if (!one || l == level) n += t->clen[cls * NLEV + l];
+    return PyLong_FromUnsignedLong(n);
 }
 
 /* Move the entry in slot s to `level`: at the MRU end of that level's list if linked. */
@@ -458,6 +463,12 @@ static PyObject *kt_level_of(KeyTable *t, PyObject *key) {
     int64_t s = lookup(t, key, 1);
     if (s < 0) return NULL;
     return PyLong_FromLong(t->links[s].level);
+}
+
+static PyObject *kt_placement(KeyTable *t, PyObject *key) {
+    int64_t s = lookup(t, key, 0);
+    if (s == -2) return NULL;
+    return PyLong_FromLong(s < 0 ? -1 : (long)t->links[s].cls * NLEV + t->links[s].level);
 }
 
 static PyObject *kt_set_level(KeyTable *t, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
@@ -646,8 +657,9 @@ static PyMethodDef kt_methods[] = {
     {"is_linked", (PyCFunction)kt_is_linked, METH_O, "is_linked(key, /): whether key is an eviction candidate"},
     {"cls_of", (PyCFunction)kt_cls_of, METH_O, "cls_of(key, /): the class of key"},
     {"oldest", (PyCFunction)kt_oldest, METH_O, "oldest(cls, /): (key, value) of the LRU linked key of cls, or None"},
-    {"class_len", (PyCFunction)kt_class_len, METH_O, "class_len(cls, /): linked keys in cls"},
+    {"class_len", FAST(kt_class_len), "class_len(cls, level=None): linked keys in cls (at that level)"},
     {"level_of", (PyCFunction)kt_level_of, METH_O, "level_of(key, /): the level of key (0..3); KeyError if absent"},
+    {"placement", (PyCFunction)kt_placement, METH_O, "placement(key, /): cls * 4 + level of key, -1 if absent"},
     {"set_level", FAST(kt_set_level), "set_level(key, level): key to level (at its MRU end if linked); KeyError if absent"},
     {"use", FAST(kt_use), "use(key, top, pin=False): one level up (top at most) and MRU; pin: a linked key only, unlinked; its level, -1 if absent"},
     {"pick", FAST(kt_pick), "pick(cls, aging=None): (key, value) of the victim by levels (see the module doc), or None"},
@@ -679,19 +691,24 @@ static PyTypeObject KeyTableType = {
  *     h.level(key) -> int      the key's level, 0 if not remembered
  *     h.resize(capacity)       keeps the newest records that fit
  *     len(h), h.capacity, h.nbytes()
- *   Keys are any bytes (the host pool's 20-byte keys, the SSD tier's block ids), kept as a 64-bit fingerprint: two
- *   keys that share one (odds 2^-64 a pair) share a record. LAYOUT: a ring of the records in the order they came
- *   (fingerprint u64 + level u8: 9 bytes; fingerprint 0 = a dead record, one recorded again later) and an
- *   open-addressing index over it (u32 ring position + 1, linear probing, load <= 1/2, backward-shift deletion):
- *   17–25 bytes a record. Every operation is O(1) but resize, O(capacity). */
+ *   Keys are any bytes (the host pool's 20-byte keys, the SSD tier's block ids), known by a 64-bit fingerprint.
+ *   LAYOUT: a ring of the records' fingerprints in the order they came (8 bytes; 0 = a dead record, one recorded
+ *   again later) and an open-addressing index (linear probing from the fingerprint's top bits, load <= 3/4,
+ *   backward-shift deletion) of 8-byte entries: ring position + 1 (32 bits), 24 more bits of the fingerprint, the
+ *   level — 19–29 bytes a record. An entry of the key's probe run is taken as its when 24 bits match (a stranger
+ *   matches about once in 10^7 lookups: it is answered that stranger's level, a hint, never data). A lookup reads
+ *   one cache line of the index; a record also the ring's oldest end. Every operation is O(1) but resize. */
 typedef struct {
     PyObject_HEAD
     uint64_t *fps;          /* ring: fingerprints, oldest at `first` */
-    uint8_t *lv;            /* ring: levels */
-    uint32_t *ix;           /* index: ring position + 1, 0 = empty */
+    uint64_t *ix;           /* index: pos + 1 (bits 0-31; 0 = empty), tag (32-55), level (56-63) */
     uint32_t cap, first, used;      /* ring capacity, oldest position, positions used (live or dead) */
     uint32_t live, bits;            /* live records; the index has 2^bits slots */
 } History;
+
+#define HX_POS(e) ((uint32_t)(e))
+#define HX_TAG(fp) (((fp) >> 8) & 0xFFFFFFull)            /* below the home bits (top) */
+#define HX_MATCH(e, fp) ((((e) >> 32) & 0xFFFFFFull) == HX_TAG(fp))
 
 static uint64_t fp_of(const uint8_t *p, Py_ssize_t n) {
     uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
@@ -704,20 +721,27 @@ static uint64_t fp_of(const uint8_t *p, Py_ssize_t n) {
 
 static inline uint32_t hx_home(const History *h, uint64_t fp) { return (uint32_t)(fp >> (64 - h->bits)); }
 
-/* The index slot holding fp, or -1 (with *hole the empty slot that ends its run). */
+/* The index slot of fp's entry, or -1 (with *hole the empty slot that ends its run). */
 static int64_t hx_find(const History *h, uint64_t fp, uint32_t *hole) {
     uint32_t mask = (1u << h->bits) - 1;
     for (uint32_t i = hx_home(h, fp);; i = (i + 1) & mask) {
-        uint32_t e = h->ix[i];
+        uint64_t e = h->ix[i];
         if (!e) { if (hole) *hole = i; return -1; }
-        if (h->fps[e - 1] == fp) return i;
+        if (HX_MATCH(e, fp)) return i;
     }
+}
+
+/* The index slot of the entry for ring position pos (whose fingerprint is fp). */
+static uint32_t hx_slot_of(const History *h, uint64_t fp, uint32_t pos) {
+    uint32_t mask = (1u << h->bits) - 1, i = hx_home(h, fp);
+    while (HX_POS(h->ix[i]) != pos + 1) i = (i + 1) & mask;
+    return i;
 }
 
 static void hx_delete(History *h, uint32_t i) {      /* backward shift, as the key table's remove_at */
     uint32_t mask = (1u << h->bits) - 1;
     for (uint32_t j = (i + 1) & mask; h->ix[j]; j = (j + 1) & mask) {
-        uint32_t home = hx_home(h, h->fps[h->ix[j] - 1]);
+        uint32_t home = hx_home(h, h->fps[HX_POS(h->ix[j]) - 1]);
         if (((j - home) & mask) >= ((j - i) & mask)) { h->ix[i] = h->ix[j]; i = j; }
     }
     h->ix[i] = 0;
@@ -725,7 +749,7 @@ static void hx_delete(History *h, uint32_t i) {      /* backward shift, as the k
 
 static void hx_forget_oldest(History *h) {
     uint64_t fp = h->fps[h->first];
-    if (fp) { hx_delete(h, (uint32_t)hx_find(h, fp, NULL)); h->live--; }
+    if (fp) { hx_delete(h, hx_slot_of(h, fp, h->first)); h->live--; }
     h->first = h->first + 1 == h->cap ? 0 : h->first + 1;
     h->used--;
 }
@@ -733,35 +757,35 @@ static void hx_forget_oldest(History *h) {
 static void hx_record(History *h, uint64_t fp, uint8_t level) {
     uint32_t hole = 0;
     int64_t i = hx_find(h, fp, &hole);
-    if (i >= 0) { h->fps[h->ix[i] - 1] = 0; hx_delete(h, (uint32_t)i); h->live--; }
+    if (i >= 0) { h->fps[HX_POS(h->ix[i]) - 1] = 0; hx_delete(h, (uint32_t)i); h->live--; }
     if (h->used == h->cap) hx_forget_oldest(h);
     uint32_t pos = (uint32_t)(((uint64_t)h->first + h->used) % h->cap);
-    h->fps[pos] = fp; h->lv[pos] = level;
+    h->fps[pos] = fp;
     h->used++; h->live++;
     hx_find(h, fp, &hole);          /* the run may have moved under the deletions */
-    h->ix[hole] = pos + 1;
+    h->ix[hole] = (uint64_t)(pos + 1) | HX_TAG(fp) << 32 | (uint64_t)level << 56;
 }
 
 static void hx_free(History *h) {
-    PyMem_Free(h->fps); PyMem_Free(h->lv); PyMem_Free(h->ix);
-    h->fps = NULL; h->lv = NULL; h->ix = NULL;
+    PyMem_Free(h->fps); PyMem_Free(h->ix);
+    h->fps = NULL; h->ix = NULL;
 }
 
 /* A new ring of `cap` records holding the newest live ones of the old, in order. */
 static int hx_resize(History *h, uint32_t cap) {
     uint32_t bits = 4;
-    while ((1ull << bits) < 2ull * cap) bits++;
-    uint64_t *fps = PyMem_Calloc(cap, 8); uint8_t *lv = PyMem_Calloc(cap, 1);
-    uint32_t *ix = PyMem_Calloc((size_t)1 << bits, 4);
-    if (!fps || !lv || !ix) { PyMem_Free(fps); PyMem_Free(lv); PyMem_Free(ix); PyErr_NoMemory(); return -1; }
+    while ((1ull << bits) * 3 < 4ull * cap) bits++;
+    uint64_t *fps = PyMem_Calloc(cap, 8), *ix = PyMem_Calloc((size_t)1 << bits, 8);
+    if (!fps || !ix) { PyMem_Free(fps); PyMem_Free(ix); PyErr_NoMemory(); return -1; }
     History old = *h;
-    h->fps = fps; h->lv = lv; h->ix = ix; h->cap = cap; h->first = 0; h->used = 0; h->live = 0; h->bits = bits;
+    h->fps = fps; h->ix = ix; h->cap = cap; h->first = 0; h->used = 0; h->live = 0; h->bits = bits;
     uint32_t skip = old.live > cap ? old.live - cap : 0;
     for (uint32_t k = 0; k < old.used; k++) {
-        uint32_t pos = (uint32_t)(((uint64_t)old.first + k) % (old.cap ? old.cap : 1));
-        if (!old.fps[pos]) continue;
+        uint32_t pos = (uint32_t)(((uint64_t)old.first + k) % old.cap);
+        uint64_t fp = old.fps[pos];
+        if (!fp) continue;
         if (skip) { skip--; continue; }
-        hx_record(h, old.fps[pos], old.lv[pos]);
+        hx_record(h, fp, (uint8_t)(old.ix[hx_slot_of(&old, fp, pos)] >> 56));
     }
     hx_free(&old);
     return 0;
@@ -798,7 +822,7 @@ static PyObject *hx_py_level(History *h, PyObject *key) {
     if (get_bytes(key, &k, &n) < 0) return NULL;
     if (!h->ix) return PyLong_FromLong(0);
     int64_t i = hx_find(h, fp_of(k, n), NULL);
-    return PyLong_FromLong(i < 0 ? 0 : h->lv[h->ix[i] - 1]);
+    return PyLong_FromLong(i < 0 ? 0 : (long)(h->ix[i] >> 56));
 }
 
 static PyObject *hx_py_resize(History *h, PyObject *capobj) {
@@ -810,7 +834,7 @@ static PyObject *hx_py_resize(History *h, PyObject *capobj) {
 
 static PyObject *hx_py_nbytes(History *h, PyObject *unused) {
     (void)unused;
-    return PyLong_FromSize_t(sizeof(History) + (size_t)h->cap * 9 + ((size_t)4 << h->bits));
+    return PyLong_FromSize_t(sizeof(History) + (size_t)h->cap * 8 + ((size_t)8 << h->bits));
 }
 
 static PyObject *hx_py_capacity(History *h, void *unused) { (void)unused; return PyLong_FromUnsignedLong(h->cap); }

@@ -16,7 +16,7 @@ level_of, set_level.
 
 Levels (the `history` eviction policy's books, kvstore.policy.history): every key also has a level 0..LEVELS-1
 (0 on insert) and a class's list is one list per level, each least recently used first; LRU never leaves level 0.
-`set_level` moves a key to a level (its MRU end if linked); `use(key, top, pin=False)` is one use: a level up (top at
+`placement(key)` is cls × LEVELS + level (-1 if absent); `set_level` moves a key to a level (its MRU end if linked); `use(key, top, pin=False)` is one use: a level up (top at
 most) and to the MRU end, or with `pin` a use only of a linked key, which then leaves its list — it returns the level
 after, -1 for a missing key; `pick(cls, aging=None)` is the victim by levels: the LRU key of the lowest non-empty
 level, or with `aging` (>= 0) the stalest of the levels' LRU keys where it has gone unused for more than `aging`
@@ -160,6 +160,11 @@ class PyKeyTable:
     def level_of(self, key: bytes, /) -> int:
         return self._entry(key) >> _CLS_BITS & _LEVEL_MASK
 
+    def placement(self, key: bytes, /) -> int:
+        _check_key(key)
+        e = self._map.get(key)
+        return -1 if e is None else (e & _CLS_MASK) * LEVELS + (e >> _CLS_BITS & _LEVEL_MASK)
+
     def set_level(self, key: bytes, level: int) -> None:
         e = self._entry(key)
         self._set_level(key, e, _level(level, "level"))
@@ -219,9 +224,10 @@ class PyKeyTable:
             raise ValueError(f"aging must be >= 0 or None, got {aging!r}")
         return self._item(self._pick(c, -1.0 if aging is None else float(aging)))
 
-    def class_len(self, cls: int, /) -> int:
+    def class_len(self, cls: int, level: int | None = None) -> int:
         c = _cls(cls)
-        return sum(len(self._lru.get(c * LEVELS + level) or ()) for level in range(LEVELS))
+        levels = range(LEVELS) if level is None else (_level(level, "level"),)
+        return sum(len(self._lru.get(c * LEVELS + lv) or ()) for lv in levels)
 
     def prefix_len(self, prefix: bytes, hashes: bytes, touch: bool = False) -> int:
         prefix, hashes = _bytes_like(prefix), _bytes_like(hashes)

@@ -38,98 +38,69 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstore.policy.levels import GENERATIONS, HISTORY_FACTOR, LEVELS, MIN_GENERATION, History, pick
+from kvstore.index.keytable import LEVELS as TABLE_LEVELS
+from kvstore.policy.levels import HISTORY_FACTOR, LEVELS, History, pick
 from kvstore.policy.shadow import AGING, ANEW, Duel
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
     from kvstore.workflows import Touch, Workflows
 
-__all__ = ["GENERATIONS", "HISTORY_FACTOR", "LEVELS", "MIN_GENERATION", "History", "HistoryPolicy"]
+__all__ = ["HISTORY_FACTOR", "LEVELS", "History", "HistoryOrder", "HistoryPolicy"]
+
+TOP = LEVELS - 1                # the highest level (0-based)
+assert TABLE_LEVELS == 4 > TOP  # a key table's placement(): cls << 2 | level
 
 
 def host_policy(table: KeyTable, workflows: Workflows | None = None, key_at: Callable[[int], bytes | None] | None
                 = None, slots_of: Callable[[int], int] | None = None) -> HistoryPolicy:
-    """The registry's entry for the host pool (kvstore.policy): its own lists, not the key table's. The index
+    """The registry's entry for the host pool (kvstore.policy): levels in the key table's own lists. The index
     signals a read by pinning the block; `accessed` is a store of a held block."""
-    return HistoryPolicy(reads_pin=True)
+    return HistoryPolicy(table)
 
 
-def tier_policy(workflows: Workflows | None = None) -> HistoryPolicy:
+def tier_policy(workflows: Workflows | None = None) -> HistoryOrder:
     """The registry's entry for a lower tier with books of its own (the SSD: keys are block ids; `accessed` is a
     read)."""
-    return HistoryPolicy(reads_pin=False)
+    return HistoryOrder(reads_pin=False)
 
 
 class _Class:
-    """One class's recency lists (key -> tick of its last use, oldest first), its duel, and the way its blocks are
-    admitted by. The duel's way orders victims at once; a change of admission waits where it could split a chain
-    being published: into `forget`, until a block its history does not remember comes (the blocks of a chain come
-    tail first and a head is remembered at least as high as its tail: switching at a remembered one could admit a
-    head below its tail)."""
-    __slots__ = ("lists", "held", "history", "duel", "way")
+    """One class's count of blocks held, its history, its duel, and the way its blocks are admitted by. The duel's
+    way orders victims at once; a change of admission waits where it could split a chain being published: into
+    `forget`, until a block its history does not remember comes (the blocks of a chain come tail first and a head is
+    remembered at least as high as its tail: switching at a remembered one could admit a head below its tail)."""
+    __slots__ = ("held", "history", "records", "duel", "way")
 
-    def __init__(self) -> None:
-        self.lists: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(LEVELS)]
+    def __init__(self, by_chain: bool) -> None:
         self.held = 0
         self.history = History()            # per class: one tenant's evictions never push another's out
-        self.duel = Duel(self.history.level)
+        self.records = self.history.records
+        self.duel = Duel(self.records.level, by_chain)
         self.way = self.duel.way            # the way blocks are admitted by
 
+    def admitted_at(self, remembered: int, carry: int) -> int:
+        """The level (0-based) a block the class does not hold comes in at: by the admitting way, from what the
+        history remembers of it, never below the block placed just before it (`carry`)."""
+        duel = self.duel
+        if self.way != duel.way and (duel.way not in ANEW or remembered == 0):
+            self.way = duel.way
+        return max(0 if self.way in ANEW else min(remembered, TOP), carry)
 
-class HistoryPolicy:
-    """See the module docstring. Keys are whatever the tier books blocks by (host pool: the key table's keys; SSD:
-    block ids); a class is a slot class (host) or a block size (SSD)."""
-    name = "history"
 
-    def __init__(self, reads_pin: bool = True) -> None:
-        self.reads_pin = reads_pin
+class _Levels:
+    """What both shapes share: the classes, the row of placements (`_carry`), the duel's questions."""
+
+    def __init__(self, by_chain: bool) -> None:
         self._classes: dict[int, _Class] = {}
-        self._where: dict[bytes, tuple[int, int]] = {}     # key -> (class, level - 1)
-        self._pinned: set[bytes] = set()
-        self._tick = 0
+        self._by_chain = by_chain
         self._carry = -1        # the level of the block placed just before, while blocks are placed in a row
 
     def _cls(self, cls: int) -> _Class:
         c = self._classes.get(cls)
         if c is None:
-            c = self._classes[cls] = _Class()
+            c = self._classes[cls] = _Class(self._by_chain)
         return c
-
-    def _place(self, key: bytes, cls: int, level: int) -> None:
-        """`key` at the most recent end of level `level` (0-based) of its class, unless pinned."""
-        old = self._where.get(key)
-        if old is not None and key not in self._pinned:
-            del self._classes[old[0]].lists[old[1]][key]
-        self._where[key] = (cls, level)
-        if key not in self._pinned:
-            self._tick += 1
-            self._cls(cls).lists[level][key] = self._tick
-
-    def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
-        c = self._cls(cls)
-        old = self._where.get(key)
-        if old is not None:
-            level = self._carry = min(old[1] + 1, LEVELS - 1)
-        else:
-            c.held += 1
-            remembered = c.history.level(key)
-            if c.way != c.duel.way and (c.duel.way not in ANEW or remembered == 0):
-                c.way = c.duel.way
-            level = max(0 if c.way in ANEW else min(remembered, LEVELS - 1), self._carry)
-        self._carry = level
-        c.duel.used(key, c.held, level)
-        self._place(key, cls, level)
-        c.history.size_for(c.held)
-
-    def accessed(self, key: bytes, touch: Touch | None = None) -> None:
-        where = self._where.get(key)
-        if where is None:
-            return
-        c = self._classes[where[0]]
-        level = self._carry = min(where[1] + 1, LEVELS - 1)
-        c.duel.used(key, c.held, level, hit=not self.reads_pin)   # host: a store after its read
-        self._place(key, where[0], level)
 
     def asked(self, keys: list[bytes], cls: int) -> None:
         """A request asked for this chain of the class (head first): the shadows score what each way would hold."""
@@ -138,17 +109,165 @@ class HistoryPolicy:
         if c is not None:
             c.duel.asked(keys, c.held)
 
+    def _histories(self) -> dict[str, Any]:
+        return {"history_records": sum(c.history.remembered for c in self._classes.values()),
+                "history_bytes": sum(c.history.nbytes for c in self._classes.values()),
+                "classes": {str(cls): {"way": c.duel.way, "admitting": c.way, "switches": c.duel.switches,
+                                       "shadow_hits": c.duel.hits(), "sample_rate": c.duel.rate}
+                            for cls, c in self._classes.items()}}
+
+    def report(self) -> dict[str, Any]:
+        """`kvstore stats`: blocks per level (used once, twice, LEVELS or more times), the histories' records and
+        bytes, and each class's way, how often it changed, and its shadows' recent hits (kvstore.policy)."""
+        return self.levels()
+
+    def levels(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class HistoryPolicy(_Levels):
+    """The host pool's: levels are the key table's (kvstore.index.keytable: a class's list split by level, `use`,
+    `pick`), so every hook is one or two native calls; a class's count, history and duel are here. The shadows
+    learn from the requests' chains only (`asked`: every lookup and get)."""
+    name = "history"
+
+    def __init__(self, table: KeyTable) -> None:
+        super().__init__(by_chain=True)
+        self.table = table
+
+    def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
+        c = self._classes.get(cls) or self._cls(cls)
+        c.held += 1
+        if c.way != c.duel.way:
+            level = c.admitted_at(c.records.level(key), self._carry)
+        elif c.way in ANEW:                     # (the history is not asked: a block comes at level 1)
+            level = max(0, self._carry)
+        else:
+            level = max(min(c.records.level(key), TOP), self._carry)
+        self._carry = level
+        if level:
+            self.table.set_level(key, level)
+        if c.held > c.history.grow_at:
+            c.history.size_for(c.held)
+
+    def accessed(self, key: bytes, touch: Touch | None = None) -> None:
+        level = self.table.use(key, TOP)
+        if level >= 0:
+            self._carry = level
+
+    def pinned(self, key: bytes) -> None:
+        """A read (the index pins what it reads): a use, and no candidate until unpinned."""
+        self._carry = -1
+        self.table.use(key, TOP, True)
+
+    def unpinned(self, key: bytes) -> None:
+        self._carry = -1
+        self.table.relink(key)
+
+    def removed(self, key: bytes) -> None:
+        self._carry = -1
+        at = self.table.placement(key)
+        if at >= 0:
+            c = self._classes[at >> 2]
+            c.held -= 1
+            c.records.record(key, (at & 3) + 1)
+            if c.held < c.history.shrink_at:
+                c.history.size_for(c.held)
+
+    def moved(self, key: bytes, src: int, dst: int) -> None:
+        pass                                    # the key keeps its place in the table's lists: only its gid changed
+
+    def victim(self, cls: int) -> bytes | None:
+        self._carry = -1
+        c = self._classes.get(cls)
+        got = None if c is None else self.table.pick(cls, AGING[c.duel.choose()])
+        return None if got is None else got[0]
+
     def admits(self, victim: bytes, touch: Touch | None) -> bool:
         """Whether the index may evict `victim` for a block coming (asked only where an eviction drops the block):
         not under `bypass` if the victim was used more than once. The block coming enters at level 1 and would be
         the next to go, so the put stops there (Belady's bypass, estimated by reuse: a round robin of sessions
         larger than the pool keeps the resident ones whole instead of cutting their tails for a session that will
         not fit; where the traffic moves, a pool that stores nothing new loses, and the `bypass` shadow shows it)."""
+        at = self.table.placement(victim)
+        if at < 0:
+            return True
+        duel = self._classes[at >> 2].duel
+        duel.refuse()
+        return at & 3 == 0 or duel.way != "bypass"
+
+    def nbytes(self) -> int:
+        """The books besides the key table's levels (its own nbytes): the histories and the shadows."""
+        return sum(c.history.nbytes + c.duel.nbytes() for c in self._classes.values())
+
+    def levels(self) -> dict[str, Any]:
+        """See `report`."""
+        out: dict[str, Any] = {f"used_{i + 1}": sum(self.table.class_len(cls, i) for cls in self._classes)
+                               for i in range(LEVELS)}
+        out.update(self._histories())
+        return out
+
+
+class HistoryOrder(_Levels):
+    """A lower tier's (and a model's: bench/family_offline.py), keys of any length: LEVELS recency lists per class
+    (key -> tick of its last use, oldest first). Keys are whatever the tier books blocks by (the SSD: block ids); a
+    class is a block size. With `reads_pin` a read is a pin, as in the host pool."""
+    name = "history"
+
+    def __init__(self, reads_pin: bool = False) -> None:
+        super().__init__(by_chain=False)
+        self.reads_pin = reads_pin
+        self._lists: dict[int, list[OrderedDict[bytes, int]]] = {}
+        self._where: dict[bytes, tuple[int, int]] = {}     # key -> (class, level - 1)
+        self._pinned: set[bytes] = set()
+        self._tick = 0
+
+    def _class_lists(self, cls: int) -> list[OrderedDict[bytes, int]]:
+        lists = self._lists.get(cls)
+        if lists is None:
+            lists = self._lists[cls] = [OrderedDict() for _ in range(LEVELS)]
+        return lists
+
+    def _place(self, key: bytes, cls: int, level: int) -> None:
+        """`key` at the most recent end of level `level` (0-based) of its class, unless pinned."""
+        old = self._where.get(key)
+        if old is not None and key not in self._pinned:
+            del self._lists[old[0]][old[1]][key]
+        self._where[key] = (cls, level)
+        if key not in self._pinned:
+            self._tick += 1
+            self._class_lists(cls)[level][key] = self._tick
+
+    def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
+        c = self._cls(cls)
+        old = self._where.get(key)
+        if old is not None:
+            level = min(old[1] + 1, TOP)
+        else:
+            c.held += 1
+            level = c.admitted_at(c.records.level(key), self._carry)
+        self._carry = level
+        c.duel.used(key, c.held, level)
+        self._place(key, cls, level)
+        if c.held > c.history.grow_at:
+            c.history.size_for(c.held)
+
+    def accessed(self, key: bytes, touch: Touch | None = None) -> None:
+        where = self._where.get(key)
+        if where is None:
+            return
+        c = self._classes[where[0]]
+        level = self._carry = min(where[1] + 1, TOP)
+        c.duel.used(key, c.held, level, hit=not self.reads_pin)   # host: a store after its read
+        self._place(key, where[0], level)
+
+    def admits(self, victim: bytes, touch: Touch | None) -> bool:
+        """See HistoryPolicy.admits."""
         where = self._where.get(victim)
         if where is None:
             return True
         duel = self._classes[where[0]].duel
-        duel.refusing = True
+        duel.refuse()
         return where[1] == 0 or duel.way != "bypass"
 
     def removed(self, key: bytes) -> None:
@@ -160,19 +279,21 @@ class HistoryPolicy:
         if key in self._pinned:
             self._pinned.discard(key)
         else:
-            del c.lists[where[1]][key]
+            del self._lists[where[0]][where[1]][key]
         c.held -= 1
         c.duel.shrunk(c.held)
-        c.history.record(key, where[1] + 1)
+        c.records.record(key, where[1] + 1)
+        if c.held < c.history.shrink_at:
+            c.history.size_for(c.held)
 
     def pinned(self, key: bytes) -> None:
-        """A read (the index pins what it reads): a use, and no candidate until unpinned."""
+        """A read where reads pin (a model of the host pool): a use, and no candidate until unpinned."""
         self._carry = -1
         where = self._where.get(key)
         if where is not None and key not in self._pinned:
             c = self._classes[where[0]]
-            del c.lists[where[1]][key]
-            level = min(where[1] + 1, LEVELS - 1)
+            del self._lists[where[0]][where[1]][key]
+            level = min(where[1] + 1, TOP)
             c.duel.used(key, c.held, level)
             self._pinned.add(key)
             self._where[key] = (where[0], level)
@@ -183,15 +304,16 @@ class HistoryPolicy:
         if where is not None and key in self._pinned:
             self._pinned.discard(key)
             self._tick += 1
-            self._classes[where[0]].lists[where[1]][key] = self._tick
+            self._lists[where[0]][where[1]][key] = self._tick
 
-    def moved(self, key: bytes, src: int, dst: int) -> None:
-        pass                                    # books by key: a block's slot is not the policy's business
+    def level_of(self, key: bytes) -> int:
+        """The level (0-based) of a held key; KeyError if not held."""
+        return self._where[key][1]
 
     def victim(self, cls: int) -> bytes | None:
         self._carry = -1
         c = self._classes.get(cls)
-        return None if c is None else pick(c.lists, AGING[c.duel.choose()], self._tick)
+        return None if c is None else pick(self._lists[cls], AGING[c.duel.choose()], self._tick)
 
     def oldest_tick(self, cls: int) -> int | None:
         """When the class's next victim was last used, on this policy's clock (one for all classes), None if the
@@ -199,27 +321,19 @@ class HistoryPolicy:
         c = self._classes.get(cls)
         if c is None:
             return None
-        key = pick(c.lists, AGING[c.duel.way], self._tick)
-        return None if key is None else c.lists[self._where[key][1]][key]
+        lists = self._lists[cls]
+        key = pick(lists, AGING[c.duel.way], self._tick)
+        return None if key is None else lists[self._where[key][1]][key]
 
     def nbytes(self) -> int:
-        """The books' memory: the history, the per-block dicts and the shadows (keys are the key table's objects)."""
+        """The books' memory: the history, the per-block dicts and the shadows (keys are the tier's objects)."""
         books = sys.getsizeof(self._where) + sys.getsizeof(self._pinned)
-        books += sum(sys.getsizeof(lst) for c in self._classes.values() for lst in c.lists)
+        books += sum(sys.getsizeof(lst) for lists in self._lists.values() for lst in lists)
         return books + sum(c.history.nbytes + c.duel.nbytes() for c in self._classes.values())
-
-    def report(self) -> dict[str, Any]:
-        """`kvstore stats`: blocks per level (used once, twice, LEVELS or more times), the histories' records and
-        bytes, and each class's way, how often it changed, and its shadows' recent hits (kvstore.policy)."""
-        return self.levels()
 
     def levels(self) -> dict[str, Any]:
         """See `report`."""
-        out: dict[str, Any] = {f"used_{i + 1}": sum(len(c.lists[i]) for c in self._classes.values())
+        out: dict[str, Any] = {f"used_{i + 1}": sum(len(lists[i]) for lists in self._lists.values())
                                for i in range(LEVELS)}
-        out.update(history_records=sum(c.history.remembered for c in self._classes.values()),
-                   history_bytes=sum(c.history.nbytes for c in self._classes.values()))
-        out["classes"] = {str(cls): {"way": c.duel.way, "admitting": c.way, "switches": c.duel.switches,
-                                     "shadow_hits": c.duel.hits(), "sample_rate": c.duel.rate}
-                          for cls, c in self._classes.items()}
+        out.update(self._histories())
         return out

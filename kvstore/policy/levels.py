@@ -1,23 +1,23 @@
-"""What the `history` policy remembers of the blocks it evicted: their level (how often each was used), by an 8-byte
-fingerprint, in a bounded history that forgets the oldest evictions first (kvstore.policy.history uses it, and the
-`remember` shadow of kvstore.policy.shadow keeps one of its own).
+"""What the `history` policy remembers of the blocks it evicted: their level (how often each was used), in a bounded
+history that forgets the oldest evictions first (kvstore.policy.history uses it, and the `remember` shadow of
+kvstore.policy.shadow asks it).
 
-`pick` is the victim rule both share: the least recently used block of the lowest non-empty level, or, aging by a
-factor F, the least recently used of all levels' oldest blocks that have gone unused for F times as long as the
-oldest block of the lowest level has (a block's uses protect it for a while, not for ever). F = 1 is plain LRU over
-all levels; no factor, levels for ever.
+`pick` is the victim rule of the levels kept in dicts (a lower tier's, the shadows'; the host pool's levels are the
+key table's, kvstore.index.keytable, with the same rule): the least recently used block of the lowest non-empty
+level, or, aging by a factor F, the least recently used of all levels' oldest blocks that have gone unused for F
+times as long as the oldest block of the lowest level has (a block's uses protect it for a while, not for ever).
+F = 1 is plain LRU over all levels; no factor, levels for ever.
 """
 from __future__ import annotations
 
+import os
+import sys
 from collections import OrderedDict
-from typing import TypeVar
-
-import numpy as np
+from typing import Protocol, TypeVar
 
 LEVELS = 3                  # used once, twice, three times or more
 HISTORY_FACTOR = 20         # evicted blocks remembered per block held
-GENERATIONS = 8             # the history forgets a generation (an eighth of it) at a time
-MIN_GENERATION = 1024
+MIN_RECORDS = 8192          # ... and at least this many
 
 K = TypeVar("K")
 
@@ -50,60 +50,93 @@ def fingerprint(key: bytes) -> int:
     return hash(key) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-class History:
-    """The levels of evicted blocks, by 8-byte fingerprint, forgotten a generation at a time, oldest first. The
-    newest generation is a dict; when it holds `generation` records it is merged into three sorted arrays
-    (fingerprint, level, generation: 10 bytes a record, one binary search a look), and the oldest generation leaves
-    when there are GENERATIONS of them. A fingerprint recorded twice answers with its newest record."""
+class Records(Protocol):
+    """A bounded history of records key -> level (1..255), the newest `capacity`: kvstore._kvindex.History (a ring
+    and an index over it, 17–25 bytes a record, native/kvindex.c) or PyRecords."""
 
-    def __init__(self) -> None:
-        self.generation = MIN_GENERATION
-        self._new: dict[int, int] = {}
-        self._gen = 0                                   # the newest frozen generation's number
-        self._fps = np.empty(0, np.int64)
-        self._levels = np.empty(0, np.uint8)
-        self._gens = np.empty(0, np.uint8)
+    capacity: int
 
-    def size_for(self, held: int) -> None:
-        """Remember HISTORY_FACTOR evictions per block held (from the next generation on)."""
-        self.generation = max(MIN_GENERATION, held * HISTORY_FACTOR // GENERATIONS)
+    def record(self, key: bytes, level: int) -> None: ...
+    def level(self, key: bytes, /) -> int: ...
+    def resize(self, capacity: int, /) -> None: ...
+    def nbytes(self) -> int: ...
+    def __len__(self) -> int: ...
+
+
+class PyRecords:
+    """The pure-Python fallback of the native History: an OrderedDict, oldest first (about 100 bytes a record)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._d: OrderedDict[bytes, int] = OrderedDict()
 
     def record(self, key: bytes, level: int) -> None:
-        self.record_fp(fingerprint(key), level)
+        if not 1 <= level <= 255:
+            raise ValueError(f"level must be in 1..255, got {level}")
+        self._d.pop(key, None)
+        self._d[key] = level
+        if len(self._d) > self.capacity:
+            self._d.popitem(last=False)
 
-    def record_fp(self, fp: int, level: int) -> None:
-        self._new[fp] = level
-        if len(self._new) >= self.generation:
-            self._freeze()
+    def level(self, key: bytes, /) -> int:
+        return self._d.get(key, 0)
 
-    def _freeze(self) -> None:
-        self._gen = (self._gen + 1) & 0xFF
-        keep = ((self._gen - self._gens.astype(np.int64)) & 0xFF) < GENERATIONS - 1   # with the new: GENERATIONS
-        fps = np.concatenate([self._fps[keep], np.fromiter(self._new.keys(), np.int64, len(self._new))])
-        levels = np.concatenate([self._levels[keep], np.fromiter(self._new.values(), np.uint8, len(self._new))])
-        ages = np.concatenate([((self._gen - self._gens[keep].astype(np.int64)) & 0xFF),
-                               np.zeros(len(self._new), np.int64)])
-        order = np.lexsort((-ages, fps))               # by fingerprint, the newest record of one last
-        self._fps, self._levels = fps[order], levels[order]
-        self._gens = ((self._gen - ages[order]) & 0xFF).astype(np.uint8)
-        self._new = {}
+    def resize(self, capacity: int, /) -> None:
+        self.capacity = capacity
+        while len(self._d) > capacity:
+            self._d.popitem(last=False)
+
+    def nbytes(self) -> int:
+        return sys.getsizeof(self._d) + 100 * len(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def _records(capacity: int) -> Records:
+    if os.environ.get("KVSTORE_NO_NATIVE", "") in ("", "0"):
+        try:
+            from kvstore._kvindex import History as NativeRecords
+        except ImportError:
+            pass
+        else:
+            return NativeRecords(capacity)          # type: ignore[no-any-return]
+    return PyRecords(capacity)
+
+
+class History:
+    """The levels of a class's evicted blocks: HISTORY_FACTOR records per block the class holds (at least
+    MIN_RECORDS), the oldest forgotten first. `records` answers the hot path (`level`, `record`: one native call
+    each); `size_for` follows the class's size, growing by a quarter ahead and shrinking to what it needs when that is
+    under half of what it has (`grow_at`, `shrink_at`: the caller asks only past them)."""
+
+    def __init__(self) -> None:
+        self.records = _records(MIN_RECORDS)
+        self.grow_at = MIN_RECORDS // HISTORY_FACTOR
+        self.shrink_at = -1
+
+    def size_for(self, held: int) -> None:
+        want = max(MIN_RECORDS, held * HISTORY_FACTOR)
+        have = self.records.capacity
+        if want > have:
+            self.records.resize(want + want // 4)
+        elif want < have // 2:
+            self.records.resize(want)
+        have = self.records.capacity
+        self.grow_at = have // HISTORY_FACTOR
+        self.shrink_at = have // (2 * HISTORY_FACTOR) if have // 2 > MIN_RECORDS else -1
+
+    def record(self, key: bytes, level: int) -> None:
+        self.records.record(key, level)
 
     def level(self, key: bytes) -> int:
         """The level the block left with (0: not remembered)."""
-        return self.level_of(fingerprint(key))
-
-    def level_of(self, f: int) -> int:
-        got = self._new.get(f)
-        if got is not None or not len(self._fps):
-            return got or 0
-        i = int(self._fps.searchsorted(f, "right")) - 1
-        return int(self._levels[i]) if i >= 0 and self._fps[i] == f else 0
+        return self.records.level(key)
 
     @property
     def remembered(self) -> int:
-        return len(self._new) + len(self._fps)
+        return len(self.records)
 
     @property
     def nbytes(self) -> int:
-        """The frozen records' arrays (10 bytes a record) and the newest generation's dict (about 100 a record)."""
-        return self._fps.nbytes + self._levels.nbytes + self._gens.nbytes + 100 * len(self._new)
+        return self.records.nbytes()

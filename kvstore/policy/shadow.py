@@ -144,7 +144,7 @@ class Shadow:
 class Duel:
     """The shadows of one class and the way the real policy follows (see the module docstring)."""
 
-    def __init__(self, remembered: Callable[[bytes], int]) -> None:
+    def __init__(self, remembered: Callable[[bytes], int], by_chain: bool = False) -> None:
         self.remembered = remembered            # the real policy's history: the level an evicted key left with
         self.shadows = [Shadow(w) for w in WAYS]
         self.rate = 1
@@ -153,7 +153,13 @@ class Duel:
         self.switches = 0
         self.chain: list[bytes] = []            # the last chain asked for (head first)
         self.refusing = False                   # the index asks `admits` (no lower tier): `bypass` may be followed
-        self.by_chain = False                   # scored by `asked` (the host pool), else by reads (a lower tier)
+        self.by_chain = by_chain                # scored by `asked` (the host pool), else by reads (a lower tier)
+        self._scored = True                     # hits changed since the way was last chosen
+
+    def refuse(self) -> None:
+        """The index asked whether a block may be evicted for another (no lower tier): `bypass` may be followed."""
+        if not self.refusing:
+            self.refusing = self._scored = True
 
     def used(self, key: bytes, held: int, level: int, hit: bool = True) -> None:
         """A block of a class that holds `held` blocks was stored or read (`hit`: count a hit where a shadow holds
@@ -207,6 +213,7 @@ class Duel:
     def _count(self, events: int, size: int) -> None:
         """Hits are halved every WINDOW shadow-occupancies of events."""
         self.events += events
+        self._scored = True
         if self.events >= WINDOW * max(16, size):
             self.events = 0
             for s in self.shadows:
@@ -224,7 +231,11 @@ class Duel:
                 s.trim(size)
 
     def choose(self) -> str:
-        """The way to follow now: the current one unless another is ahead by MARGIN and MIN_LEAD."""
+        """The way to follow now: the current one unless another is ahead by MARGIN and MIN_LEAD (weighed again
+        only after the shadows scored: an eviction asks this, and most follow no new score)."""
+        if not self._scored:
+            return self.way
+        self._scored = False
         hits = {s.way: s.hits for s in self.shadows}
         best = max((w for w in WAYS if self.refusing or w != "bypass"), key=hits.__getitem__)
         if best != self.way and hits[best] > max(hits[self.way] * MARGIN, hits[self.way] + MIN_LEAD):

@@ -11,7 +11,8 @@ import random
 import pytest
 
 from kvstore.policy import make_tier_policy
-from kvstore.policy.history import HistoryPolicy
+from kvstore.index.keytable import KeyTable
+from kvstore.policy.history import HistoryOrder, HistoryPolicy
 from kvstore.policy.shadow import SHADOW_BLOCKS
 from tests.conftest import spec
 
@@ -47,6 +48,23 @@ class LruHooks:
         return self.order.victim(cls)
 
 
+def host() -> HistoryPolicy:
+    """The host pool's history policy, over a key table of its own (the index's, in the daemon)."""
+    return HistoryPolicy(KeyTable())
+
+
+def add(p: HistoryPolicy, key: bytes) -> None:
+    """A block stored, as the index does it: into the key table, then the policy."""
+    p.table.insert(key, 0, 0)
+    p.added(key, 0)
+
+
+def drop(p: HistoryPolicy, key: bytes) -> None:
+    """A block evicted, as the index does it: the policy, then out of the key table."""
+    p.removed(key)
+    p.table.remove(key)
+
+
 def index_replay(policy, reqs: list[list[int]], cap: int, bypass: bool = True) -> float:
     """Requests through `policy` in the host index's order, as the vLLM connector saves them: look the chain up,
     read the held prefix (pin head first, unpin tail first), then reserve the missing blocks head first — each
@@ -59,6 +77,7 @@ def index_replay(policy, reqs: list[list[int]], cap: int, bypass: bool = True) -
     hit = total = 0
     admits = getattr(policy, "admits", None) if bypass else None
     admits = admits or (lambda victim, touch: True)
+    table = getattr(policy, "table", None)                  # the host policy's levels are the key table's
     for chain in reqs:
         n = next((i for i, b in enumerate(chain) if b not in held), len(chain))
         hit, total = hit + n, total + len(chain)
@@ -82,12 +101,16 @@ def index_replay(policy, reqs: list[list[int]], cap: int, bypass: bool = True) -
                     break
                 held.discard(int.from_bytes(v, "big"))
                 policy.removed(v)
+                if table is not None:
+                    table.remove(v)
             reserved.append(b)
         for b in reversed(chain[:end]):
             if b in held:
                 policy.accessed(k(b))
             elif b in reserved:
                 held.add(b)
+                if table is not None:
+                    table.insert(k(b), b, 0)
                 policy.added(k(b), 0)
         orphans = [b for b in held if parent[b] is not None and parent[b] not in held]
         assert not orphans, f"blocks kept without their predecessor: {orphans[:5]}"
@@ -140,7 +163,7 @@ def test_chains_stay_prefix_closed_and_hits_beat_lru_on_the_public_trace():
     keeping; the policy starts as LRU and leaves it for a way that remembers uses (8.5% of blocks hit against
     7.8%)."""
     reqs = [json.loads(line)["hash_ids"] for line in gzip.open(TRACE, "rt")]
-    p = HistoryPolicy()
+    p = host()
     ours, lru = index_replay(p, reqs, distinct(reqs) // 50), index_replay(LruHooks(), reqs, distinct(reqs) // 50)
     assert ours > lru + 0.004, (ours, lru)
     assert p.levels()["classes"]["0"]["switches"] > 0
@@ -151,13 +174,13 @@ def test_a_round_robin_of_sessions_larger_than_the_pool_keeps_the_resident_ones(
     block in place of one used again (`bypass`) keeps some sessions hitting, and the class follows that way."""
     reqs = sessions_round_robin(sessions=8, turns=30)
     cap = distinct(reqs) // 4
-    p = HistoryPolicy()
+    p = host()
     ours, lru = index_replay(p, reqs, cap), index_replay(LruHooks(), reqs, cap)
     assert p.levels()["classes"]["0"]["way"] == "bypass"
     assert ours > lru + 0.08, (ours, lru)
     # where an eviction demotes (a lower tier: the index never asks `admits`), the same traffic cannot bypass:
     # forgetting is the best the shadows can show, and the class follows it
-    p = HistoryPolicy()
+    p = host()
     assert index_replay(p, reqs, cap, bypass=False) > lru + 0.02
     assert p.levels()["classes"]["0"]["way"] == "forget"
 
@@ -168,7 +191,7 @@ def test_a_moving_working_set_is_not_kept_for_its_past_uses():
     points below it here)."""
     reqs = shifting_sessions()
     cap = distinct(reqs) // 10
-    p = HistoryPolicy()
+    p = host()
     ours, lru = index_replay(p, reqs, cap), index_replay(LruHooks(), reqs, cap)
     assert ours > lru - 0.005, (ours, lru)
     assert p.levels()["classes"]["0"]["way"] in ("aging", "lru")
@@ -176,68 +199,68 @@ def test_a_moving_working_set_is_not_kept_for_its_past_uses():
     # seen to lose by the other shadows (they serve the requests themselves), and left (fed only by what the
     # pool stored, the shadows once kept it there, 25 points below LRU)
     cap = distinct(reqs) // 100
-    ours, lru = index_replay(HistoryPolicy(), reqs, cap), index_replay(LruHooks(), reqs, cap)
+    ours, lru = index_replay(host(), reqs, cap), index_replay(LruHooks(), reqs, cap)
     assert ours > lru - 0.01, (ours, lru)
 
 
 def test_a_switch_into_forget_waits_for_a_block_the_history_does_not_remember():
     """A chain comes tail first, its head remembered at least as high as its tail: admitting the head at level 1
     after the tail at its remembered level would leave the tail behind its head."""
-    p = HistoryPolicy()
+    p = host()
     for i in (1, 2):
-        p.added(k(i), 0)
+        add(p, k(i))
         p.pinned(k(i))
         p.unpinned(k(i))                # used twice
-    p.removed(k(2))
-    p.removed(k(1))                     # remembered at level 2 (tail first)
+    drop(p, k(2))
+    drop(p, k(1))                     # remembered at level 2 (tail first)
     c = p._classes[0]
     c.duel.way = "forget"               # the shadows now favour forgetting
-    p.added(k(2), 0)                    # the tail comes back: remembered, so still admitted by the old way
-    p.added(k(1), 0)                    # ... and its head
-    assert c.way != "forget" and p._where[k(1)][1] >= p._where[k(2)][1] == 2
+    add(p, k(2))                    # the tail comes back: remembered, so still admitted by the old way
+    add(p, k(1))                    # ... and its head
+    assert c.way != "forget" and p.table.level_of(k(1)) >= p.table.level_of(k(2)) == 2
     p.asked([k(3)], 0)                  # another request (its lookup) ...
-    p.added(k(3), 0)                    # ... stores a block never seen: now the way changes
-    assert c.way == "forget" and p._where[k(3)][1] == 0
+    add(p, k(3))                    # ... stores a block never seen: now the way changes
+    assert c.way == "forget" and p.table.level_of(k(3)) == 0
 
 
 def test_a_head_stored_again_alone_never_comes_back_below_its_tail():
     """A chain's head stored alone (its put stopped after it) under `forget` and evicted again leaves a lower record
     than its tail's older one; when the chain comes back, tail first, the head is still placed at least as high as
     its tail (else the tail would outlive it)."""
-    p = HistoryPolicy()
-    p.added(k(2), 0)                                   # one chain: tail, then head
-    p.added(k(1), 0)
+    p = host()
+    add(p, k(2))                                   # one chain: tail, then head
+    add(p, k(1))
     for key in (k(1), k(2)):
         p.pinned(key)                                  # read: used twice
     for key in (k(2), k(1)):
         p.unpinned(key)
-    p.removed(k(2))
-    p.removed(k(1))                                    # both remembered at level 2
+    drop(p, k(2))
+    drop(p, k(1))                                    # both remembered at level 2
     c = p._classes[0]
     c.way = c.duel.way = "forget"
     p.asked([k(1)], 0)
-    p.added(k(1), 0)                                   # the head alone, at level 1 ...
-    p.removed(k(1))                                    # ... and evicted: remembered at level 1
+    add(p, k(1))                                   # the head alone, at level 1 ...
+    drop(p, k(1))                                    # ... and evicted: remembered at level 1
     assert c.history.level(k(1)) < c.history.level(k(2))
     c.way = c.duel.way = "remember"
     p.asked([k(1), k(2)], 0)
-    p.added(k(2), 0)                                   # the chain again, tail first
-    p.added(k(1), 0)
-    assert p._where[k(1)][1] >= p._where[k(2)][1] == 2
+    add(p, k(2))                                   # the chain again, tail first
+    add(p, k(1))
+    assert p.table.level_of(k(1)) >= p.table.level_of(k(2)) == 2
 
 
 @pytest.mark.parametrize("asked", [False, True])
 def test_the_shadows_sample_a_large_class_and_stay_bounded(asked):
     """Fed block by block (a lower tier) or serving requests' chains (the host pool), no shadow holds more than
     about SHADOW_BLOCKS keys, all of the sample."""
-    p = HistoryPolicy()
+    p = host() if asked else HistoryOrder()
     n = 4 * SHADOW_BLOCKS
     for start in range(0, n, 64):
         chain = [k(i) for i in range(start, start + 64)]
         if asked:
             p.asked(chain, 0)
         for key in reversed(chain):
-            p.added(key, 0)
+            add(p, key) if asked else p.added(key, 0)
     duel = p._classes[0].duel
     assert duel.rate >= 4 and duel.by_chain == asked
     for s in duel.shadows:
