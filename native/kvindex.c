@@ -686,29 +686,32 @@ static PyTypeObject KeyTableType = {
 };
 
 /* ==== History: what the `history` eviction policy remembers of the blocks it evicted (kvstore.policy.levels) ====
- *   History(capacity) remembers up to `capacity` records key -> level (1..255), forgetting the oldest first.
- *     h.record(key, level)     a record, the newest (a key recorded again: only the new record stays)
+ *   History(capacity) remembers the last `capacity` records key -> level (1..255) made, forgetting the oldest
+ *   first; a key's answer is its newest record among them (one recorded again leaves a dead record behind).
+ *     h.record(key, level)     a record, the newest
  *     h.level(key) -> int      the key's level, 0 if not remembered
  *     h.resize(capacity)       keeps the newest records that fit
  *     len(h), h.capacity, h.nbytes()
- *   Keys are any bytes (the host pool's 20-byte keys, the SSD tier's block ids), known by a 64-bit fingerprint.
- *   LAYOUT: a ring of the records' fingerprints in the order they came (8 bytes; 0 = a dead record, one recorded
- *   again later) and an open-addressing index (linear probing from the fingerprint's top bits, load <= 3/4,
- *   backward-shift deletion) of 8-byte entries: ring position + 1 (32 bits), 24 more bits of the fingerprint, the
- *   level — 19–29 bytes a record. An entry of the key's probe run is taken as its when 24 bits match (a stranger
- *   matches about once in 10^7 lookups: it is answered that stranger's level, a hint, never data). A lookup reads
- *   one cache line of the index; a record also the ring's oldest end. Every operation is O(1) but resize. */
+ *   Keys are any bytes (the host pool's 20-byte keys, the SSD tier's block ids), known by a 56-bit fingerprint.
+ *   LAYOUT: a ring of the records in the order they came, 8 bytes each: the fingerprint's top 56 bits and the level
+ *   (0 = a dead record: one recorded again later); an open-addressing index (linear probing from the fingerprint's
+ *   top bits, load <= 3/4, backward-shift deletion) of 8-byte entries: ring position + 1 (low 32 bits; 0 = empty)
+ *   and the fingerprint's top 32 bits, so that an entry's home is known without reading the ring — 19–29 bytes a
+ *   record. A look reads one line of the index, and the ring's record where the entry's 32 bits match; records
+ *   are gathered HX_PENDING at a time and go in together (hx_flush). Every operation is O(1) but resize. */
+#define HX_PENDING 32               /* records gathered before they go in together (their misses overlap) */
 typedef struct {
     PyObject_HEAD
-    uint64_t *fps;          /* ring: fingerprints, oldest at `first` */
-    uint64_t *ix;           /* index: pos + 1 (bits 0-31; 0 = empty), tag (32-55), level (56-63) */
+    uint64_t *ring;         /* fingerprint's top 56 bits | level; oldest at `first` */
+    uint64_t *ix;           /* pos + 1 (bits 0-31; 0 = empty) | fingerprint's top 32 bits (32-63) */
     uint32_t cap, first, used;      /* ring capacity, oldest position, positions used (live or dead) */
     uint32_t live, bits;            /* live records; the index has 2^bits slots */
+    uint64_t pend[HX_PENDING];      /* records not yet in the ring, oldest first (fingerprint's top 56 | level) */
+    uint32_t npend;
 } History;
 
 #define HX_POS(e) ((uint32_t)(e))
-#define HX_TAG(fp) (((fp) >> 8) & 0xFFFFFFull)            /* below the home bits (top) */
-#define HX_MATCH(e, fp) ((((e) >> 32) & 0xFFFFFFull) == HX_TAG(fp))
+#define HX_ID(fp) ((fp) & ~0xFFull)                 /* what the ring keeps of a fingerprint */
 
 static uint64_t fp_of(const uint8_t *p, Py_ssize_t n) {
     uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
@@ -716,24 +719,28 @@ static uint64_t fp_of(const uint8_t *p, Py_ssize_t n) {
     uint64_t tail = 0;
     memcpy(&tail, p, (size_t)n);
     h ^= tail; h *= 0xc4ceb9fe1a85ec53ull; h ^= h >> 29; h *= 0xff51afd7ed558ccdull; h ^= h >> 32;
-    return h ? h : 1;
+    return h;
 }
 
+static inline uint32_t hx_home_of_entry(const History *h, uint64_t e) { return (uint32_t)(e >> (64 - h->bits)); }
 static inline uint32_t hx_home(const History *h, uint64_t fp) { return (uint32_t)(fp >> (64 - h->bits)); }
 
 /* The index slot of fp's entry, or -1 (with *hole the empty slot that ends its run). */
 static int64_t hx_find(const History *h, uint64_t fp, uint32_t *hole) {
     uint32_t mask = (1u << h->bits) - 1;
+    uint64_t hi = fp & 0xFFFFFFFF00000000ull;
     for (uint32_t i = hx_home(h, fp);; i = (i + 1) & mask) {
         uint64_t e = h->ix[i];
         if (!e) { if (hole) *hole = i; return -1; }
-        if (HX_MATCH(e, fp)) return i;
+        if ((e & 0xFFFFFFFF00000000ull) == hi && HX_ID(h->ring[HX_POS(e) - 1]) == HX_ID(fp)) return i;
     }
 }
 
-/* The index slot of the entry for ring position pos (whose fingerprint is fp). */
-static uint32_t hx_slot_of(const History *h, uint64_t fp, uint32_t pos) {
-    uint32_t mask = (1u << h->bits) - 1, i = hx_home(h, fp);
+static inline int hx_level_at(const History *h, int64_t i) { return (int)(h->ring[HX_POS(h->ix[i]) - 1] & 0xFF); }
+
+/* The index slot of the entry for ring position pos (whose fingerprint's top bits are in rec). */
+static uint32_t hx_slot_of(const History *h, uint64_t rec, uint32_t pos) {
+    uint32_t mask = (1u << h->bits) - 1, i = hx_home(h, rec);
     while (HX_POS(h->ix[i]) != pos + 1) i = (i + 1) & mask;
     return i;
 }
@@ -741,15 +748,15 @@ static uint32_t hx_slot_of(const History *h, uint64_t fp, uint32_t pos) {
 static void hx_delete(History *h, uint32_t i) {      /* backward shift, as the key table's remove_at */
     uint32_t mask = (1u << h->bits) - 1;
     for (uint32_t j = (i + 1) & mask; h->ix[j]; j = (j + 1) & mask) {
-        uint32_t home = hx_home(h, h->fps[HX_POS(h->ix[j]) - 1]);
+        uint32_t home = hx_home_of_entry(h, h->ix[j]);
         if (((j - home) & mask) >= ((j - i) & mask)) { h->ix[i] = h->ix[j]; i = j; }
     }
     h->ix[i] = 0;
 }
 
 static void hx_forget_oldest(History *h) {
-    uint64_t fp = h->fps[h->first];
-    if (fp) { hx_delete(h, hx_slot_of(h, fp, h->first)); h->live--; }
+    uint64_t rec = h->ring[h->first];
+    if (rec) { hx_delete(h, hx_slot_of(h, rec, h->first)); h->live--; }
     h->first = h->first + 1 == h->cap ? 0 : h->first + 1;
     h->used--;
 }
@@ -757,35 +764,71 @@ static void hx_forget_oldest(History *h) {
 static void hx_record(History *h, uint64_t fp, uint8_t level) {
     uint32_t hole = 0;
     int64_t i = hx_find(h, fp, &hole);
-    if (i >= 0) { h->fps[HX_POS(h->ix[i]) - 1] = 0; hx_delete(h, (uint32_t)i); h->live--; }
+    if (i >= 0) { h->ring[HX_POS(h->ix[i]) - 1] = 0; hx_delete(h, (uint32_t)i); h->live--; }
     if (h->used == h->cap) hx_forget_oldest(h);
     uint32_t pos = (uint32_t)(((uint64_t)h->first + h->used) % h->cap);
-    h->fps[pos] = fp;
+    h->ring[pos] = HX_ID(fp) | level;
     h->used++; h->live++;
-    hx_find(h, fp, &hole);          /* the run may have moved under the deletions */
-    h->ix[hole] = (uint64_t)(pos + 1) | HX_TAG(fp) << 32 | (uint64_t)level << 56;
+    hx_find(h, fp, &hole);          /* the run may have moved under the deletions (finds no entry: fp's is gone) */
+    h->ix[hole] = (uint64_t)(pos + 1) | (fp & 0xFFFFFFFF00000000ull);
+}
+
+/* The pending records into the ring and index, their index lines (and the lines of the records they push out)
+ * fetched first, all at once: at a history larger than the caches each record costs about one memory miss
+ * otherwise, one after another. */
+static void hx_flush(History *h) {
+    uint32_t n = h->npend;
+    h->npend = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        __builtin_prefetch(&h->ix[hx_home(h, h->pend[k])]);
+        if (h->used + k >= h->cap) {
+            uint64_t old = h->ring[(uint32_t)(((uint64_t)h->first + h->used + k - h->cap) % h->cap)];
+            if (old) __builtin_prefetch(&h->ix[hx_home(h, old)]);
+        }
+    }
+    for (uint32_t k = 0; k < n; k++) hx_record(h, HX_ID(h->pend[k]), (uint8_t)(h->pend[k] & 0xFF));
+}
+
+/* A record, gathered (see hx_flush). */
+static void hx_add(History *h, uint64_t fp, uint8_t level) {
+    h->pend[h->npend++] = HX_ID(fp) | level;
+    if (h->npend == HX_PENDING || h->npend * 8u >= h->cap) hx_flush(h);
+}
+
+/* The level remembered for fp, 0 if none: the newest pending record of it, else its record in the ring unless
+ * the pending ones will push it out (the answer is the same before and after they go in). */
+static int hx_level(const History *h, uint64_t fp) {
+    for (uint32_t k = h->npend; k-- > 0;)
+        if (HX_ID(h->pend[k]) == HX_ID(fp)) return (int)(h->pend[k] & 0xFF);
+    int64_t i = hx_find(h, fp, NULL);
+    if (i < 0) return 0;
+    uint64_t over = (uint64_t)h->used + h->npend, pos = HX_POS(h->ix[i]) - 1;
+    if (over > h->cap && (pos + h->cap - h->first) % h->cap < over - h->cap) return 0;
+    return hx_level_at(h, i);
 }
 
 static void hx_free(History *h) {
-    PyMem_Free(h->fps); PyMem_Free(h->ix);
-    h->fps = NULL; h->ix = NULL;
+    big_free(h->ring, (size_t)h->cap * 8); big_free(h->ix, (size_t)8 << h->bits);
+    h->ring = NULL; h->ix = NULL;
 }
 
 /* A new ring of `cap` records holding the newest live ones of the old, in order. */
 static int hx_resize(History *h, uint32_t cap) {
+    if (h->ring) hx_flush(h);
     uint32_t bits = 4;
     while ((1ull << bits) * 3 < 4ull * cap) bits++;
-    uint64_t *fps = PyMem_Calloc(cap, 8), *ix = PyMem_Calloc((size_t)1 << bits, 8);
-    if (!fps || !ix) { PyMem_Free(fps); PyMem_Free(ix); PyErr_NoMemory(); return -1; }
+    uint64_t *ring = big_alloc((size_t)cap * 8), *ix = big_alloc((size_t)8 << bits);
+    if (!ring || !ix) { big_free(ring, (size_t)cap * 8); big_free(ix, (size_t)8 << bits); PyErr_NoMemory(); return -1; }
+    memset(ring, 0, (size_t)cap * 8);       /* written now (huge pages where the kernel gives them): the pages are */
+    memset(ix, 0, (size_t)8 << bits);       /* faulted in here, once, not one by one under the first records */
     History old = *h;
-    h->fps = fps; h->ix = ix; h->cap = cap; h->first = 0; h->used = 0; h->live = 0; h->bits = bits;
+    h->ring = ring; h->ix = ix; h->cap = cap; h->first = 0; h->used = 0; h->live = 0; h->bits = bits;
     uint32_t skip = old.live > cap ? old.live - cap : 0;
     for (uint32_t k = 0; k < old.used; k++) {
-        uint32_t pos = (uint32_t)(((uint64_t)old.first + k) % old.cap);
-        uint64_t fp = old.fps[pos];
-        if (!fp) continue;
+        uint64_t rec = old.ring[(uint32_t)(((uint64_t)old.first + k) % old.cap)];
+        if (!rec) continue;
         if (skip) { skip--; continue; }
-        hx_record(h, fp, (uint8_t)(old.ix[hx_slot_of(&old, fp, pos)] >> 56));
+        hx_record(h, HX_ID(rec), (uint8_t)(rec & 0xFF));
     }
     hx_free(&old);
     return 0;
@@ -813,7 +856,7 @@ static PyObject *hx_py_record(History *h, PyObject *const *args, Py_ssize_t narg
     long level = PyLong_AsLong(args[1]);
     if (level == -1 && PyErr_Occurred()) return NULL;
     if (level < 1 || level > 255) { PyErr_Format(PyExc_ValueError, "level must be in 1..255, got %ld", level); return NULL; }
-    hx_record(h, fp_of(k, n), (uint8_t)level);
+    hx_add(h, fp_of(k, n), (uint8_t)level);
     Py_RETURN_NONE;
 }
 
@@ -821,8 +864,7 @@ static PyObject *hx_py_level(History *h, PyObject *key) {
     const uint8_t *k; Py_ssize_t n;
     if (get_bytes(key, &k, &n) < 0) return NULL;
     if (!h->ix) return PyLong_FromLong(0);
-    int64_t i = hx_find(h, fp_of(k, n), NULL);
-    return PyLong_FromLong(i < 0 ? 0 : (long)(h->ix[i] >> 56));
+    return PyLong_FromLong(hx_level(h, fp_of(k, n)));
 }
 
 static PyObject *hx_py_resize(History *h, PyObject *capobj) {
@@ -834,12 +876,15 @@ static PyObject *hx_py_resize(History *h, PyObject *capobj) {
 
 static PyObject *hx_py_nbytes(History *h, PyObject *unused) {
     (void)unused;
-    return PyLong_FromSize_t(sizeof(History) + (size_t)h->cap * 8 + ((size_t)8 << h->bits));
+    return PyLong_FromSize_t(sizeof(History) + big_round((size_t)h->cap * 8) + big_round((size_t)8 << h->bits));
 }
 
 static PyObject *hx_py_capacity(History *h, void *unused) { (void)unused; return PyLong_FromUnsignedLong(h->cap); }
 
-static Py_ssize_t hx_len(History *h) { return h->live; }
+static Py_ssize_t hx_len(History *h) {
+    if (h->ring) hx_flush(h);
+    return h->live;
+}
 
 static int hx_init(History *h, PyObject *args, PyObject *kw) {
     static char *names[] = {"capacity", NULL};
@@ -847,7 +892,7 @@ static int hx_init(History *h, PyObject *args, PyObject *kw) {
     uint32_t cap;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O:History", names, &capobj) || get_capacity(capobj, &cap) < 0) return -1;
     hx_free(h);
-    h->cap = 0; h->first = h->used = h->live = 0;
+    h->cap = 0; h->first = h->used = h->live = h->npend = 0;
     return hx_resize(h, cap);
 }
 
@@ -885,15 +930,297 @@ static PyTypeObject HistoryType = {
     .tp_as_sequence = &hx_as_sequence,
 };
 
+/* ==== Hooks: the `history` policy's per-block hooks over a key table, in one call each (kvstore.policy.history) ====
+ *   Hooks(table, top, factor, min_records) — the index calls these as it would the Python policy's methods:
+ *     added(key, cls, touch=None)   a new block of cls (in the table already): its level from the class's history
+ *                                   (0 while the class admits anew), never below the block placed just before
+ *     accessed(key, touch=None)     a store of a held block: a use
+ *     pinned(key) / unpinned(key)   a read begins (a use; no candidate) / ends (a candidate, the newest)
+ *     removed(key)                  a block leaves (before the table lets go): its level is remembered
+ *     victim(cls) -> key | None     by the class's way (set_way): the table's pick
+ *     admits(victim, touch) -> bool False where the class bypasses and the victim was used more than once
+ *   and the Python side (its shadows choose the way) uses:
+ *     set_way(cls, aging, anew, bypass)   aging: pick's factor or None; anew: blocks come at level 0 (`forget`,
+ *                                   `bypass`: taken up at the next block the history does not remember);
+ *                                   bypass: admits() may refuse
+ *     history(cls) -> History       the class's (shadows ask it); held(cls) -> int; refusing(cls) -> bool
+ *     admitting_anew(cls) -> bool; classes() -> [cls, ...]
+ *   `carry`, the level of the block placed just before, is reset by every hook but added and accessed. */
+typedef struct {
+    History *hist;
+    uint32_t held, grow_at, shrink_at;
+    double aging;                   /* < 0: none */
+    uint8_t anew, want_anew, bypass, refusing;
+} HookClass;
+
+typedef struct {
+    PyObject_HEAD
+    KeyTable *table;
+    HookClass *cls;
+    uint32_t ncls, top, factor, min_records;
+    int carry;
+} Hooks;
+
+static HookClass *hk_class(Hooks *k, uint32_t cls) {
+    if (cls < k->ncls && k->cls[cls].hist) return &k->cls[cls];
+    if (cls >= k->ncls) {
+        uint32_t n = k->ncls ? k->ncls : 16;
+        while (n <= cls) n *= 2;
+        HookClass *c = PyMem_Realloc(k->cls, (size_t)n * sizeof(HookClass));
+        if (!c) { PyErr_NoMemory(); return NULL; }
+        memset(c + k->ncls, 0, (size_t)(n - k->ncls) * sizeof(HookClass));
+        k->cls = c; k->ncls = n;
+    }
+    HookClass *c = &k->cls[cls];
+    PyObject *h = PyObject_CallFunction((PyObject *)&HistoryType, "I", k->min_records);
+    if (!h) return NULL;
+    c->hist = (History *)h;
+    c->grow_at = k->min_records / k->factor;
+    c->shrink_at = 0;
+    c->aging = -1.0;
+    return c;
+}
+
+static inline HookClass *hk_known(Hooks *k, uint32_t cls) {
+    return cls < k->ncls && k->cls[cls].hist ? &k->cls[cls] : NULL;
+}
+
+/* The class's history sized for `held` blocks: grown a quarter ahead, shrunk to what it needs under half. */
+static int hk_fit(Hooks *k, HookClass *c) {
+    uint64_t want = (uint64_t)c->held * k->factor, have = c->hist->cap;
+    if (want < k->min_records) want = k->min_records;
+    if (want > (1u << 30)) want = 1u << 30;
+    if (want > have) { if (hx_resize(c->hist, (uint32_t)(want + want / 4 > (1u << 30) ? want : want + want / 4)) < 0) return -1; }
+    else if (want < have / 2) { if (hx_resize(c->hist, (uint32_t)want) < 0) return -1; }
+    have = c->hist->cap;
+    c->grow_at = (uint32_t)(have / k->factor);
+    c->shrink_at = have / 2 > k->min_records ? (uint32_t)(have / (2 * k->factor)) : 0;
+    return 0;
+}
+
+static int hk_args(const char *fn, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi) {
+    if (nargs >= lo && nargs <= hi) return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd to %zd arguments (%zd given)", fn, lo, hi, nargs);
+    return -1;
+}
+
+static PyObject *hk_added(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
+    uint32_t cls;
+    const uint8_t *key;
+    Py_ssize_t n;
+    if (hk_args("added", nargs, 2, 3) < 0 || get_key(args[0], &key) < 0 || get_cls(args[1], &cls) < 0) return NULL;
+    int64_t s = find(k->table, key, key + 4, meta_of(key, key + 4), NULL);
+    if (s < 0) { PyErr_SetObject(PyExc_KeyError, args[0]); return NULL; }
+    HookClass *c = hk_class(k, cls);
+    if (!c) return NULL;
+    c->held++;
+    uint32_t level = 0;
+    n = KEY_BYTES;
+    if (!c->anew || c->anew != c->want_anew) {
+        uint32_t remembered = (uint32_t)hx_level(c->hist, fp_of(key, n));
+        if (c->anew != c->want_anew && (!c->want_anew || remembered == 0)) c->anew = c->want_anew;
+        if (!c->anew) level = remembered < k->top ? remembered : k->top;
+    }
+    if ((int)level < k->carry) level = (uint32_t)k->carry;
+    k->carry = (int)level;
+    if (level) set_level_at(k->table, (uint32_t)s, level);
+    if (c->held > c->grow_at && hk_fit(k, c) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *hk_accessed(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (hk_args("accessed", nargs, 1, 2) < 0) return NULL;
+    int64_t s = lookup(k->table, args[0], 0);
+    if (s == -2) return NULL;
+    if (s >= 0) {
+        Link *x = &k->table->links[s];
+        set_level_at(k->table, (uint32_t)s, x->level < k->top ? x->level + 1u : x->level);
+        k->carry = x->level;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *hk_pinned(Hooks *k, PyObject *key) {
+    k->carry = -1;
+    int64_t s = lookup(k->table, key, 0);
+    if (s == -2) return NULL;
+    if (s >= 0 && k->table->links[s].linked) {
+        Link *x = &k->table->links[s];
+        lru_unlink(k->table, (uint32_t)s);
+        if (x->level < k->top) x->level++;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *hk_unpinned(Hooks *k, PyObject *key) {
+    k->carry = -1;
+    int64_t s = lookup(k->table, key, 0);
+    if (s == -2) return NULL;
+    if (s >= 0 && !k->table->links[s].linked) lru_push(k->table, (uint32_t)s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *hk_removed(Hooks *k, PyObject *keyobj) {
+    k->carry = -1;
+    int64_t s = lookup(k->table, keyobj, 0);
+    if (s == -2) return NULL;
+    if (s < 0) Py_RETURN_NONE;
+    Link *x = &k->table->links[s];
+    HookClass *c = hk_known(k, x->cls);
+    if (!c) Py_RETURN_NONE;                 /* a block this policy never saw added */
+    c->held--;
+    hx_add(c->hist, fp_of((const uint8_t *)PyBytes_AS_STRING(keyobj), KEY_BYTES), (uint8_t)(x->level + 1));
+    if (c->held < c->shrink_at && hk_fit(k, c) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *hk_victim(Hooks *k, PyObject *clsobj) {
+    uint32_t cls;
+    k->carry = -1;
+    if (get_cls(clsobj, &cls) < 0) return NULL;
+    HookClass *c = hk_known(k, cls);
+    int64_t s = c ? pick_slot(k->table, cls, c->aging) : -1;
+    if (s < 0) Py_RETURN_NONE;
+    return PyBytes_FromStringAndSize((const char *)k->table->recs[s].key, KEY_BYTES);
+}
+
+static PyObject *hk_admits(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (hk_args("admits", nargs, 1, 2) < 0) return NULL;
+    int64_t s = lookup(k->table, args[0], 0);
+    if (s == -2) return NULL;
+    if (s < 0) Py_RETURN_TRUE;
+    HookClass *c = hk_known(k, k->table->links[s].cls);
+    if (!c) Py_RETURN_TRUE;
+    c->refusing = 1;
+    return PyBool_FromLong(k->table->links[s].level == 0 || !c->bypass);
+}
+
+static PyObject *hk_set_way(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
+    uint32_t cls;
+    if (hk_args("set_way", nargs, 4, 4) < 0 || get_cls(args[0], &cls) < 0) return NULL;
+    double aging = -1.0;
+    if (args[1] != Py_None) {
+        aging = PyFloat_AsDouble(args[1]);
+        if (aging == -1.0 && PyErr_Occurred()) return NULL;
+        if (aging < 0) { PyErr_Format(PyExc_ValueError, "aging must be >= 0 or None, got %R", args[1]); return NULL; }
+    }
+    int anew = PyObject_IsTrue(args[2]), bypass = PyObject_IsTrue(args[3]);
+    if (anew < 0 || bypass < 0) return NULL;
+    HookClass *c = hk_class(k, cls);
+    if (!c) return NULL;
+    c->aging = aging; c->want_anew = (uint8_t)anew; c->bypass = (uint8_t)bypass;
+    Py_RETURN_NONE;
+}
+
+static HookClass *hk_arg_class(Hooks *k, PyObject *clsobj) {
+    uint32_t cls;
+    return get_cls(clsobj, &cls) < 0 ? NULL : hk_class(k, cls);
+}
+
+static PyObject *hk_history(Hooks *k, PyObject *clsobj) {
+    HookClass *c = hk_arg_class(k, clsobj);
+    if (!c) return NULL;
+    Py_INCREF(c->hist);
+    return (PyObject *)c->hist;
+}
+
+static PyObject *hk_held(Hooks *k, PyObject *clsobj) {
+    HookClass *c = hk_arg_class(k, clsobj);
+    return c ? PyLong_FromUnsignedLong(c->held) : NULL;
+}
+
+static PyObject *hk_refusing(Hooks *k, PyObject *clsobj) {
+    HookClass *c = hk_arg_class(k, clsobj);
+    return c ? PyBool_FromLong(c->refusing) : NULL;
+}
+
+static PyObject *hk_admitting_anew(Hooks *k, PyObject *clsobj) {
+    HookClass *c = hk_arg_class(k, clsobj);
+    return c ? PyBool_FromLong(c->anew) : NULL;
+}
+
+static PyObject *hk_classes(Hooks *k, PyObject *unused) {
+    (void)unused;
+    PyObject *out = PyList_New(0);
+    for (uint32_t i = 0; out && i < k->ncls; i++) {
+        if (!k->cls[i].hist) continue;
+        PyObject *c = PyLong_FromUnsignedLong(i);
+        if (!c || PyList_Append(out, c) < 0) Py_CLEAR(out);
+        Py_XDECREF(c);
+    }
+    return out;
+}
+
+static PyObject *hk_reset_carry(Hooks *k, PyObject *unused) {
+    (void)unused;
+    k->carry = -1;
+    Py_RETURN_NONE;
+}
+
+static int hk_init(Hooks *k, PyObject *args, PyObject *kw) {
+    static char *names[] = {"table", "top", "factor", "min_records", NULL};
+    PyObject *table;
+    unsigned int top, factor, min_records;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!III:Hooks", names, &KeyTableType, &table, &top, &factor,
+                                     &min_records))
+        return -1;
+    if (top >= NLEV || factor < 1 || min_records < 1 || min_records > (1u << 30)) {
+        PyErr_SetString(PyExc_ValueError, "Hooks: top must be < 4, factor and min_records >= 1");
+        return -1;
+    }
+    Py_XSETREF(k->table, (KeyTable *)Py_NewRef(table));
+    k->top = top; k->factor = factor; k->min_records = min_records; k->carry = -1;
+    return 0;
+}
+
+static void hk_dealloc(Hooks *k) {
+    for (uint32_t i = 0; i < k->ncls; i++) Py_XDECREF(k->cls[i].hist);
+    PyMem_Free(k->cls);
+    Py_XDECREF(k->table);
+    Py_TYPE(k)->tp_free((PyObject *)k);
+}
+
+#define FASTPOS(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL
+static PyMethodDef hk_methods[] = {
+    {"added", FASTPOS(hk_added), "added(key, cls, touch=None)"},
+    {"accessed", FASTPOS(hk_accessed), "accessed(key, touch=None)"},
+    {"pinned", (PyCFunction)hk_pinned, METH_O, "pinned(key, /)"},
+    {"unpinned", (PyCFunction)hk_unpinned, METH_O, "unpinned(key, /)"},
+    {"removed", (PyCFunction)hk_removed, METH_O, "removed(key, /)"},
+    {"victim", (PyCFunction)hk_victim, METH_O, "victim(cls, /) -> key | None"},
+    {"admits", FASTPOS(hk_admits), "admits(victim, touch=None) -> bool"},
+    {"set_way", FASTPOS(hk_set_way), "set_way(cls, aging, anew, bypass)"},
+    {"history", (PyCFunction)hk_history, METH_O, "history(cls, /) -> History"},
+    {"held", (PyCFunction)hk_held, METH_O, "held(cls, /) -> int"},
+    {"refusing", (PyCFunction)hk_refusing, METH_O, "refusing(cls, /) -> bool: admits() was asked"},
+    {"admitting_anew", (PyCFunction)hk_admitting_anew, METH_O, "admitting_anew(cls, /) -> bool"},
+    {"classes", (PyCFunction)hk_classes, METH_NOARGS, "classes() -> list of the classes it has books of"},
+    {"reset_carry", (PyCFunction)hk_reset_carry, METH_NOARGS, "reset_carry(): the next block starts a row"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject HooksType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvstore._kvindex.Hooks",
+    .tp_basicsize = sizeof(Hooks),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Hooks(table, top, factor, min_records): the history policy's per-block hooks (see kvindex.c).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)hk_init,
+    .tp_dealloc = (destructor)hk_dealloc,
+    .tp_methods = hk_methods,
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, .m_name = "_kvindex", .m_doc = "Native key table of the kvstore index.", .m_size = -1,
 };
 
 PyMODINIT_FUNC PyInit__kvindex(void) {
-    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&HistoryType) < 0) return NULL;
+    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&HistoryType) < 0 || PyType_Ready(&HooksType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (PyModule_AddObjectRef(m, "KeyTable", (PyObject *)&KeyTableType) < 0 ||
-        PyModule_AddObjectRef(m, "History", (PyObject *)&HistoryType) < 0) { Py_DECREF(m); return NULL; }
+        PyModule_AddObjectRef(m, "History", (PyObject *)&HistoryType) < 0 ||
+        PyModule_AddObjectRef(m, "Hooks", (PyObject *)&HooksType) < 0) { Py_DECREF(m); return NULL; }
     return m;
 }

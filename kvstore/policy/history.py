@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstore.index.keytable import LEVELS as TABLE_LEVELS
-from kvstore.policy.levels import HISTORY_FACTOR, LEVELS, History, pick
+from kvstore.policy.levels import HISTORY_FACTOR, LEVELS, MIN_RECORDS, History, pick
 from kvstore.policy.shadow import AGING, ANEW, Duel
 
 if TYPE_CHECKING:
@@ -47,6 +47,12 @@ if TYPE_CHECKING:
     from kvstore.workflows import Touch, Workflows
 
 __all__ = ["HISTORY_FACTOR", "LEVELS", "History", "HistoryOrder", "HistoryPolicy"]
+
+try:
+    from kvstore._kvindex import Hooks as NativeHooks
+    from kvstore._kvindex import KeyTable as NativeKeyTable
+except ImportError:
+    NativeHooks = NativeKeyTable = None
 
 TOP = LEVELS - 1                # the highest level (0-based)
 assert TABLE_LEVELS == 4 > TOP  # a key table's placement(): cls << 2 | level
@@ -56,6 +62,8 @@ def host_policy(table: KeyTable, workflows: Workflows | None = None, key_at: Cal
                 = None, slots_of: Callable[[int], int] | None = None) -> HistoryPolicy:
     """The registry's entry for the host pool (kvstore.policy): levels in the key table's own lists. The index
     signals a read by pinning the block; `accessed` is a store of a held block."""
+    if NativeHooks is not None and type(table) is NativeKeyTable:
+        return NativeHistoryPolicy(table)
     return HistoryPolicy(table)
 
 
@@ -72,9 +80,9 @@ class _Class:
     remembered at least as high as its tail: switching at a remembered one could admit a head below its tail)."""
     __slots__ = ("held", "history", "records", "duel", "way")
 
-    def __init__(self, by_chain: bool) -> None:
+    def __init__(self, by_chain: bool, history: History | None = None) -> None:
         self.held = 0
-        self.history = History()            # per class: one tenant's evictions never push another's out
+        self.history = history or History()     # per class: one tenant's evictions never push another's out
         self.records = self.history.records
         self.duel = Duel(self.records.level, by_chain)
         self.way = self.duel.way            # the way blocks are admitted by
@@ -96,6 +104,10 @@ class _Levels:
         self._by_chain = by_chain
         self._carry = -1        # the level of the block placed just before, while blocks are placed in a row
 
+    def books(self, cls: int) -> _Class:
+        """The class's books (its count, history, duel): for tests and reports."""
+        return self._cls(cls)
+
     def _cls(self, cls: int) -> _Class:
         c = self._classes.get(cls)
         if c is None:
@@ -112,9 +124,13 @@ class _Levels:
     def _histories(self) -> dict[str, Any]:
         return {"history_records": sum(c.history.remembered for c in self._classes.values()),
                 "history_bytes": sum(c.history.nbytes for c in self._classes.values()),
-                "classes": {str(cls): {"way": c.duel.way, "admitting": c.way, "switches": c.duel.switches,
+                "classes": {str(cls): {"way": c.duel.way, "admits_anew": self._anew(cls, c), "switches": c.duel.switches,
                                        "shadow_hits": c.duel.hits(), "sample_rate": c.duel.rate}
                             for cls, c in self._classes.items()}}
+
+    def _anew(self, cls: int, c: _Class) -> bool:
+        """Whether the class admits a block at level 1 now, whatever the history remembers of it."""
+        return c.way in ANEW
 
     def report(self) -> dict[str, Any]:
         """`kvstore stats`: blocks per level (used once, twice, LEVELS or more times), the histories' records and
@@ -206,6 +222,67 @@ class HistoryPolicy(_Levels):
                                for i in range(LEVELS)}
         out.update(self._histories())
         return out
+
+
+class NativeHistoryPolicy(HistoryPolicy):
+    """HistoryPolicy over the native key table with its per-block hooks native too (kvstore._kvindex.Hooks: the
+    class's count and history, the row of placements and the way's parameters are there; each hook is one call the
+    index makes straight into C). What stays here is per request: the shadows (`asked`), which choose the class's
+    way and hand it to the hooks (`set_way`)."""
+
+    def __init__(self, table: KeyTable) -> None:
+        super().__init__(table)
+        hooks = self._hooks = NativeHooks(table, TOP, HISTORY_FACTOR, MIN_RECORDS)
+        self._ways: dict[int, str] = {}             # the way each class's hooks follow
+        self.added = hooks.added                    # type: ignore[method-assign]
+        self.accessed = hooks.accessed              # type: ignore[method-assign]
+        self.pinned = hooks.pinned                  # type: ignore[method-assign]
+        self.unpinned = hooks.unpinned              # type: ignore[method-assign]
+        self.removed = hooks.removed                # type: ignore[method-assign]
+        self.victim = hooks.victim                  # type: ignore[method-assign]
+        self.admits = hooks.admits                  # type: ignore[method-assign]
+
+    def books(self, cls: int) -> _Class:
+        return self._known(cls)
+
+    def _known(self, cls: int) -> _Class:
+        c = self._classes.get(cls)
+        if c is None:
+            c = self._classes[cls] = _Class(True, History(self._hooks.history(cls)))
+        c.held = self._hooks.held(cls)
+        return c
+
+    def asked(self, keys: list[bytes], cls: int) -> None:
+        """The shadows serve the request (see _Levels.asked); then the class's way, chosen again, goes to the
+        hooks."""
+        hooks = self._hooks
+        hooks.reset_carry()
+        if cls not in self._classes and not hooks.held(cls):
+            return                                  # a class that never held a block (as the Python form)
+        c = self._known(cls)
+        duel = c.duel
+        duel.asked(keys, c.held)
+        if hooks.refusing(cls):
+            duel.refuse()
+        way = duel.choose()
+        if self._ways.get(cls) != way:
+            self._ways[cls] = way
+            hooks.set_way(cls, AGING[way], way in ANEW, way == "bypass")
+
+    def _anew(self, cls: int, c: _Class) -> bool:
+        return bool(self._hooks.admitting_anew(cls))
+
+    def _all_known(self) -> None:
+        for cls in self._hooks.classes():           # (classes the shadows were never asked of included)
+            self._known(cls)
+
+    def levels(self) -> dict[str, Any]:
+        self._all_known()
+        return super().levels()
+
+    def nbytes(self) -> int:
+        self._all_known()
+        return super().nbytes()
 
 
 class HistoryOrder(_Levels):

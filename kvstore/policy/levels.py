@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Protocol, TypeVar
 
 LEVELS = 3                  # used once, twice, three times or more
@@ -51,8 +51,9 @@ def fingerprint(key: bytes) -> int:
 
 
 class Records(Protocol):
-    """A bounded history of records key -> level (1..255), the newest `capacity`: kvstore._kvindex.History (a ring
-    and an index over it, 17–25 bytes a record, native/kvindex.c) or PyRecords."""
+    """A bounded history of records key -> level (1..255): the last `capacity` made, a key answered by its newest
+    among them — kvstore._kvindex.History (a ring and an index over it, 19–29 bytes a record, native/kvindex.c) or
+    PyRecords."""
 
     capacity: int
 
@@ -64,33 +65,42 @@ class Records(Protocol):
 
 
 class PyRecords:
-    """The pure-Python fallback of the native History: an OrderedDict, oldest first (about 100 bytes a record)."""
+    """The pure-Python fallback of the native History, the same contract: the last `capacity` records made, oldest
+    first (a deque), and each key's newest record among them (a dict) — about 150 bytes a record."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._d: OrderedDict[bytes, int] = OrderedDict()
+        self._made: deque[tuple[bytes, int]] = deque()          # (key, serial), oldest first
+        self._newest: dict[bytes, tuple[int, int]] = {}          # key -> (level, serial of its newest record)
+        self._serial = 0
 
     def record(self, key: bytes, level: int) -> None:
         if not 1 <= level <= 255:
             raise ValueError(f"level must be in 1..255, got {level}")
-        self._d.pop(key, None)
-        self._d[key] = level
-        if len(self._d) > self.capacity:
-            self._d.popitem(last=False)
+        self._serial += 1
+        self._newest[key] = (level, self._serial)
+        self._made.append((key, self._serial))
+        while len(self._made) > self.capacity:
+            old, serial = self._made.popleft()
+            if self._newest[old][1] == serial:
+                del self._newest[old]
 
     def level(self, key: bytes, /) -> int:
-        return self._d.get(key, 0)
+        got = self._newest.get(key)
+        return 0 if got is None else got[0]
 
     def resize(self, capacity: int, /) -> None:
+        """Keep the newest live records that fit (the dead ones go)."""
+        live = sorted(self._newest.items(), key=lambda item: item[1][1])[-capacity:]
         self.capacity = capacity
-        while len(self._d) > capacity:
-            self._d.popitem(last=False)
+        self._newest = dict(live)
+        self._made = deque((key, serial) for key, (_, serial) in live)
 
     def nbytes(self) -> int:
-        return sys.getsizeof(self._d) + 100 * len(self._d)
+        return sys.getsizeof(self._newest) + sys.getsizeof(self._made) + 150 * len(self._made)
 
     def __len__(self) -> int:
-        return len(self._d)
+        return len(self._newest)
 
 
 def _records(capacity: int) -> Records:
@@ -110,8 +120,8 @@ class History:
     each); `size_for` follows the class's size, growing by a quarter ahead and shrinking to what it needs when that is
     under half of what it has (`grow_at`, `shrink_at`: the caller asks only past them)."""
 
-    def __init__(self) -> None:
-        self.records = _records(MIN_RECORDS)
+    def __init__(self, records: Records | None = None) -> None:
+        self.records = _records(MIN_RECORDS) if records is None else records
         self.grow_at = MIN_RECORDS // HISTORY_FACTOR
         self.shrink_at = -1
 

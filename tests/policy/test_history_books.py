@@ -1,0 +1,159 @@
+"""The history policy's books (issue 34's per-operation cost and memory): the bounded history of evicted blocks'
+levels, native (kvstore._kvindex.History) and pure Python (PyRecords) under one contract, and the native per-block
+hooks (kvstore._kvindex.Hooks) against the Python form of the same policy, step by step."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvstore.policy.levels import HISTORY_FACTOR, MIN_RECORDS, History, PyRecords
+
+try:
+    from kvstore._kvindex import History as NativeRecords
+    from kvstore._kvindex import KeyTable as NativeTable
+except ImportError:
+    NativeRecords = NativeTable = None
+
+needs_native = pytest.mark.skipif(NativeRecords is None, reason="native not built")
+RECORDS = [pytest.param(PyRecords, id="python"),
+           pytest.param(NativeRecords, id="native", marks=needs_native)]
+
+
+def k(i: int, n: int = 20) -> bytes:
+    return i.to_bytes(n, "big")
+
+
+@pytest.fixture(params=RECORDS)
+def R(request):
+    return request.param
+
+
+def test_the_newest_records_are_kept_and_the_oldest_forgotten(R):
+    h = R(1000)
+    for i in range(3000):
+        h.record(k(i), 1 + i % 3)
+    assert len(h) == 1000
+    assert [h.level(k(i)) for i in range(2000)] == [0] * 2000
+    assert [h.level(k(i)) for i in range(2000, 3000)] == [1 + i % 3 for i in range(2000, 3000)]
+
+
+def test_a_key_recorded_again_keeps_its_newest_level_and_moves_to_the_newest_end(R):
+    h = R(100)
+    for i in range(100):
+        h.record(k(i), 1)
+    h.record(k(0), 3)                   # again: now the newest
+    for i in range(100, 199):
+        h.record(k(i), 2)               # 99 more push out 1..99, not 0
+    assert len(h) == 100
+    assert h.level(k(0)) == 3 and h.level(k(1)) == 0 and h.level(k(99)) == 0 and h.level(k(150)) == 2
+
+
+def test_resize_keeps_the_newest_that_fit(R):
+    h = R(500)
+    for i in range(500):
+        h.record(k(i), 1 + i % 200)
+    h.resize(100)
+    assert len(h) == 100 and h.capacity == 100
+    assert sum(h.level(k(i)) != 0 for i in range(400)) == 0
+    assert [h.level(k(i)) for i in range(400, 500)] == [1 + i % 200 for i in range(400, 500)]
+    h.resize(1000)                      # growing keeps everything
+    for i in range(500, 900):
+        h.record(k(i), 5)
+    assert len(h) == 500 and h.level(k(450)) == 1 + 450 % 200
+
+
+def test_keys_of_any_length_and_bad_input(R):
+    h = R(64)
+    for n in (1, 7, 8, 9, 16, 20, 33):
+        h.record(k(n, n), n)
+    assert [h.level(k(n, n)) for n in (1, 7, 8, 9, 16, 20, 33)] == [1, 7, 8, 9, 16, 20, 33]
+    for bad in (0, 256, -1):
+        with pytest.raises(ValueError):
+            h.record(k(1), bad)
+    assert h.level(k(1, 1)) == 1        # nothing changed by a refusal
+
+
+@needs_native
+def test_native_and_python_records_agree_on_a_random_run():
+    """Records, looks and resizes at random: the native answers what the Python form answers (a capacity at least
+    eight times the gathering, HX_PENDING, so both forget at the same point)."""
+    rng = random.Random(3)
+    py, nat = PyRecords(400), NativeRecords(400)
+    for step in range(60_000):
+        op, key = rng.random(), k(rng.randrange(3000))
+        if op < 0.5:
+            level = rng.randrange(1, 256)
+            py.record(key, level)
+            nat.record(key, level)
+        elif op < 0.9995:
+            assert py.level(key) == nat.level(key), step
+        else:
+            cap = rng.randrange(256, 2000)
+            py.resize(cap)
+            nat.resize(cap)
+    assert len(py) == len(nat)
+
+
+@needs_native
+def test_native_records_stay_within_32_bytes_a_record():
+    """Issue 34: history memory at most 32 bytes per remembered block."""
+    for cap in (10_000, 100_000, 1_000_000, 3_000_000):
+        h = NativeRecords(cap)
+        assert h.nbytes() / cap <= 32, (cap, h.nbytes() / cap)
+
+
+def test_the_history_follows_the_class_size():
+    """HISTORY_FACTOR records per block held, at least MIN_RECORDS; grown a quarter ahead, shrunk when under
+    half is needed."""
+    h = History()
+    assert h.records.capacity == MIN_RECORDS
+    h.size_for(10_000)
+    assert h.records.capacity == 10_000 * HISTORY_FACTOR * 5 // 4 and h.grow_at == h.records.capacity // HISTORY_FACTOR
+    h.size_for(2_000)
+    assert h.records.capacity == max(MIN_RECORDS, 2_000 * HISTORY_FACTOR)
+
+
+def sessions(n_sessions: int, turns: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    nxt = iter(range(1, 1 << 40))
+    ctx = [[next(nxt) for _ in range(rng.randint(4, 12))] for _ in range(n_sessions)]
+    out = []
+    for _ in range(turns):
+        s = rng.randrange(n_sessions) if rng.random() < 0.7 else rng.randrange(n_sessions // 4 + 1)
+        ctx[s] = ctx[s] + [next(nxt) for _ in range(rng.randint(1, 4))]
+        if rng.random() < 0.05:
+            ctx[s] = ctx[s][:4]                             # a session restarts from its head
+        out.append(list(ctx[s]))
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("bypass", [True, False])
+def test_native_hooks_evict_exactly_as_the_python_form(bypass):
+    """The same requests through the host policy with native hooks and through its Python form, each over a
+    native key table, as the index drives them: the same hits, the same victims in the same order, the same levels
+    and the same way chosen."""
+    from kvstore.policy.history import HistoryPolicy, NativeHistoryPolicy
+    from tests.policy.test_history import index_replay
+
+    reqs = sessions(40, 3000, seed=5)
+    cap = len({b for c in reqs for b in c}) // 8
+    logs = []
+    for cls in (HistoryPolicy, NativeHistoryPolicy):
+        policy = cls(NativeTable())
+        victims: list[bytes] = []
+        pick = policy.victim
+
+        def logged(c: int, pick=pick, victims=victims) -> bytes | None:
+            v = pick(c)
+            victims.append(v)
+            return v
+
+        policy.victim = logged
+        rate = index_replay(policy, reqs, cap, bypass=bypass)
+        report = policy.levels()
+        levels = sorted((key, policy.table.level_of(key)) for key, _ in policy.table.items())
+        logs.append((rate, victims, levels, report["classes"]["0"]["way"], report["used_1"], report["used_2"]))
+    assert logs[0] == logs[1]
+    assert len(logs[0][1]) > 1000 and logs[0][0] > 0.2
