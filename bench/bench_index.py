@@ -12,16 +12,19 @@ repetition, the median of `--reps` repetitions after an untimed warm-up. Cold: e
 its own (at 10 million entries each key is then a memory miss: the target is read on this figure); warm: the
 warm-up's lookups again (a hot set of 64 000 keys that the caches may hold, like popular prefixes).
 
-With `--policy lru,workflow` (issue 14 parts 2 and 3) it also measures the host pool's eviction policy over the
-native table, at each size: bytes per block of table + policy books, and per operation the index's calls of a read
-(pin, touch, unpin), an eviction (victim, removed, key-table remove) and a commit (key-table insert, added), each
-the median of `--reps` runs of 20 000; for `workflow`, also a workflow's end (per block of its groups). Blocks sit
+With `--policy lru,history,workflow` (issue 14 parts 2 and 3, issue 34) it also measures the host pool's eviction
+policy over the native table, at each size: bytes per block of table + policy books, and per operation the index's
+calls of a read (pin, touch, unpin), an eviction (victim, removed, key-table remove) and a commit (key-table insert,
+added), each the median of `--reps` runs of 20 000, and each against LRU's at the same size (issue 34: ≤ 1.5×); for
+`history`, also its history's bytes per record it can keep (issue 34: ≤ 32; the policy's hooks only: the shadows
+it runs per request are in bench_policies' whole-path figure); for `workflow`, also a workflow's end (per block of
+its groups). Blocks sit
 at gids as in the host pool (segments of 16384 slots: 64 MiB of 4 KiB blocks), in 4 classes; under `workflow`,
 256 active workflows, each block tagged by the one that stored it (runs of 1000 blocks) and one in four also by
 the next one (a shared prefix), every operation with a hint context (a read: the workflow that stored the block).
 
     python bench/bench_index.py [--sizes 10000,1000000,10000000] [--reps 5] [--py-max 1000000]
-                                [--policy lru,workflow]
+                                [--policy lru,history,workflow]
 """
 from __future__ import annotations
 
@@ -195,6 +198,10 @@ def policy_run(policy: str, raw: bytes, n: int, reps: int) -> dict[str, Any]:
         commits.append((time.perf_counter() - t0) / ops)
     out.update(read_us=statistics.median(reads) * 1e6, evict_us=statistics.median(evicts) * 1e6,
                commit_us=statistics.median(commits) * 1e6)
+    report = getattr(pol, "report", lambda: {})()
+    if report.get("history_capacity"):                 # the history policy: its memory per record it can keep
+        out.update(history_capacity=report["history_capacity"],
+                   history_bytes_per_record=report["history_bytes"] / report["history_capacity"])
     if policy == "workflow":
         ending = flows.active[touches[FLOWS // 2].workflow]        # one the evictions above did not take from
         moved = sum(pol.groups[x].size for x in pol._with[ending.num])  # type: ignore[attr-defined]
@@ -209,9 +216,14 @@ def policy_run(policy: str, raw: bytes, n: int, reps: int) -> dict[str, Any]:
 
 def policy_table(runs: list[dict[str, Any]]) -> Table:
     t = Table(["policy", "entries", "bytes/entry (table + policy)", "of which policy", "RSS/entry", "build",
-               "read (pin+touch+unpin)", "eviction", "commit", "workflow end", "target"])
+               "read (pin+touch+unpin)", "eviction", "commit", "× lru (read / evict / commit)", "history B/record",
+               "workflow end", "target"])
+    lru = {r["entries"]: r for r in runs if r["policy"] == "lru"}
     for r in runs:
         end = f"{r['end_us_per_block']:.2f} µs/block ({r['end_moved']:,})" if "end_moved" in r else ""
+        base = lru.get(r["entries"])
+        ratio = "" if base is None else " / ".join(f"{r[f] / base[f]:.2f}" for f in ("read_us", "evict_us", "commit_us"))
+        per_record = f"{r['history_bytes_per_record']:.1f}" if "history_bytes_per_record" in r else ""
         target = ""
         if r["entries"] >= TARGET_AT:
             target = f"≤{TARGET_BYTES} B: " + ("PASS" if r["bytes_per_entry"] <= TARGET_BYTES else "FAIL")
@@ -219,7 +231,7 @@ def policy_table(runs: list[dict[str, Any]]) -> Table:
                f"{r['rss_bytes_per_entry']:.0f}", f"{r['build_us']:.2f} µs",
                f"{r['read_us']:.2f} µs ({1 / r['read_us']:.2f} M/s)",
                f"{r['evict_us']:.2f} µs ({1 / r['evict_us']:.2f} M/s)",
-               f"{r['commit_us']:.2f} µs ({1 / r['commit_us']:.2f} M/s)", end, target])
+               f"{r['commit_us']:.2f} µs ({1 / r['commit_us']:.2f} M/s)", ratio, per_record, end, target])
     return t
 
 
@@ -228,7 +240,7 @@ def main() -> None:
     p.add_argument("--sizes", default="10000,1000000,10000000", help="entry counts, comma-separated")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions of the 2000 lookups")
     p.add_argument("--py-max", type=int, default=1_000_000, help="largest size for the fallback and the dict")
-    p.add_argument("--policy", default="", help="also measure these host eviction policies (lru,workflow)")
+    p.add_argument("--policy", default="", help="also measure these host eviction policies (lru,history,workflow)")
     p.add_argument("--kinds", default="native,python,dict", help="which tables to measure")
     args = p.parse_args()
     sizes = sorted(int(s.replace("_", "")) for s in args.sizes.split(","))

@@ -707,6 +707,7 @@ typedef struct {
     uint32_t cap, first, used;      /* ring capacity, oldest position, positions used (live or dead) */
     uint32_t live, bits;            /* live records; the index has 2^bits slots */
     uint64_t pend[HX_PENDING];      /* records not yet in the ring, oldest first (fingerprint's top 56 | level) */
+    uint64_t pmask;                 /* bit (fingerprint >> 8) % 64 of each pending record: most looks skip them */
     uint32_t npend;
 } History;
 
@@ -773,12 +774,19 @@ static void hx_record(History *h, uint64_t fp, uint8_t level) {
     h->ix[hole] = (uint64_t)(pos + 1) | (fp & 0xFFFFFFFF00000000ull);
 }
 
+/* History arrays: huge pages from HX_BIG bytes on (rounded to 2 MiB, at most an eighth more), the heap below. */
+#define HX_BIG ((size_t)16 << 20)
+static size_t hx_round(size_t bytes) { return bytes < HX_BIG ? bytes : big_round(bytes); }
+static void *hx_alloc(size_t bytes) { return bytes < HX_BIG ? PyMem_Calloc(bytes, 1) : big_alloc(bytes); }
+static void hx_release(void *p, size_t bytes) { if (bytes < HX_BIG) PyMem_Free(p); else big_free(p, bytes); }
+
 /* The pending records into the ring and index, their index lines (and the lines of the records they push out)
  * fetched first, all at once: at a history larger than the caches each record costs about one memory miss
  * otherwise, one after another. */
 static void hx_flush(History *h) {
     uint32_t n = h->npend;
     h->npend = 0;
+    h->pmask = 0;
     for (uint32_t k = 0; k < n; k++) {
         __builtin_prefetch(&h->ix[hx_home(h, h->pend[k])]);
         if (h->used + k >= h->cap) {
@@ -792,14 +800,16 @@ static void hx_flush(History *h) {
 /* A record, gathered (see hx_flush). */
 static void hx_add(History *h, uint64_t fp, uint8_t level) {
     h->pend[h->npend++] = HX_ID(fp) | level;
+    h->pmask |= 1ull << (fp >> 8 & 63);
     if (h->npend == HX_PENDING || h->npend * 8u >= h->cap) hx_flush(h);
 }
 
 /* The level remembered for fp, 0 if none: the newest pending record of it, else its record in the ring unless
  * the pending ones will push it out (the answer is the same before and after they go in). */
 static int hx_level(const History *h, uint64_t fp) {
-    for (uint32_t k = h->npend; k-- > 0;)
-        if (HX_ID(h->pend[k]) == HX_ID(fp)) return (int)(h->pend[k] & 0xFF);
+    if (h->pmask >> (fp >> 8 & 63) & 1)
+        for (uint32_t k = h->npend; k-- > 0;)
+            if (HX_ID(h->pend[k]) == HX_ID(fp)) return (int)(h->pend[k] & 0xFF);
     int64_t i = hx_find(h, fp, NULL);
     if (i < 0) return 0;
     uint64_t over = (uint64_t)h->used + h->npend, pos = HX_POS(h->ix[i]) - 1;
@@ -808,7 +818,8 @@ static int hx_level(const History *h, uint64_t fp) {
 }
 
 static void hx_free(History *h) {
-    big_free(h->ring, (size_t)h->cap * 8); big_free(h->ix, (size_t)8 << h->bits);
+    if (h->ring) hx_release(h->ring, (size_t)h->cap * 8);
+    if (h->ix) hx_release(h->ix, (size_t)8 << h->bits);
     h->ring = NULL; h->ix = NULL;
 }
 
@@ -817,10 +828,10 @@ static int hx_resize(History *h, uint32_t cap) {
     if (h->ring) hx_flush(h);
     uint32_t bits = 4;
     while ((1ull << bits) * 3 < 4ull * cap) bits++;
-    uint64_t *ring = big_alloc((size_t)cap * 8), *ix = big_alloc((size_t)8 << bits);
-    if (!ring || !ix) { big_free(ring, (size_t)cap * 8); big_free(ix, (size_t)8 << bits); PyErr_NoMemory(); return -1; }
-    memset(ring, 0, (size_t)cap * 8);       /* written now (huge pages where the kernel gives them): the pages are */
-    memset(ix, 0, (size_t)8 << bits);       /* faulted in here, once, not one by one under the first records */
+    uint64_t *ring = hx_alloc((size_t)cap * 8), *ix = hx_alloc((size_t)8 << bits);
+    if (!ring || !ix) { hx_release(ring, (size_t)cap * 8); hx_release(ix, (size_t)8 << bits); PyErr_NoMemory(); return -1; }
+    memset(ring, 0, (size_t)cap * 8);       /* written now: the pages are faulted in here, once, not one by one */
+    memset(ix, 0, (size_t)8 << bits);       /* under the records that first touch them */
     History old = *h;
     h->ring = ring; h->ix = ix; h->cap = cap; h->first = 0; h->used = 0; h->live = 0; h->bits = bits;
     uint32_t skip = old.live > cap ? old.live - cap : 0;
@@ -876,7 +887,7 @@ static PyObject *hx_py_resize(History *h, PyObject *capobj) {
 
 static PyObject *hx_py_nbytes(History *h, PyObject *unused) {
     (void)unused;
-    return PyLong_FromSize_t(sizeof(History) + big_round((size_t)h->cap * 8) + big_round((size_t)8 << h->bits));
+    return PyLong_FromSize_t(sizeof(History) + hx_round((size_t)h->cap * 8) + hx_round((size_t)8 << h->bits));
 }
 
 static PyObject *hx_py_capacity(History *h, void *unused) { (void)unused; return PyLong_FromUnsignedLong(h->cap); }
@@ -892,7 +903,7 @@ static int hx_init(History *h, PyObject *args, PyObject *kw) {
     uint32_t cap;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O:History", names, &capobj) || get_capacity(capobj, &cap) < 0) return -1;
     hx_free(h);
-    h->cap = 0; h->first = h->used = h->live = h->npend = 0;
+    h->cap = 0; h->first = h->used = h->live = h->npend = 0; h->pmask = 0;
     return hx_resize(h, cap);
 }
 
@@ -985,16 +996,19 @@ static inline HookClass *hk_known(Hooks *k, uint32_t cls) {
     return cls < k->ncls && k->cls[cls].hist ? &k->cls[cls] : NULL;
 }
 
-/* The class's history sized for `held` blocks: grown a quarter ahead, shrunk to what it needs under half. */
+/* The class's history sized for `held` blocks, a quarter ahead: grown past what it has, shrunk under a quarter of
+ * it (a class that lends half its memory away and takes it back does not rebuild its history each time). */
 static int hk_fit(Hooks *k, HookClass *c) {
     uint64_t want = (uint64_t)c->held * k->factor, have = c->hist->cap;
-    if (want < k->min_records) want = k->min_records;
-    if (want > (1u << 30)) want = 1u << 30;
-    if (want > have) { if (hx_resize(c->hist, (uint32_t)(want + want / 4 > (1u << 30) ? want : want + want / 4)) < 0) return -1; }
-    else if (want < have / 2) { if (hx_resize(c->hist, (uint32_t)want) < 0) return -1; }
+    if (want > have || want < have / 4) {
+        want += want / 4;
+        if (want < k->min_records) want = k->min_records;
+        if (want > (1u << 30)) want = 1u << 30;
+        if (want != have && hx_resize(c->hist, (uint32_t)want) < 0) return -1;
+    }
     have = c->hist->cap;
     c->grow_at = (uint32_t)(have / k->factor);
-    c->shrink_at = have / 2 > k->min_records ? (uint32_t)(have / (2 * k->factor)) : 0;
+    c->shrink_at = (uint32_t)(have / (4 * k->factor));
     return 0;
 }
 

@@ -123,6 +123,7 @@ class _Levels:
 
     def _histories(self) -> dict[str, Any]:
         return {"history_records": sum(c.history.remembered for c in self._classes.values()),
+                "history_capacity": sum(c.history.records.capacity for c in self._classes.values()),
                 "history_bytes": sum(c.history.nbytes for c in self._classes.values()),
                 "classes": {str(cls): {"way": c.duel.way, "admits_anew": self._anew(cls, c), "switches": c.duel.switches,
                                        "shadow_hits": c.duel.hits(), "sample_rate": c.duel.rate}

@@ -104,14 +104,36 @@ def test_native_records_stay_within_32_bytes_a_record():
 
 
 def test_the_history_follows_the_class_size():
-    """HISTORY_FACTOR records per block held, at least MIN_RECORDS; grown a quarter ahead, shrunk when under
-    half is needed."""
+    """HISTORY_FACTOR records per block held (a quarter ahead), at least MIN_RECORDS; shrunk only when a quarter
+    of it is needed."""
     h = History()
     assert h.records.capacity == MIN_RECORDS
     h.size_for(10_000)
     assert h.records.capacity == 10_000 * HISTORY_FACTOR * 5 // 4 and h.grow_at == h.records.capacity // HISTORY_FACTOR
+    h.size_for(5_000)                   # half: kept
+    assert h.records.capacity == 10_000 * HISTORY_FACTOR * 5 // 4
+    assert h.shrink_at == h.records.capacity // (4 * HISTORY_FACTOR) > 2_000
     h.size_for(2_000)
-    assert h.records.capacity == max(MIN_RECORDS, 2_000 * HISTORY_FACTOR)
+    assert h.records.capacity == max(MIN_RECORDS, 2_000 * HISTORY_FACTOR * 5 // 4)
+
+
+@needs_native
+def test_the_native_hooks_size_each_class_history_the_same_way():
+    from kvstore.policy.history import NativeHistoryPolicy
+
+    table = NativeTable()
+    p = NativeHistoryPolicy(table)
+    keys = [k(i) for i in range(10_000)]
+    for key in keys:
+        table.insert(key, 0, 3)
+        p.added(key, 3)
+    hist = p.books(3).history.records
+    assert hist.capacity >= 10_000 * HISTORY_FACTOR and p.levels()["history_capacity"] == hist.capacity
+    for key in keys[:8_000]:
+        p.removed(key)
+        table.remove(key)
+    assert 2_000 * HISTORY_FACTOR <= hist.capacity < 10_000 * HISTORY_FACTOR      # shrunk, still enough
+    assert len(hist) == 8_000                                                        # and kept every record
 
 
 def sessions(n_sessions: int, turns: int, seed: int) -> list[list[int]]:
