@@ -194,10 +194,18 @@ class HistoryPolicy(_Levels):
     def moved(self, key: bytes, src: int, dst: int) -> None:
         pass                                    # the key keeps its place in the table's lists: only its gid changed
 
+    def asked(self, keys: list[bytes], cls: int) -> None:
+        """The shadows serve the request (_Levels.asked), then the class's way is chosen again: in the host pool
+        the shadows score only here, so the way changes only here (admits' first refusal counts from the next)."""
+        super().asked(keys, cls)
+        c = self._classes.get(cls)
+        if c is not None:
+            c.duel.choose()
+
     def victim(self, cls: int) -> bytes | None:
         self._carry = -1
         c = self._classes.get(cls)
-        got = None if c is None else self.table.pick(cls, AGING[c.duel.choose()])
+        got = None if c is None else self.table.pick(cls, AGING[c.duel.way])
         return None if got is None else got[0]
 
     def admits(self, victim: bytes, touch: Touch | None) -> bool:

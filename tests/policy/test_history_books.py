@@ -179,3 +179,64 @@ def test_native_hooks_evict_exactly_as_the_python_form(bypass):
         logs.append((rate, victims, levels, report["classes"]["0"]["way"], report["used_1"], report["used_2"]))
     assert logs[0] == logs[1]
     assert len(logs[0][1]) > 1000 and logs[0][0] > 0.2
+
+
+@needs_native
+def test_native_hooks_and_the_python_form_agree_on_random_hook_calls():
+    """Every hook in any order the index could make (reads pinning blocks, re-stores of pinned and unpinned blocks,
+    removals of pinned ones, admits, requests between that move the way), on two native tables: the same answers,
+    the same levels, the same linked keys after each call."""
+    from kvstore.policy.history import HistoryPolicy, NativeHistoryPolicy
+
+    rng = random.Random(11)
+    pair = [HistoryPolicy(NativeTable()), NativeHistoryPolicy(NativeTable())]
+    pinned: set[bytes] = set()
+    seen: set[int] = set()
+    universe = [k(i) for i in range(400)]
+    for step in range(30_000):
+        key, op = rng.choice(universe), rng.random()
+        held = key in pair[0].table
+        cls = universe.index(key) % 2
+        if op < 0.3 and not held:
+            for p in pair:
+                p.table.insert(key, step, cls)
+                p.added(key, cls)
+        elif op < 0.4 and held:
+            for p in pair:
+                p.removed(key)
+                p.table.remove(key)
+            pinned.discard(key)
+        elif op < 0.55 and held:
+            for p in pair:
+                p.accessed(key)
+        elif op < 0.7 and held and key not in pinned:
+            for p in pair:
+                p.pinned(key)
+            pinned.add(key)
+        elif op < 0.8 and key in pinned:
+            for p in pair:
+                p.unpinned(key)
+            pinned.discard(key)
+        elif op < 0.9:
+            got = [p.victim(cls) for p in pair]
+            assert got[0] == got[1], step
+            if got[0] is not None:
+                assert [p.admits(got[0], None) for p in pair] == [pair[0].admits(got[0], None)] * 2
+        else:
+            chain = rng.sample(universe, rng.randint(1, 12))
+            way = rng.choice(["remember", "forget", "bypass", "aging", "lru"]) if rng.random() < 0.2 else None
+            for p in pair:
+                if way is not None and p.books(cls).held:
+                    p.books(cls).duel.way = way             # as if the shadows had chosen it
+                p.asked(chain, cls)
+        if held or op < 0.3:
+            assert [p.table.placement(key) for p in pair] == [pair[0].table.placement(key)] * 2
+            if key in pair[0].table:
+                seen.add(pair[0].table.placement(key) & 3)
+            if key in pair[0].table:
+                assert pair[0].table.is_linked(key) == pair[1].table.is_linked(key)
+    assert sorted((kk, pair[0].table.level_of(kk)) for kk, _ in pair[0].table.items()) == \
+        sorted((kk, pair[1].table.level_of(kk)) for kk, _ in pair[1].table.items())
+    counts = [[p.levels()[f"used_{i}"] for i in (1, 2, 3)] for p in pair]
+    assert counts[0] == counts[1]
+    assert seen == {0, 1, 2}                        # every level was visited
