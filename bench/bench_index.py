@@ -222,7 +222,8 @@ def policy_table(runs: list[dict[str, Any]]) -> Table:
     for r in runs:
         end = f"{r['end_us_per_block']:.2f} µs/block ({r['end_moved']:,})" if "end_moved" in r else ""
         base = lru.get(r["entries"])
-        ratio = "" if base is None else " / ".join(f"{r[f] / base[f]:.2f}" for f in ("read_us", "evict_us", "commit_us"))
+        ops = ("read_us", "evict_us", "commit_us")
+        ratio = "" if base is None else " / ".join(f"{r[f] / base[f]:.2f}" for f in ops)
         per_record = f"{r['history_bytes_per_record']:.1f}" if "history_bytes_per_record" in r else ""
         target = ""
         if r["entries"] >= TARGET_AT:

@@ -972,6 +972,12 @@ typedef struct {
     int carry;
 } Hooks;
 
+static int hk_ready(const Hooks *k) {
+    if (k->table) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "Hooks was not initialised");
+    return -1;
+}
+
 static HookClass *hk_class(Hooks *k, uint32_t cls) {
     if (cls < k->ncls && k->cls[cls].hist) return &k->cls[cls];
     if (cls >= k->ncls) {
@@ -1019,6 +1025,7 @@ static int hk_args(const char *fn, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t h
 }
 
 static PyObject *hk_added(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (hk_ready(k) < 0) return NULL;
     uint32_t cls;
     const uint8_t *key;
     Py_ssize_t n;
@@ -1043,6 +1050,7 @@ static PyObject *hk_added(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 static PyObject *hk_accessed(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (hk_ready(k) < 0) return NULL;
     if (hk_args("accessed", nargs, 1, 2) < 0) return NULL;
     int64_t s = lookup(k->table, args[0], 0);
     if (s == -2) return NULL;
@@ -1055,6 +1063,7 @@ static PyObject *hk_accessed(Hooks *k, PyObject *const *args, Py_ssize_t nargs) 
 }
 
 static PyObject *hk_pinned(Hooks *k, PyObject *key) {
+    if (hk_ready(k) < 0) return NULL;
     k->carry = -1;
     int64_t s = lookup(k->table, key, 0);
     if (s == -2) return NULL;
@@ -1067,6 +1076,7 @@ static PyObject *hk_pinned(Hooks *k, PyObject *key) {
 }
 
 static PyObject *hk_unpinned(Hooks *k, PyObject *key) {
+    if (hk_ready(k) < 0) return NULL;
     k->carry = -1;
     int64_t s = lookup(k->table, key, 0);
     if (s == -2) return NULL;
@@ -1075,6 +1085,7 @@ static PyObject *hk_unpinned(Hooks *k, PyObject *key) {
 }
 
 static PyObject *hk_removed(Hooks *k, PyObject *keyobj) {
+    if (hk_ready(k) < 0) return NULL;
     k->carry = -1;
     int64_t s = lookup(k->table, keyobj, 0);
     if (s == -2) return NULL;
@@ -1089,6 +1100,7 @@ static PyObject *hk_removed(Hooks *k, PyObject *keyobj) {
 }
 
 static PyObject *hk_victim(Hooks *k, PyObject *clsobj) {
+    if (hk_ready(k) < 0) return NULL;
     uint32_t cls;
     k->carry = -1;
     if (get_cls(clsobj, &cls) < 0) return NULL;
@@ -1099,6 +1111,7 @@ static PyObject *hk_victim(Hooks *k, PyObject *clsobj) {
 }
 
 static PyObject *hk_admits(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (hk_ready(k) < 0) return NULL;
     if (hk_args("admits", nargs, 1, 2) < 0) return NULL;
     int64_t s = lookup(k->table, args[0], 0);
     if (s == -2) return NULL;
@@ -1110,6 +1123,7 @@ static PyObject *hk_admits(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 static PyObject *hk_set_way(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
+    if (hk_ready(k) < 0) return NULL;
     uint32_t cls;
     if (hk_args("set_way", nargs, 4, 4) < 0 || get_cls(args[0], &cls) < 0) return NULL;
     double aging = -1.0;
@@ -1128,7 +1142,7 @@ static PyObject *hk_set_way(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
 
 static HookClass *hk_arg_class(Hooks *k, PyObject *clsobj) {
     uint32_t cls;
-    return get_cls(clsobj, &cls) < 0 ? NULL : hk_class(k, cls);
+    return hk_ready(k) < 0 || get_cls(clsobj, &cls) < 0 ? NULL : hk_class(k, cls);
 }
 
 static PyObject *hk_history(Hooks *k, PyObject *clsobj) {

@@ -16,11 +16,13 @@ level_of, set_level.
 
 Levels (the `history` eviction policy's books, kvstore.policy.history): every key also has a level 0..LEVELS-1
 (0 on insert) and a class's list is one list per level, each least recently used first; LRU never leaves level 0.
-`placement(key)` is cls × LEVELS + level (-1 if absent); `set_level` moves a key to a level (its MRU end if linked); `use(key, top, pin=False)` is one use: a level up (top at
-most) and to the MRU end, or with `pin` a use only of a linked key, which then leaves its list — it returns the level
-after, -1 for a missing key; `pick(cls, aging=None)` is the victim by levels: the LRU key of the lowest non-empty
-level, or with `aging` (>= 0) the stalest of the levels' LRU keys where it has gone unused for more than `aging`
-times as long as that one; `oldest(cls)` is `pick(cls, 1.0)`, the LRU key over all levels. Ages count pushes (u32).
+`placement(key)` is cls × LEVELS + level (-1 if absent); `set_level` moves a key to a level (its MRU end if
+linked); `use(key, top, pin=False)` is one use: a level up (top at most) and to the MRU end, or with `pin` a use only
+of a linked key, which then leaves its list — it returns the level after, -1 for a missing key; `pick(cls,
+aging=None)` is the victim by levels: the LRU key of the lowest non-empty level, or with `aging` (>= 0) the stalest
+of the levels' LRU keys where it has gone unused for more than `aging` times as long as that one; `oldest(cls)` is
+`pick(cls, 1.0)`, the LRU key over all levels. Ages count pushes (u32). `class_len(cls, level=None)` counts the
+linked keys of a class (at one level).
 """
 from __future__ import annotations
 

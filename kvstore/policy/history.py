@@ -6,7 +6,7 @@ pool can hold. Plain LRU spends its space on the blocks used once. This policy k
 lists by how often each was used (1, 2, LEVELS or more sightings: stored, read, stored again) and evicts the least
 recently used block of the lowest non-empty level, so a block used once goes before any block used again, however
 old. A block's uses outlive its eviction: a `History` per class (kvstore.policy.levels) remembers the level of the
-blocks it evicted (HISTORY_FACTOR times the blocks the class holds, 10 bytes a remembered block, no KV; per class, so
+blocks it evicted (its last HISTORY_FACTOR evictions per block the class holds, 19–29 bytes each, no KV; per class, so
 that one tenant's evictions never push another's out).
 
 What to do with a block that comes back, and for how long uses protect a block, depends on the traffic, so each
@@ -25,11 +25,15 @@ head. A change of way orders victims at once but admits blocks by it only where 
 above its tail (class `_Class`), and a block placed right after another (a chain published tail first, a held block
 refreshed between) never comes in below it (`_carry`: a head stored again alone, and evicted again at a lower
 level, would otherwise be remembered below its tail).
-Every hook on a held block is O(1) dict work; storing a block that is not held costs one binary search of its
-class's history; the shadows see a sample of the keys (at most about SHADOW_BLOCKS a shadow), and a lookup's chain
-is served by each shadow (its sampled keys: a read of the prefix held, a store of the chain). In Python this is
-4–8 µs a hook against the native LRU's 0.2–0.7 (bench_index), 1.2–1.7× LRU's cost on the whole request path
-(bench_policies): a native version of these lists is the next step.
+Cost (issue 34: per operation ≤ 1.5× LRU's, ≤ 32 bytes a remembered block). In the host pool the levels are the key
+table's own lists (kvstore.index.keytable: a class's list split by level; `use`, `pick`) and the per-block hooks are
+native (`NativeHistoryPolicy`: kvstore._kvindex.Hooks, which the index calls straight into C): a read, an eviction
+and a commit cost 0.8–0.9×, 0.8–1.0× and 1.4–1.6× LRU's (bench_index, 10 thousand to 1 million blocks; the commit
+pays one look in a history twenty times the pool, a memory miss). The history is native too (kvstore._kvindex.History:
+a ring of 8-byte records and an index over it, 19–29 bytes a record, records gathered 32 at a time so that their
+misses overlap). Per request the shadows serve each lookup's chain in Python (a sample of at most about SHADOW_BLOCKS
+keys a shadow); the whole request path costs 1.05–1.25× LRU's (bench_policies). The SSD tier (`HistoryOrder`) keeps
+its levels in dicts: its keys are block ids, not the key table's.
 """
 from __future__ import annotations
 
@@ -38,7 +42,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstore.index.keytable import LEVELS as TABLE_LEVELS
 from kvstore.policy.levels import HISTORY_FACTOR, LEVELS, MIN_RECORDS, History, pick
 from kvstore.policy.shadow import AGING, ANEW, Duel
 
@@ -55,7 +58,7 @@ except ImportError:
     NativeHooks = NativeKeyTable = None
 
 TOP = LEVELS - 1                # the highest level (0-based)
-assert TABLE_LEVELS == 4 > TOP  # a key table's placement(): cls << 2 | level
+TABLE_LEVELS = 4                # kvstore.index.keytable.LEVELS: a key table's placement() is cls << 2 | level
 
 
 def host_policy(table: KeyTable, workflows: Workflows | None = None, key_at: Callable[[int], bytes | None] | None
@@ -125,7 +128,8 @@ class _Levels:
         return {"history_records": sum(c.history.remembered for c in self._classes.values()),
                 "history_capacity": sum(c.history.records.capacity for c in self._classes.values()),
                 "history_bytes": sum(c.history.nbytes for c in self._classes.values()),
-                "classes": {str(cls): {"way": c.duel.way, "admits_anew": self._anew(cls, c), "switches": c.duel.switches,
+                "classes": {str(cls): {"way": c.duel.way, "admits_anew": self._anew(cls, c),
+                                       "switches": c.duel.switches,
                                        "shadow_hits": c.duel.hits(), "sample_rate": c.duel.rate}
                             for cls, c in self._classes.items()}}
 

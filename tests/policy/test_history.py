@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from kvstore.policy import make_policy, make_tier_policy
 from kvstore.index.keytable import KeyTable
+from kvstore.policy import make_policy, make_tier_policy
 from kvstore.policy.history import HistoryOrder, HistoryPolicy
 from kvstore.policy.shadow import SHADOW_BLOCKS
 from tests.conftest import spec

@@ -29,6 +29,17 @@ def R(request):
     return request.param
 
 
+def test_the_policy_reads_the_key_tables_placement_as_the_table_packs_it():
+    from kvstore.index import keytable
+    from kvstore.policy import history
+
+    assert history.TABLE_LEVELS == keytable.LEVELS == 4 > history.TOP
+    t = keytable.PyKeyTable()
+    t.insert(k(1), 0, 77)
+    t.set_level(k(1), 2)
+    assert t.placement(k(1)) >> 2 == 77 and t.placement(k(1)) & 3 == 2
+
+
 def test_the_newest_records_are_kept_and_the_oldest_forgotten(R):
     h = R(1000)
     for i in range(3000):
@@ -109,7 +120,8 @@ def test_the_history_follows_the_class_size():
     h = History()
     assert h.records.capacity == MIN_RECORDS
     h.size_for(10_000)
-    assert h.records.capacity == 10_000 * HISTORY_FACTOR * 5 // 4 and h.grow_at == h.records.capacity // HISTORY_FACTOR
+    assert h.records.capacity == 10_000 * HISTORY_FACTOR * 5 // 4
+    assert h.grow_at == h.records.capacity // HISTORY_FACTOR
     h.size_for(5_000)                   # half: kept
     assert h.records.capacity == 10_000 * HISTORY_FACTOR * 5 // 4
     assert h.shrink_at == h.records.capacity // (4 * HISTORY_FACTOR) > 2_000
@@ -240,3 +252,35 @@ def test_native_hooks_and_the_python_form_agree_on_random_hook_calls():
     counts = [[p.levels()[f"used_{i}"] for i in (1, 2, 3)] for p in pair]
     assert counts[0] == counts[1]
     assert seen == {0, 1, 2}                        # every level was visited
+
+
+@needs_native
+def test_native_books_refuse_bad_use_without_crashing():
+    """Objects made without __init__, wrong tables and keys: precise errors, never a crash."""
+    from kvstore._kvindex import Hooks
+
+    bare = Hooks.__new__(Hooks)
+    for call in (lambda: bare.added(k(1), 0), lambda: bare.victim(0), lambda: bare.removed(k(1)),
+                 lambda: bare.pinned(k(1)), lambda: bare.history(0)):
+        with pytest.raises(RuntimeError, match="not initialised"):
+            call()
+    with pytest.raises(TypeError):
+        Hooks(object(), 2, 20, 8192)                    # a native key table only
+    with pytest.raises(ValueError):
+        Hooks(NativeTable(), 4, 20, 8192)               # top beyond the table's levels
+    hooks = Hooks(NativeTable(), 2, 20, 8192)
+    with pytest.raises(KeyError):
+        hooks.added(k(1), 0)                            # a block the table does not hold
+    with pytest.raises(ValueError):
+        hooks.added(k(1, 19), 0)                        # not a 20-byte key
+    with pytest.raises(ValueError):
+        hooks.set_way(0, -1.0, False, False)
+    assert hooks.victim(5) is None and hooks.admits(k(2)) is True
+    hooks.removed(k(3))                                 # unknown blocks: nothing to do
+    hooks.unpinned(k(3))
+    bare_records = NativeRecords.__new__(NativeRecords)
+    assert bare_records.level(k(1)) == 0
+    with pytest.raises(RuntimeError):
+        bare_records.record(k(1), 1)
+    with pytest.raises(ValueError):
+        NativeRecords(0)
