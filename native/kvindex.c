@@ -1024,12 +1024,16 @@ static int hk_args(const char *fn, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t h
     return -1;
 }
 
-static PyObject *hk_added(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *hk_added(Hooks *k, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"key", "cls", "touch"};
+    PyObject *args[3];
     if (hk_ready(k) < 0) return NULL;
     uint32_t cls;
     const uint8_t *key;
     Py_ssize_t n;
-    if (hk_args("added", nargs, 2, 3) < 0 || get_key(args[0], &key) < 0 || get_cls(args[1], &cls) < 0) return NULL;
+    if (parse_args("added", argv, nargs, kwnames, names, 2, 3, args) < 0 || get_key(args[0], &key) < 0 ||
+        get_cls(args[1], &cls) < 0)
+        return NULL;
     int64_t s = find(k->table, key, key + 4, meta_of(key, key + 4), NULL);
     if (s < 0) { PyErr_SetObject(PyExc_KeyError, args[0]); return NULL; }
     HookClass *c = hk_class(k, cls);
@@ -1049,9 +1053,11 @@ static PyObject *hk_added(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
-static PyObject *hk_accessed(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *hk_accessed(Hooks *k, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"key", "touch"};
+    PyObject *args[2];
     if (hk_ready(k) < 0) return NULL;
-    if (hk_args("accessed", nargs, 1, 2) < 0) return NULL;
+    if (parse_args("accessed", argv, nargs, kwnames, names, 1, 2, args) < 0) return NULL;
     int64_t s = lookup(k->table, args[0], 0);
     if (s == -2) return NULL;
     if (s >= 0) {
@@ -1110,9 +1116,11 @@ static PyObject *hk_victim(Hooks *k, PyObject *clsobj) {
     return PyBytes_FromStringAndSize((const char *)k->table->recs[s].key, KEY_BYTES);
 }
 
-static PyObject *hk_admits(Hooks *k, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *hk_admits(Hooks *k, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"victim", "touch"};
+    PyObject *args[2];
     if (hk_ready(k) < 0) return NULL;
-    if (hk_args("admits", nargs, 1, 2) < 0) return NULL;
+    if (parse_args("admits", argv, nargs, kwnames, names, 1, 2, args) < 0) return NULL;
     int64_t s = lookup(k->table, args[0], 0);
     if (s == -2) return NULL;
     if (s < 0) Py_RETURN_TRUE;
@@ -1210,13 +1218,13 @@ static void hk_dealloc(Hooks *k) {
 
 #define FASTPOS(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL
 static PyMethodDef hk_methods[] = {
-    {"added", FASTPOS(hk_added), "added(key, cls, touch=None)"},
-    {"accessed", FASTPOS(hk_accessed), "accessed(key, touch=None)"},
+    {"added", FAST(hk_added), "added(key, cls, touch=None)"},
+    {"accessed", FAST(hk_accessed), "accessed(key, touch=None)"},
     {"pinned", (PyCFunction)hk_pinned, METH_O, "pinned(key, /)"},
     {"unpinned", (PyCFunction)hk_unpinned, METH_O, "unpinned(key, /)"},
     {"removed", (PyCFunction)hk_removed, METH_O, "removed(key, /)"},
     {"victim", (PyCFunction)hk_victim, METH_O, "victim(cls, /) -> key | None"},
-    {"admits", FASTPOS(hk_admits), "admits(victim, touch=None) -> bool"},
+    {"admits", FAST(hk_admits), "admits(victim, touch=None) -> bool"},
     {"set_way", FASTPOS(hk_set_way), "set_way(cls, aging, anew, bypass)"},
     {"history", (PyCFunction)hk_history, METH_O, "history(cls, /) -> History"},
     {"held", (PyCFunction)hk_held, METH_O, "held(cls, /) -> int"},

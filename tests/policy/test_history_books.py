@@ -284,3 +284,20 @@ def test_native_books_refuse_bad_use_without_crashing():
         bare_records.record(k(1), 1)
     with pytest.raises(ValueError):
         NativeRecords(0)
+
+
+@needs_native
+def test_native_hooks_take_the_policy_contracts_arguments_by_name():
+    """kvstore.policy's contract: added(key, cls, touch=None), accessed(key, touch=None), admits(victim, touch)."""
+    from kvstore.policy.history import NativeHistoryPolicy
+
+    p = NativeHistoryPolicy(NativeTable())
+    p.table.insert(k(1), 0, 0)
+    p.added(key=k(1), cls=0, touch=None)
+    p.accessed(k(1), touch=None)
+    assert p.table.level_of(k(1)) == 1
+    assert p.admits(victim=k(1), touch=None) is True
+    with pytest.raises(TypeError):
+        p.added(k(1), 0, None, None)
+    with pytest.raises(TypeError):
+        p.accessed(k(1), when=1)
