@@ -298,6 +298,11 @@ static int get_u64(PyObject *o, uint64_t *v) {
 }
 
 static int get_cls(PyObject *o, uint32_t *cls) {
+    if (PyLong_CheckExact(o)) {                 /* the common case, without a new reference */
+        int overflow;
+        long c = PyLong_AsLongAndOverflow(o, &overflow);
+        if (!overflow && c >= 0 && c < MAX_CLS) { *cls = (uint32_t)c; return 0; }
+    }
     PyObject *i = PyNumber_Index(o);
     if (!i) return -1;
     int overflow;
@@ -1034,15 +1039,18 @@ static PyObject *hk_added(Hooks *k, PyObject *const *argv, Py_ssize_t nargs, PyO
     if (parse_args("added", argv, nargs, kwnames, names, 2, 3, args) < 0 || get_key(args[0], &key) < 0 ||
         get_cls(args[1], &cls) < 0)
         return NULL;
-    int64_t s = find(k->table, key, key + 4, meta_of(key, key + 4), NULL);
-    if (s < 0) { PyErr_SetObject(PyExc_KeyError, args[0]); return NULL; }
     HookClass *c = hk_class(k, cls);
     if (!c) return NULL;
+    n = KEY_BYTES;
+    uint64_t fp = fp_of(key, n);
+    int look = !c->anew || c->anew != c->want_anew;
+    if (look) __builtin_prefetch(&c->hist->ix[hx_home(c->hist, fp)]);   /* its miss overlaps the table's look */
+    int64_t s = find(k->table, key, key + 4, meta_of(key, key + 4), NULL);
+    if (s < 0) { PyErr_SetObject(PyExc_KeyError, args[0]); return NULL; }
     c->held++;
     uint32_t level = 0;
-    n = KEY_BYTES;
-    if (!c->anew || c->anew != c->want_anew) {
-        uint32_t remembered = (uint32_t)hx_level(c->hist, fp_of(key, n));
+    if (look) {
+        uint32_t remembered = (uint32_t)hx_level(c->hist, fp);
         if (c->anew != c->want_anew && (!c->want_anew || remembered == 0)) c->anew = c->want_anew;
         if (!c->anew) level = remembered < k->top ? remembered : k->top;
     }
