@@ -959,7 +959,8 @@ static PyTypeObject HistoryType = {
  *     set_way(cls, aging, anew, bypass)   aging: pick's factor or None; anew: blocks come at level 0 (`forget`,
  *                                   `bypass`: taken up at the next block the history does not remember);
  *                                   bypass: admits() may refuse
- *     history(cls) -> History       the class's (shadows ask it); held(cls) -> int; refusing(cls) -> bool
+ *     history(cls) -> History       the class's (made if new; shadows ask it); held(cls) -> int, refusing(cls)
+ *                                   -> bool (0 / False for a class it has no books of: none are made)
  *     admitting_anew(cls) -> bool; classes() -> [cls, ...]
  *   `carry`, the level of the block placed just before, is reset by every hook but added and accessed. */
 typedef struct {
@@ -1168,19 +1169,30 @@ static PyObject *hk_history(Hooks *k, PyObject *clsobj) {
     return (PyObject *)c->hist;
 }
 
+/* The class's books if it has any, without making them (*c = NULL: none); -1 on a bad class. */
+static int hk_peek(Hooks *k, PyObject *clsobj, HookClass **c) {
+    uint32_t cls;
+    if (hk_ready(k) < 0 || get_cls(clsobj, &cls) < 0) return -1;
+    *c = hk_known(k, cls);
+    return 0;
+}
+
 static PyObject *hk_held(Hooks *k, PyObject *clsobj) {
-    HookClass *c = hk_arg_class(k, clsobj);
-    return c ? PyLong_FromUnsignedLong(c->held) : NULL;
+    HookClass *c;
+    if (hk_peek(k, clsobj, &c) < 0) return NULL;
+    return PyLong_FromUnsignedLong(c ? c->held : 0);
 }
 
 static PyObject *hk_refusing(Hooks *k, PyObject *clsobj) {
-    HookClass *c = hk_arg_class(k, clsobj);
-    return c ? PyBool_FromLong(c->refusing) : NULL;
+    HookClass *c;
+    if (hk_peek(k, clsobj, &c) < 0) return NULL;
+    return PyBool_FromLong(c && c->refusing);
 }
 
 static PyObject *hk_admitting_anew(Hooks *k, PyObject *clsobj) {
-    HookClass *c = hk_arg_class(k, clsobj);
-    return c ? PyBool_FromLong(c->anew) : NULL;
+    HookClass *c;
+    if (hk_peek(k, clsobj, &c) < 0) return NULL;
+    return PyBool_FromLong(c && c->anew);
 }
 
 static PyObject *hk_classes(Hooks *k, PyObject *unused) {

@@ -301,3 +301,15 @@ def test_native_hooks_take_the_policy_contracts_arguments_by_name():
         p.added(k(1), 0, None, None)
     with pytest.raises(TypeError):
         p.accessed(k(1), when=1)
+
+
+@needs_native
+def test_asking_of_a_class_that_never_held_a_block_makes_no_books():
+    """A lookup in a class with no block (a tenant that only reads, a namespace not yet written) costs no history."""
+    from kvstore.policy.history import NativeHistoryPolicy
+
+    p = NativeHistoryPolicy(NativeTable())
+    for cls in range(50):
+        p.asked([k(1), k(2)], cls)
+    assert p._hooks.classes() == [] and p.levels()["history_capacity"] == 0
+    assert p._hooks.held(7) == 0 and p._hooks.refusing(7) is False
