@@ -702,7 +702,7 @@ static PyTypeObject KeyTableType = {
  *   (0 = a dead record: one recorded again later); an open-addressing index (linear probing from the fingerprint's
  *   top bits, load <= 3/4, backward-shift deletion) of 8-byte entries: ring position + 1 (low 32 bits; 0 = empty)
  *   and the fingerprint's top 32 bits, so that an entry's home is known without reading the ring — 19–29 bytes a
- *   record. A look reads one line of the index, and the ring's record where the entry's 32 bits match; records
+ *   record, and 1.3–2.7 more for the filters in front of the index (hx_mark). A look reads one line of the index, and the ring's record where the entry's 32 bits match; records
  *   are gathered HX_PENDING at a time and go in together (hx_flush). Every operation is O(1) but resize. */
 #define HX_PENDING 32               /* records gathered before they go in together (their misses overlap) */
 typedef struct {
@@ -713,6 +713,9 @@ typedef struct {
     uint32_t live, bits;            /* live records; the index has 2^bits slots */
     uint64_t pend[HX_PENDING];      /* records not yet in the ring, oldest first (fingerprint's top 56 | level) */
     uint64_t pmask;                 /* bit (fingerprint >> 8) % 64 of each pending record: most looks skip them */
+    uint64_t *filt;                 /* HX_GENS Bloom filters of the records in the ring (see hx_maybe) */
+    uint32_t fwords, fgen, fcount, fsize;   /* words a filter (a power of 2), the one filled now, its records, */
+                                            /* records a filter takes before the oldest is cleared for the next */
     uint32_t npend;
 } History;
 
@@ -767,6 +770,33 @@ static void hx_forget_oldest(History *h) {
     h->used--;
 }
 
+/* Bloom filters in front of the index, so that a key never recorded (most stores are of new blocks) costs a look
+ * in a few megabytes of filters instead of a memory miss in the index: HX_GENS of them, each of about 8 bits a
+ * record, 2 bits in one 64-bit word; records go into the newest, and when it holds fsize (half the capacity) the
+ * oldest is cleared and becomes the newest. A record in the ring was made at most `cap` records ago, so it is in
+ * one of the filters (the two full ones hold cap records): a filter never says no to a key the ring holds. */
+#define HX_GENS 4                   /* the filters' words of one index are side by side: one 32-byte look */
+static inline uint64_t *hx_word(const History *h, uint32_t gen, uint64_t fp) {
+    return &h->filt[((fp >> 8) & (h->fwords - 1)) * HX_GENS + gen];
+}
+static inline uint64_t hx_bits(uint64_t fp) { return 1ull << ((fp >> 40) & 63) | 1ull << ((fp >> 46) & 63); }
+
+static void hx_mark(History *h, uint64_t fp) {
+    *hx_word(h, h->fgen, fp) |= hx_bits(fp);
+    if (++h->fcount < h->fsize) return;
+    h->fgen = (h->fgen + 1) % HX_GENS;
+    for (size_t w = h->fgen; w < (size_t)h->fwords * HX_GENS; w += HX_GENS) h->filt[w] = 0;
+    h->fcount = 0;
+}
+
+static inline int hx_maybe(const History *h, uint64_t fp) {
+    uint64_t bits = hx_bits(fp);
+    const uint64_t *w = hx_word(h, 0, fp);
+    for (uint32_t g = 0; g < HX_GENS; g++)
+        if ((w[g] & bits) == bits) return 1;
+    return 0;
+}
+
 static void hx_record(History *h, uint64_t fp, uint8_t level) {
     uint32_t hole = 0;
     int64_t i = hx_find(h, fp, &hole);
@@ -777,6 +807,7 @@ static void hx_record(History *h, uint64_t fp, uint8_t level) {
     h->used++; h->live++;
     hx_find(h, fp, &hole);          /* the run may have moved under the deletions (finds no entry: fp's is gone) */
     h->ix[hole] = (uint64_t)(pos + 1) | (fp & 0xFFFFFFFF00000000ull);
+    hx_mark(h, fp);
 }
 
 /* History arrays: huge pages from HX_BIG bytes on (rounded to 2 MiB, at most an eighth more), the heap below. */
@@ -815,6 +846,7 @@ static int hx_level(const History *h, uint64_t fp) {
     if (h->pmask >> (fp >> 8 & 63) & 1)
         for (uint32_t k = h->npend; k-- > 0;)
             if (HX_ID(h->pend[k]) == HX_ID(fp)) return (int)(h->pend[k] & 0xFF);
+    if (!hx_maybe(h, fp)) return 0;
     int64_t i = hx_find(h, fp, NULL);
     if (i < 0) return 0;
     uint64_t over = (uint64_t)h->used + h->npend, pos = HX_POS(h->ix[i]) - 1;
@@ -825,7 +857,8 @@ static int hx_level(const History *h, uint64_t fp) {
 static void hx_free(History *h) {
     if (h->ring) hx_release(h->ring, (size_t)h->cap * 8);
     if (h->ix) hx_release(h->ix, (size_t)8 << h->bits);
-    h->ring = NULL; h->ix = NULL;
+    if (h->filt) hx_release(h->filt, (size_t)HX_GENS * h->fwords * 8);
+    h->ring = NULL; h->ix = NULL; h->filt = NULL;
 }
 
 /* A new ring of `cap` records holding the newest live ones of the old, in order. */
@@ -833,12 +866,23 @@ static int hx_resize(History *h, uint32_t cap) {
     if (h->ring) hx_flush(h);
     uint32_t bits = 4;
     while ((1ull << bits) * 3 < 4ull * cap) bits++;
-    uint64_t *ring = hx_alloc((size_t)cap * 8), *ix = hx_alloc((size_t)8 << bits);
-    if (!ring || !ix) { hx_release(ring, (size_t)cap * 8); hx_release(ix, (size_t)8 << bits); PyErr_NoMemory(); return -1; }
+    uint32_t fsize = cap / (HX_GENS - 1) + 1, fwords = 1;
+    while (fwords * 8ull < fsize) fwords *= 2;                  /* 8-16 bits a record, each filter */
+    size_t fbytes = (size_t)HX_GENS * fwords * 8;
+    uint64_t *ring = hx_alloc((size_t)cap * 8), *ix = hx_alloc((size_t)8 << bits), *filt = hx_alloc(fbytes);
+    if (!ring || !ix || !filt) {
+        if (ring) hx_release(ring, (size_t)cap * 8);
+        if (ix) hx_release(ix, (size_t)8 << bits);
+        if (filt) hx_release(filt, fbytes);
+        PyErr_NoMemory();
+        return -1;
+    }
     memset(ring, 0, (size_t)cap * 8);       /* written now: the pages are faulted in here, once, not one by one */
     memset(ix, 0, (size_t)8 << bits);       /* under the records that first touch them */
+    memset(filt, 0, fbytes);
     History old = *h;
     h->ring = ring; h->ix = ix; h->cap = cap; h->first = 0; h->used = 0; h->live = 0; h->bits = bits;
+    h->filt = filt; h->fwords = fwords; h->fgen = 0; h->fcount = 0; h->fsize = fsize;
     uint32_t skip = old.live > cap ? old.live - cap : 0;
     for (uint32_t k = 0; k < old.used; k++) {
         uint64_t rec = old.ring[(uint32_t)(((uint64_t)old.first + k) % old.cap)];
@@ -892,7 +936,8 @@ static PyObject *hx_py_resize(History *h, PyObject *capobj) {
 
 static PyObject *hx_py_nbytes(History *h, PyObject *unused) {
     (void)unused;
-    return PyLong_FromSize_t(sizeof(History) + hx_round((size_t)h->cap * 8) + hx_round((size_t)8 << h->bits));
+    return PyLong_FromSize_t(sizeof(History) + hx_round((size_t)h->cap * 8) + hx_round((size_t)8 << h->bits) +
+                             hx_round((size_t)HX_GENS * h->fwords * 8));
 }
 
 static PyObject *hx_py_capacity(History *h, void *unused) { (void)unused; return PyLong_FromUnsignedLong(h->cap); }

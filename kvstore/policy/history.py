@@ -28,10 +28,10 @@ level, would otherwise be remembered below its tail).
 Cost (issue 34: per operation ≤ 1.5× LRU's, ≤ 32 bytes a remembered block). In the host pool the levels are the key
 table's own lists (kvstore.index.keytable: a class's list split by level; `use`, `pick`) and the per-block hooks are
 native (`NativeHistoryPolicy`: kvstore._kvindex.Hooks, which the index calls straight into C): a read, an eviction
-and a commit cost 0.8–0.9×, 0.8–1.0× and 1.4–1.7× LRU's (bench_index, 10 thousand to 1 million blocks; the commit
-pays one look in a history twenty times the pool, a memory miss). The history is native too (kvstore._kvindex.History:
-a ring of 8-byte records and an index over it, 19–29 bytes a record, records gathered 32 at a time so that their
-misses overlap). Per request the shadows serve each lookup's chain in Python (a sample of at most about SHADOW_BLOCKS
+and a commit cost 0.7–0.9×, 0.9–1.05× and 1.3–1.5× LRU's (bench_index, 10 thousand to 1 million blocks; the commit
+pays one look in a history twenty times the pool). The history is native too (kvstore._kvindex.History: a ring of
+8-byte records, an index over it and Bloom filters in front that answer most never-seen keys without a memory miss,
+21–32 bytes a record; records gathered 32 at a time so that their misses overlap). Per request the shadows serve each lookup's chain in Python (a sample of at most about SHADOW_BLOCKS
 keys a shadow); the whole request path costs 1.05–1.25× LRU's (bench_policies). The SSD tier (`HistoryOrder`) keeps
 its levels in dicts: its keys are block ids, not the key table's.
 """

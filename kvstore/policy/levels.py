@@ -52,8 +52,8 @@ def fingerprint(key: bytes) -> int:
 
 class Records(Protocol):
     """A bounded history of records key -> level (1..255): the last `capacity` made, a key answered by its newest
-    among them — kvstore._kvindex.History (a ring and an index over it, 19–29 bytes a record, native/kvindex.c) or
-    PyRecords."""
+    among them — kvstore._kvindex.History (a ring, an index over it and Bloom filters in front, 21–32 bytes a record,
+    native/kvindex.c) or PyRecords."""
 
     capacity: int
 

@@ -313,3 +313,24 @@ def test_asking_of_a_class_that_never_held_a_block_makes_no_books():
         p.asked([k(1), k(2)], cls)
     assert p._hooks.classes() == [] and p.levels()["history_capacity"] == 0
     assert p._hooks.held(7) == 0 and p._hooks.refusing(7) is False
+
+
+@needs_native
+@pytest.mark.parametrize("cap", [3, 97, 1000, 50_000])
+def test_native_filters_never_hide_a_record_the_ring_holds(cap):
+    """The native history's Bloom filters in front of its index are cleared a generation at a time; across many
+    generations every record among the last `cap` is still found, and none older is."""
+    h = NativeRecords(cap)
+    rng = random.Random(cap)
+    made: list[tuple[bytes, int]] = []
+    for i in range(20 * cap + 500):
+        key = k(rng.randrange(1 << 60))
+        level = rng.randrange(1, 256)
+        h.record(key, level)
+        made.append((key, level))
+        if i % (cap // 3 + 1) == 0:                     # look at every generation boundary's neighbourhood
+            newest = dict(made[-cap:])
+            assert all(h.level(kk) == lv for kk, lv in list(newest.items())[-50:])
+    newest = dict(made[-cap:])
+    assert all(h.level(kk) == lv for kk, lv in newest.items())
+    assert sum(h.level(kk) != 0 for kk, _ in made[:-cap] if kk not in newest) == 0
