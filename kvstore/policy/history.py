@@ -31,9 +31,10 @@ native (`NativeHistoryPolicy`: kvstore._kvindex.Hooks, which the index calls str
 and a commit cost 0.7–0.9×, 0.9–1.05× and 1.3–1.5× LRU's (bench_index, 10 thousand to 1 million blocks; the commit
 pays one look in a history twenty times the pool). The history is native too (kvstore._kvindex.History: a ring of
 8-byte records, an index over it and Bloom filters in front that answer most never-seen keys without a memory miss,
-21–32 bytes a record; records gathered 32 at a time so that their misses overlap). Per request the shadows serve each lookup's chain in Python (a sample of at most about SHADOW_BLOCKS
-keys a shadow); the whole request path costs 1.05–1.25× LRU's (bench_policies). The SSD tier (`HistoryOrder`) keeps
-its levels in dicts: its keys are block ids, not the key table's.
+21–32 bytes a record; records gathered 32 at a time so that their misses overlap). Per request the shadows serve
+each lookup's chain in Python (a sample of at most about SHADOW_BLOCKS keys a shadow); the whole request path costs
+1.05–1.25× LRU's (bench_policies). The SSD tier (`HistoryOrder`) keeps its levels in dicts: its keys are block ids,
+not the key table's.
 """
 from __future__ import annotations
 
