@@ -162,9 +162,10 @@ def _check_field(op: str, name: str, kind: str, v: Any, max_keys: int) -> None:
         if not isinstance(v, bytes):
             bad = "a bin of 16-byte block hashes"
         elif len(v) % HASH_BYTES:
-            raise ProtocolError(Code.BAD_REQUEST, f"{op}: field 'keys' is {len(v)} bytes, not a multiple of 16")
+            raise ProtocolError(Code.BAD_REQUEST, f"{op}: field {name!r} is {len(v)} bytes, not a multiple of 16")
         elif len(v) > max_keys * HASH_BYTES:
-            raise ProtocolError(Code.BAD_REQUEST, f"{op}: {len(v) // HASH_BYTES} keys, above the limit of {max_keys}")
+            n = len(v) // HASH_BYTES
+            raise ProtocolError(Code.BAD_REQUEST, f"{op}: field {name!r} has {n} keys, above the limit of {max_keys}")
     if bad:
         raise ProtocolError(Code.BAD_REQUEST, f"{op}: field {name!r} must be {bad}, got {type(v).__name__}")
 

@@ -340,7 +340,9 @@ def test_a_durable_put_that_gives_up_leaves_no_backlog(tmp_path, daemons):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         batches, paused = writer.run_until(lambda: not tb.is_alive())
-        assert few["result"].durability == "durable" and batches <= 2, batches     # not behind a's 1024
+        # not behind a's 1024 (32 batches): b's batch, the one before it, and at most one more let go while b's
+        # durable reply travels (the writer may pause at a's next batch before b's thread has ended)
+        assert few["result"].durability == "durable" and batches <= 3, batches
         writer.run_until(lambda: pending(admin) == 0, paused)  # a's blocks are written all the same
         assert a.namespace(spec()).wait_durable(hashes(1024, tag=b"impatient"), 30)["durability"] == "durable"
 

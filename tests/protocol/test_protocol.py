@@ -466,3 +466,15 @@ def test_forbidden_pattern_catches_what_it_should():
         assert FORBIDDEN.search(bad), bad
     assert not FORBIDDEN.search("torch.load(p, weights_only=True)")
 
+
+
+@pytest.mark.parametrize(("value", "text"), [(b"\x00", "field 'after' is 1 bytes, not a multiple of 16"),
+                                             (bytes(16 * (MAX_KEYS + 1)), "field 'after' has")])
+def test_a_bad_after_is_named_in_its_error(served, value, text):
+    """`after` (the chain before a reserve's blocks) is checked as keys are, and its error names it, not `keys`."""
+    msg = base_request("reserve")
+    msg["after"] = value
+    replies = exchange(served.socket, frame(pack(msg)))
+    assert len(replies) == 1
+    assert_error(replies[0], "bad_request", msg["id"] if type(msg["id"]) is int else 0, text)
+    assert_serving(served)
