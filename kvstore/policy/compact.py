@@ -39,6 +39,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvstore.policy.evicted import EvictedTouches
 from kvstore.policy.rows import ABSENT, MAX_BUDGET, NIL, PINNED, SLOT_MASK, Chunk, Rows
 from kvstore.policy.workflow import CurrentCalls, shared_value
 from kvstore.workflows import Touch, Workflow, Workflows
@@ -95,6 +96,7 @@ class CompactWorkflowPolicy:
         self.pick_s = pick_s
         self.pop = Popularity(tag_budget + 1, workflows.clock)
         self.calls = CurrentCalls(workflows)
+        self.evicted = EvictedTouches(workflows)
 
     # ----- the EvictionPolicy hooks -----
     def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
@@ -105,6 +107,9 @@ class CompactWorkflowPolicy:
         if ch.group[i] != ABSENT:                # a row left behind (a missed `removed`): it goes first ...
             self._drop(ch, i, gid)
             ch, i = self.rows.occupy(gid)       # ... and may have taken the segment's chunk with it
+        kept = self.evicted.restore(key, touch)
+        if kept:
+            ch.touched[i] = kept
         self.rows.tag(ch, i, touch)
         self.calls.stored(key, touch)
         self.pop.enter(min(ch.touched[i], self.budget))
@@ -139,6 +144,9 @@ class CompactWorkflowPolicy:
         ch, i = self.rows.row(gid)
         if ch is not None and ch.group[i] != ABSENT:
             self._drop(ch, i, gid)
+            if ch.touched[i]:
+                held = sum(self.pop.held)
+                self.evicted.record(key, ch.touched[i], self.flows.nums.get(self.rows.last_tag(ch, i)), held)
 
     def pinned(self, key: bytes) -> None:
         gid = self.table.get(key)

@@ -115,26 +115,27 @@ def _records(capacity: int) -> Records:
 
 
 class History:
-    """The levels of a class's evicted blocks: HISTORY_FACTOR records per block the class holds (at least
+    """The levels of a class's evicted blocks: `factor` (HISTORY_FACTOR) records per block the class holds (at least
     MIN_RECORDS), the oldest forgotten first. `records` answers the hot path (`level`, `record`: one native call
     each); `size_for` follows the class's size a quarter ahead, growing past what it has and shrinking under a quarter
     of it (`grow_at`, `shrink_at`: the caller asks only past them; a class that lends half its memory away and takes
     it back does not rebuild its history each time)."""
 
-    def __init__(self, records: Records | None = None) -> None:
+    def __init__(self, records: Records | None = None, factor: int = HISTORY_FACTOR) -> None:
         self.records = _records(MIN_RECORDS) if records is None else records
-        self.grow_at = MIN_RECORDS // HISTORY_FACTOR
+        self.factor = factor                        # records per block held
+        self.grow_at = MIN_RECORDS // factor
         self.shrink_at = 0
 
     def size_for(self, held: int) -> None:
-        want, have = held * HISTORY_FACTOR, self.records.capacity
+        want, have = held * self.factor, self.records.capacity
         if want > have or want < have // 4:
             want = min(max(MIN_RECORDS, want + want // 4), 1 << 30)
             if want != have:
                 self.records.resize(want)
         have = self.records.capacity
-        self.grow_at = have // HISTORY_FACTOR
-        self.shrink_at = have // (4 * HISTORY_FACTOR)
+        self.grow_at = have // self.factor
+        self.shrink_at = have // (4 * self.factor)
 
     def record(self, key: bytes, level: int) -> None:
         self.records.record(key, level)

@@ -173,6 +173,14 @@ class Rows:
             sig = self._single[act[0]] = frozenset(act)
         return sig
 
+    def last_tag(self, ch: Chunk, i: int) -> int:
+        """The workflow number that touched the row most recently (0: none)."""
+        b = self.budget
+        for t in reversed(ch.tags[i * b:i * b + b]):
+            if t:
+                return t
+        return 0
+
     def ended(self, num: int) -> None:
         """Workflow `num` ended: its one-workflow signature is made anew if the number comes back."""
         self._single.pop(num, None)

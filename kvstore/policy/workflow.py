@@ -62,6 +62,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvstore.policy.evicted import EvictedTouches
 from kvstore.workflows import Touch, Workflow, Workflows, agent_names
 from kvstore.workflows.popularity import Popularity
 
@@ -105,12 +106,16 @@ class WorkflowPolicy:
         self.pins: set[bytes] = set()
         self.pop = Popularity(tag_budget + 1, workflows.clock)
         self.calls = CurrentCalls(workflows)
+        self.evicted = EvictedTouches(workflows)
 
     # ----- the TierPolicy hooks -----
     def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
         if key in self.where:
             self.removed(key)
         self.where[key] = (cls, 0)
+        kept = self.evicted.restore(key, touch)
+        if kept:
+            self.touched[key] = kept
         self._tag(key, touch)
         self.calls.stored(key, touch)
         self.pop.enter(self._level(key))
@@ -138,8 +143,9 @@ class WorkflowPolicy:
         self.pins.discard(key)
         self.pop.leave(self._level(key))
         del self.where[key]
-        self.tags.pop(key, None)
-        self.touched.pop(key, None)
+        tags = self.tags.pop(key, None)
+        last = self.flows.active.get(next(reversed(tags))) if tags else None
+        self.evicted.record(key, self.touched.pop(key, 0), last, len(self.where))
 
     def pinned(self, key: bytes) -> None:
         if key in self.where and key not in self.pins:

@@ -228,3 +228,48 @@ def test_a_put_of_the_missed_blocks_keeps_the_prefix_it_read() -> None:
     pol.added(k(3), 0, Touch("a", "x"))          # ... then stores the rest, tail first
     pol.added(k(2), 0, Touch("a", "x"))
     assert drain(pol) == [3, 2, 1, 0]
+
+
+def test_an_evicted_blocks_touch_count_comes_back_with_it() -> None:
+    """Issue 34: a block three workflows touched keeps its level when evicted and stored again (before, it came back
+    touched by one, among the first to go): a fourth workflow storing it makes it four; its last toucher storing its
+    own block again adds no new reuse (three); stored without a hint it comes back at three, and then outlives a
+    block one workflow touched, retired before it."""
+    flows = Workflows()
+    pol = WorkflowPolicy(flows)
+    for wid in ("a", "b", "c", "d", "e"):
+        flows.call(wid, "x", "t")
+    pol.added(k(0), 0, Touch("a", "x"))
+    pol.accessed(k(0), Touch("b", "x"))
+    pol.accessed(k(0), Touch("c", "x"))
+    for touch, touched in ((Touch("d", "x"), 4), (Touch("d", "x"), 4), (None, 4), (Touch("e", "x"), 5)):
+        pol.removed(k(0))
+        assert pol.describe(k(0)) is None
+        pol.added(k(0), 0, touch)
+        assert pol.describe(k(0))["touched"] == touched      # type: ignore[index]
+    pol.added(k(1), 0, Touch("a", "x"))
+    for wid in ("a", "b", "c", "d", "e"):
+        flows.end(wid)
+    assert drain(pol) == [1, 0]                               # retired: the fewest-touched first
+
+
+def test_what_is_remembered_of_evicted_blocks_is_bounded() -> None:
+    """The memory of evicted blocks is a bounded history (kvstore.policy.levels.History, FACTOR records per block
+    held, at least MIN_RECORDS): the oldest evictions are forgotten first; blocks no hint named are not recorded."""
+    from kvstore.policy.levels import MIN_RECORDS
+
+    flows = Workflows()
+    pol = WorkflowPolicy(flows)
+    pol.added(k(10**6), 0)                                    # no hint: nothing to remember
+    pol.removed(k(10**6))
+    assert pol.evicted.history is None
+    flows.call("a", "x", "t")
+    n = 3 * MIN_RECORDS
+    for i in range(n):
+        pol.added(k(i), 0, Touch("a", "x"))
+        pol.removed(k(i))
+    assert pol.evicted.remembered <= MIN_RECORDS < n                 # nothing held: the least history
+    flows.call("b", "x", "t")
+    pol.added(k(0), 0, Touch("b", "x"))                      # the first eviction: forgotten
+    pol.added(k(n - 1), 0, Touch("b", "x"))                  # the last: a's count comes back, b's added
+    assert [pol.describe(k(i))["touched"] for i in (0, n - 1)] == [1, 2]   # type: ignore[index]
