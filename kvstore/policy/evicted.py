@@ -4,8 +4,10 @@ block stored again comes back at its level (issue 34).
 Why: a block's level — how many workflows touched it — prices its reuse by workflows to come (kvstore.policy.workflow,
 kvstore.workflows.popularity). Without this memory an evicted block lost its count with its bytes: a shared
 document or a planner's prompt evicted once under pressure came back as a block one workflow had touched, among the
-first to go again, and its level never grew past what one stay in the pool saw (the map-reduce family at a quarter
-of its peak: 28% of the Belady gap closed against 37% for the no-hint history policy; with this memory, 39%).
+first to go again, and its level never grew past what one stay in the pool saw. Offline (bench/family_offline, the
+four agent families, seeds 1–3, whole-chain saves), the share of the LRU→Belady gap closed: map-reduce at a tenth and
+a quarter of its peak 37% and 29% → 41% and 35% (mean of seeds; the no-hint history policy 35% and 31%), retrieval
+at a tenth 44% → 49%, the other cells within a point.
 
 The count comes back, less one if the block's last toucher is the workflow storing it again: that workflow's touch
 adds it back (its tag is not remembered), and a workflow reloading its own evicted context is not a new reuse.

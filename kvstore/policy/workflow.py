@@ -14,6 +14,7 @@ it (`tags`, at most `tag_budget` of them, the most recent, and how many ever did
    (`shared_value`: rate × mean gap × the lookahead of a workflow that never ends), retired or active. Groups are
    per (signature, level); the victim is the lowest-worth group's head, retired before active among equals. With
    no block ever reused by a second workflow every rate is 0 and the order is PBKV's (retired strictly first).
+   A block's count outlives its eviction (kvstore.policy.evicted): stored again, it comes back at its level.
 2. **Then active blocks, lowest score first.** A block's score sums, over the active workflows that touched it,
    that workflow's K-step lookahead reuse value: Σ_k γ^(k-1) · s_w(k) · P(step k calls an agent that reuses the
    block), s_w(k) the probability w is still running at step k (kvstore.workflows.predictor). Under the prefix-sharing
