@@ -21,6 +21,16 @@ Families (the gap between two calls of one workflow: the engine's decode plus wh
   reader reads [reader prompt][the top documents][question][notes], 1..3 hops, each hop adding documents after
   the ones before. Gaps are gamma (shape 2). Reuse: reader prompt + popular leading documents across workflows,
   the hop's prompt by the next hop.
+- `pipeline`  a static pipeline of four stages over one input document (Zipf popularity); each stage's prompt is
+  its own role prompt, then the document, then the outputs of the stages before — so no stage rereads another's
+  blocks (issue 34: the convention that later agents inherit does not hold). Gaps are Weibull (shape 0.7: a batch
+  job's queueing, many short waits and a long tail). Reuse: a stage's role prompt, and a popular document under
+  it, across workflows only.
+- `coding`    a coding agent over shared repository files (1..4, Zipf): a planner, then attempts (geometric, up to
+  6), each a coder's fresh attempt from the plan and a tester's run of it; a failed attempt is dropped, the next
+  starts from the plan again. Gaps: a test suite's run (exponential, 8 s) between coder and tester, a decode
+  between attempts. Reuse: the system prompt and popular files across workflows, the plan by every attempt, an
+  attempt by its test.
 
 Hints are what a framework knows at call time only (`Event.hint()`): a workflow's begin, each call with its
 workflow, type, agent, step and the family's possible next agents (`GRAPH`, the static call graph — never which
@@ -48,7 +58,10 @@ GRAPH: dict[str, dict[str, tuple[str, ...]]] = {      # family → agent → the
     "debate": {"proposer": ("opponent", "judge", "proposer"), "opponent": ("proposer", "judge", "critic"),
                "critic": ("proposer", "judge"), "judge": ("proposer", END)},
     "retrieval": {"retriever": ("reader",), "reader": ("retriever", END)},
+    "pipeline": {"extract": ("classify",), "classify": ("summarize",), "summarize": ("format",), "format": (END,)},
+    "coding": {"planner": ("coder",), "coder": ("tester",), "tester": ("coder", END)},
 }
+PIPELINE = ("extract", "classify", "summarize", "format")
 FAMILIES = tuple(GRAPH)
 
 
@@ -213,9 +226,45 @@ def retrieval(c: Ctx) -> Iterator[Step]:
         delay = DECODE_S + r.gammavariate(2.0, 1.5)
 
 
+def pipeline(c: Ctx) -> Iterator[Step]:
+    r = c.rng
+    doc = c.doc()
+    outputs: list[tuple[str, int]] = []
+    delay = 0.0
+    for stage in PIPELINE:
+        p = Prompt().add(f"pipeline/{stage}", 3).add(("doc", doc), c.corpus[doc])
+        for out in outputs:
+            p.add(*out)
+        yield delay, stage, p.chain
+        outputs.append(c.new(r.randint(1, 2)))
+        delay = DECODE_S + r.weibullvariate(2.0, 0.7)       # a batch job's queueing: many short, a long tail
+
+
+def coding(c: Ctx) -> Iterator[Step]:
+    r = c.rng
+    base = Prompt().add("coding/system", 4)
+    for _ in range(r.randint(1, 4)):
+        d = c.doc()
+        base.add(("file", d), c.corpus[d])
+    base.add(*c.new(1))                                         # the issue
+    yield 0.0, "planner", base.chain
+    base.add(*c.new(1))                                         # the plan
+    delay = DECODE_S + r.uniform(0.5, 2.0)
+    for _ in range(1 + min(int(r.expovariate(1 / 1.5)), 5)):
+        attempt_p = base.fork().add(*c.new(2))                  # a fresh attempt from the plan
+        yield delay, "coder", attempt_p.chain
+        attempt_p.add(*c.new(1))
+        delay = DECODE_S + r.expovariate(1 / 8.0)               # the test suite runs
+        yield delay, "tester", attempt_p.add("coding/test", 1).chain
+        delay = DECODE_S * r.uniform(0.5, 1.5)
+        if r.random() < 0.35:
+            break
+
+
 FAMILY: dict[str, Callable[[Ctx], Iterator[Step]]] = {
-    "toolloop": toolloop, "mapreduce": mapreduce, "debate": debate, "retrieval": retrieval}
-CONCURRENCY = {"toolloop": 12, "mapreduce": 6, "debate": 10, "retrieval": 10}   # workflows live at once, on average
+    "toolloop": toolloop, "mapreduce": mapreduce, "debate": debate, "retrieval": retrieval, "pipeline": pipeline,
+    "coding": coding}
+CONCURRENCY = {"toolloop": 12, "mapreduce": 6, "debate": 10, "retrieval": 10, "pipeline": 12, "coding": 8}
 
 
 def trace(family: str, workflows: int, seed: int = 1, concurrency: int | None = None) -> list[Event]:

@@ -148,8 +148,11 @@ def _reserve_commit(pol: Any, held: set[bytes], batch: list[bytes], cap: int, to
     refresh: dict[bytes, list[bytes]] = {}
     waiting: list[bytes] = []
     stopped = False
+    left: list[bytes] = []                      # left out by a stop (kvstore.index.stores: `refused`)
     for k in batch:
         if stopped:
+            if k not in held:
+                left.append(k)
             continue
         protect.add(k)
         if k in held:
@@ -157,17 +160,20 @@ def _reserve_commit(pol: Any, held: set[bytes], batch: list[bytes], cap: int, to
             continue
         while len(held) + len(reserved) >= cap:
             v = pol.victim(0)
-            if v is None or v in protect or (admits is not None and not admits(v, touch)):
+            if v is None or v in protect or (admits is not None and not admits(v, touch, k)):
                 stopped = True
                 break
             pol.removed(v)
             held.discard(v)
         if stopped:
+            left.append(k)
             continue
         reserved.append(k)
         if waiting:
             refresh[k] = waiting
             waiting = []
+    if left and touch is not None and hasattr(pol, "refused"):
+        pol.refused(left, 0, touch)
     for k in reversed(waiting):
         pol.accessed(k, touch)
     for k in reversed(reserved):

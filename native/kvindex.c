@@ -999,7 +999,7 @@ static PyTypeObject HistoryType = {
  *     pinned(key) / unpinned(key)   a read begins (a use; no candidate) / ends (a candidate, the newest)
  *     removed(key)                  a block leaves (before the table lets go): its level is remembered
  *     victim(cls) -> key | None     by the class's way (set_way): the table's pick
- *     admits(victim, touch) -> bool False where the class bypasses and the victim was used more than once
+ *     admits(victim, touch, key) -> bool False where the class bypasses and the victim was used more than once
  *   and the Python side (its shadows choose the way) uses:
  *     set_way(cls, aging, anew, bypass)   aging: pick's factor or None; anew: blocks come at level 0 (`forget`,
  *                                   `bypass`: taken up at the next block the history does not remember);
@@ -1171,10 +1171,10 @@ static PyObject *hk_victim(Hooks *k, PyObject *clsobj) {
 }
 
 static PyObject *hk_admits(Hooks *k, PyObject *const *argv, Py_ssize_t nargs, PyObject *kwnames) {
-    static const char *const names[] = {"victim", "touch"};
-    PyObject *args[2];
+    static const char *const names[] = {"victim", "touch", "key"};      /* the block coming: not asked here */
+    PyObject *args[3];
     if (hk_ready(k) < 0) return NULL;
-    if (parse_args("admits", argv, nargs, kwnames, names, 1, 2, args) < 0) return NULL;
+    if (parse_args("admits", argv, nargs, kwnames, names, 1, 3, args) < 0) return NULL;
     int64_t s = lookup(k->table, args[0], 0);
     if (s == -2) return NULL;
     if (s < 0) Py_RETURN_TRUE;

@@ -43,12 +43,12 @@ class Allocation:
         self._evict_for_slot = removal.evict_for_slot
 
     def allocate(self, slot: SlotKey, cls: int, protect: set[bytes] | None = None,
-                 touch: Touch | None = None) -> int | None:
+                 touch: Touch | None = None, coming: bytes | None = None) -> int | None:
         """A slot of the class `slot` (tenant, slot bytes), whose eviction class is `cls`. With `protect` (a put's
         own chain, given only where an eviction drops the block: no lower tier), None rather than evict one of its
         blocks, or — Belady's bypass, estimated — a block the policy values above the block coming (`admits`, with
-        the request's hint context `touch`). A tenant within its quota takes borrowed memory back before it evicts
-        its own (kvstore.index.quotas)."""
+        the request's hint context `touch` and the key `coming`). A tenant within its quota takes borrowed memory
+        back before it evicts its own (kvstore.index.quotas)."""
         tenant, slot_bytes = slot
         q = self.quotas
         unit = self.pool.segment_size(slot_bytes)
@@ -71,7 +71,8 @@ class Allocation:
             if stale is not None:
                 q.took(stale, tenant, reclaim=False)
                 self._hand_over(stale, tenant)      # memory moves to this class: a new segment fits
-            elif protect is not None and key is not None and (key in protect or not self._admitted(key, touch)):
+            elif protect is not None and key is not None and (key in protect
+                                                              or not self._admitted(key, touch, coming)):
                 self.counters["kept_own_chain" if key in protect else "not_admitted"] += 1
                 return None
             elif key is not None:
@@ -81,10 +82,10 @@ class Allocation:
             elif not self._reclaim_other(slot):
                 return None
 
-    def _admitted(self, victim: bytes, touch: Touch | None) -> bool:
-        """Whether the policy would evict `victim` for a block of the request `touch` (hints, or None; always
-        under a policy that cannot tell: LRU admits everything)."""
-        return self._admits is None or self._admits(victim, touch)
+    def _admitted(self, victim: bytes, touch: Touch | None, coming: bytes | None) -> bool:
+        """Whether the policy would evict `victim` for the block `coming` of the request `touch` (hints, or None;
+        always under a policy that cannot tell: LRU admits everything)."""
+        return self._admits is None or self._admits(victim, touch, coming)
 
     def _staler_segment(self, slot: SlotKey, victim: bytes | None) -> Segment | None:
         """An idle segment of another class (block size or tenant) whose next victim was used before ours: the

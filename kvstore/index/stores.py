@@ -22,6 +22,7 @@ from kvstore.index.errors import InvalidRequest, NotHeld
 from kvstore.index.namespaces import Holdings, NamespaceEntry
 from kvstore.index.removal import Removal
 from kvstore.index.state import Books, seg_slot
+from kvstore.policy import Refusing
 from kvstore.protocol import ReserveStatus
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class Stores:
         self.pool = books.pool
         self.table = books.table
         self.policy = books.policy
+        self._refused = books.policy.refused if isinstance(books.policy, Refusing) else None     # checked once
         self.namespaces = books.namespaces
         self.counters = books.counters
         self.pending = books.pending
@@ -124,6 +126,8 @@ class Stores:
                 holder.leases[key] = lease_until     # in time order: the oldest lease first
             gids.append(gid)
             status.append(st)
+        if self.stopped == "room" and touch is not None and self._refused is not None:
+            self._refused([ns.key(h) for h, st in zip(hashes, status) if st == NO_SPACE], ns.cls, touch)
         run = mine or set()
         if more and not self.stopped and len(run) + len(waiting) <= RUN_KEYS:     # the next reserve goes on
             holder.carry, holder.run = waiting, run
@@ -144,7 +148,7 @@ class Stores:
         if not self.may_hold(holder, ns.slot_bytes):
             return 0, NO_SPACE
         if evict:
-            gid = self._allocate(ns.slot_key, ns.cls, protect, touch)
+            gid = self._allocate(ns.slot_key, ns.cls, protect, touch, key)
         else:
             gid = self.pool.allocate(ns.slot_bytes, ns.tenant)
         if gid is None:

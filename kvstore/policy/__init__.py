@@ -77,9 +77,19 @@ class Admitting(Protocol):
     """A policy that may value a block coming below the victim it would evict for it (Belady's bypass, estimated:
     by the hints' lookahead in kvstore.policy.workflow, by reuse in kvstore.policy.history's `bypass` way): the index
     stops the put rather than evict a block worth more. Asked only where an eviction drops the block (no lower
-    tier), with the request's hints or None."""
+    tier), with the request's hints or None, and the key of the block coming (where the policy remembers it)."""
 
-    def admits(self, victim: bytes, touch: Touch | None) -> bool: ...
+    def admits(self, victim: bytes, touch: Touch | None, key: bytes | None = None) -> bool: ...
+
+
+@runtime_checkable
+class Refusing(Protocol):
+    """An Admitting policy that remembers the blocks a put left out (`admits` refused their victims, or the put's
+    own chain stood in the way): the request touched them all the same, so a block refused for one workflow and
+    asked by the next is known as one the workflows share (kvstore.policy.evicted). Without it a block left out
+    comes back as new every time, and a pool full of blocks worth more never lets it in."""
+
+    def refused(self, keys: list[bytes], cls: int, touch: Touch) -> None: ...
 
 
 @runtime_checkable

@@ -110,7 +110,8 @@ class CompactWorkflowPolicy:
         kept = self.evicted.restore(key, touch)
         if kept:
             ch.touched[i] = kept
-        self.rows.tag(ch, i, touch)
+        if self.rows.tag(ch, i, touch) and touch is not None:
+            self.flows.touched(self.flows.active[touch.workflow], False)
         self.calls.stored(key, touch)
         self.pop.enter(min(ch.touched[i], self.budget))
         self._link(ch, i, gid, cls)
@@ -123,7 +124,9 @@ class CompactWorkflowPolicy:
         if ch is None or ch.group[i] == ABSENT:
             return
         before = ch.touched[i]
-        self.rows.tag(ch, i, touch)
+        new = self.rows.tag(ch, i, touch)
+        if new is not None and touch is not None and (new or not self.calls.mine(key, touch)):
+            self.flows.touched(self.flows.active[touch.workflow], not new)
         self.calls.read(key, touch)
         if ch.touched[i] != before:              # a workflow new to it: reuse no lookahead saw coming
             b = self.budget
@@ -221,8 +224,8 @@ class CompactWorkflowPolicy:
                     self._unlink(ch, i, gid)
                     self._link(ch, i, gid, cls)
 
-    def admits(self, victim: bytes, touch: Touch | None) -> bool:
-        """As WorkflowPolicy.admits: evict `victim` for a block of `touch` unless it is worth more."""
+    def admits(self, victim: bytes, touch: Touch | None, key: bytes | None = None) -> bool:
+        """As WorkflowPolicy.admits: evict `victim` for the block `key` of `touch` unless it is worth more."""
         gid = self.table.get(victim)
         if touch is None or touch.workflow not in self.flows.active or gid is None:
             return True
@@ -233,7 +236,17 @@ class CompactWorkflowPolicy:
             return True
         g = self.groups[ch.group[i]]
         worth = shared_value(self.pop, self.flows, g.level) if isinstance(g.sig, int) else self._score(g)
-        return worth <= self.flows.value(touch.workflow) + shared_value(self.pop, self.flows, 1)
+        level = self.evicted.coming_level(key, touch, self.budget)
+        return worth <= self.flows.value(touch.workflow) + shared_value(self.pop, self.flows, level)
+
+    def refused(self, keys: list[bytes], cls: int, touch: Touch) -> None:
+        """As WorkflowPolicy.refused: blocks a put of `touch` left out are remembered as touched by it."""
+        held = sum(self.pop.held)
+        for key in keys:
+            gid = self.table.get(key)
+            ch, i = self.rows.row(gid) if gid is not None else (None, 0)
+            if ch is None or ch.group[i] == ABSENT:
+                self.evicted.refused(key, touch, held)
 
     def describe(self, key: bytes) -> dict[str, Any] | None:
         """A block's standing and tags (`kvstore ls --tags`), or None if the policy has no row for it."""

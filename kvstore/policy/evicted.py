@@ -11,7 +11,11 @@ at a tenth 44% → 49%, the other cells within a point.
 
 The count comes back, less one if the block's last toucher is the workflow storing it again: that workflow's touch
 adds it back (its tag is not remembered), and a workflow reloading its own evicted context is not a new reuse.
-Neither the tags nor the agents come back: a block stored again is tagged by who stores it.
+Neither the tags nor the agents come back: a block stored again is tagged by who stores it. A block a put left out
+(`refused`: the admission kept blocks worth more, kvstore.policy.workflow) is recorded as touched by that workflow
+too, and a block coming is admitted at the level the records give it (`coming_level`): a block every workflow asks
+for and none gets into a full pool is known as shared by the third request, not refused for ever as new (the
+`pipeline` family at a tenth of its peak, seed 1: the last stage's role prompt was never held).
 
 A record is one byte in a kvstore.policy.levels.History (the native ring, 21–32 bytes a record): the count
 (saturating at 15, above MAX_BUDGET) in the low nibble, and in the high one 1 + the last toucher's number mod 15
@@ -48,6 +52,18 @@ class EvictedTouches:
         if held > h.grow_at or held < h.shrink_at:
             h.size_for(held)
         h.record(key, min(touched, 15) | _mark(last) << 4)
+
+    def refused(self, key: bytes, touch: Touch, held: int) -> None:
+        """A put of `touch`'s workflow left the block out: it touched the block all the same (kvstore.policy's
+        `Refusing`), counted once per workflow as a store would."""
+        w = self.flows.active.get(touch.workflow) if touch.workflow else None
+        if w is not None:
+            self.record(key, self.restore(key, touch) + 1, w, held)
+
+    def coming_level(self, key: bytes | None, touch: Touch, budget: int) -> int:
+        """The level a block not held would enter at when `touch` stores it: the workflows remembered to have
+        touched it, and this one (1 for a block never seen, or no key given)."""
+        return 1 if key is None else min(self.restore(key, touch) + 1, budget)
 
     def restore(self, key: bytes, touch: Touch | None) -> int:
         """The count a block stored again with `touch` starts from, before the touch tags it (0: none kept)."""

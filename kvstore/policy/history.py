@@ -140,7 +140,7 @@ class HistoryPolicy(LevelsBase):
         got = None if c is None else self.table.pick(cls, AGING[c.duel.way])
         return None if got is None else got[0]
 
-    def admits(self, victim: bytes, touch: Touch | None) -> bool:
+    def admits(self, victim: bytes, touch: Touch | None, key: bytes | None = None) -> bool:
         """Whether the index may evict `victim` for a block coming (asked only where an eviction drops the block):
         not under `bypass` if the victim was used more than once. The block coming enters at level 1 and would be
         the next to go, so the put stops there (Belady's bypass, estimated by reuse: a round robin of sessions

@@ -142,7 +142,7 @@ class HistoryOrder(LevelsBase):
         c.duel.used(key, c.held, level, hit=not self.reads_pin)   # host: a store after its read
         self._place(key, where[0], level)
 
-    def admits(self, victim: bytes, touch: Touch | None) -> bool:
+    def admits(self, victim: bytes, touch: Touch | None, key: bytes | None = None) -> bool:
         """See HistoryPolicy.admits."""
         where = self._where.get(victim)
         if where is None:

@@ -125,14 +125,15 @@ class Rows:
         dch.group[d] = sch.group[s]
 
     # ----- what a row says -----
-    def tag(self, ch: Chunk, i: int, touch: Touch | None) -> None:
+    def tag(self, ch: Chunk, i: int, touch: Touch | None) -> bool | None:
         """A touch of an active workflow: its number becomes the row's most recent tag, the agent's bit added to its
-        mask (the least recent tag goes when the budget is full)."""
+        mask (the least recent tag goes when the budget is full). Whether the workflow was new to the row (None: no
+        active workflow touched it)."""
         if touch is None or not touch.workflow:
-            return
+            return None
         w = self.flows.active.get(touch.workflow)
         if w is None:
-            return
+            return None
         num, bit = w.num, 1 << min(w.agents.get(touch.agent, 0), 7)
         b = self.budget
         base = i * b
@@ -142,12 +143,13 @@ class Rows:
             if tags[base + n] == num:
                 j = n
             n += 1
-        if j < 0:
+        new = j < 0
+        if new:
             ch.touched[i] = min(255, ch.touched[i] + 1)
             if n < b:
                 tags[base + n] = num
                 masks[base + n] = bit
-                return
+                return True
             j, mask = 0, bit                     # the budget: the least recent tag goes
         else:
             mask = masks[base + j] | bit
@@ -157,6 +159,7 @@ class Rows:
             masks[x] = masks[x + 1]
         tags[last] = num
         masks[last] = mask
+        return new
 
     def sig(self, ch: Chunk, i: int) -> frozenset[int] | int:
         """The row's signature: the set of its active workflows' numbers, or, when none is, how many workflows ever

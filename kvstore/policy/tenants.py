@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstore.policy import Admitting, Asking, Explaining, Reporting, Retiring
+from kvstore.policy import Admitting, Asking, Explaining, Refusing, Reporting, Retiring
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
@@ -73,9 +73,14 @@ class PerTenantPolicy:
         p = self.for_class(cls)
         return p.retired_victim(cls) if isinstance(p, Retiring) else None
 
-    def admits(self, victim: bytes, touch: Touch | None) -> bool:
+    def admits(self, victim: bytes, touch: Touch | None, key: bytes | None = None) -> bool:
         p = self._for_key(victim)
-        return not isinstance(p, Admitting) or bool(p.admits(victim, touch))
+        return not isinstance(p, Admitting) or bool(p.admits(victim, touch, key))
+
+    def refused(self, keys: list[bytes], cls: int, touch: Touch) -> None:
+        p = self.for_class(cls)
+        if isinstance(p, Refusing):
+            p.refused(keys, cls, touch)
 
     def describe(self, key: bytes) -> dict[str, Any] | None:
         p = self._for_key(key)

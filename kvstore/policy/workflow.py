@@ -27,6 +27,9 @@ it (`tags`, at most `tag_budget` of them, the most recent, and how many ever did
    learned per (type, agent) (`kvstore.workflows.predictor.Gaps`). Agents wait on decodes and tools, and those
    waits are not memoryless: the workflow that just called is the least likely to call next, so this is Belady's
    farthest next use, estimated (under memoryless gaps it falls back to the lookahead order).
+   **Self-reuse** (kvstore.workflows.reuse): the convention is measured per workflow type — how often a later call
+   rereads what the workflow touched before — and a type that never does (a static pipeline whose stages begin
+   with their own role prompts) has its value scaled to nothing: its blocks are worth what they are to others.
    Blocks are kept in groups of one signature (the set of active workflows that touched them), each an LRU list:
    a score is computed per group, not per block, and a workflow's step changes the value of its groups only.
 3. Within a group, least recently used first: a read touches a prefix's head last, so tails go before heads.
@@ -34,9 +37,12 @@ Pinned blocks are never candidates.
 
 **Admission** (`admits`, Belady's bypass): a block coming in with a request's context enters its workflow's group;
 the index evicts a victim for it only if the victim's worth is at most the block's (the workflow's value and the
-worth of a level-1 block), else the put stops there (without a lower tier, where an eviction drops the block for
-good). So a request never evicts a prefix other live workflows share, nor a workflow due back sooner, to store
-blocks worth less (its own chain is kept by the index: a put never evicts the chain it stores).
+worth of the block's level: one more than the workflows remembered to have touched it, kvstore.policy.evicted),
+else the put stops there (without a lower tier, where an eviction drops the block for good). The blocks a put
+left out are remembered as touched by its workflow (`refused`): a block refused for one workflow and asked by the
+next enters as shared — without that a pool full of blocks worth more never let it in. So a request never evicts
+a prefix other live workflows share, nor a workflow due back sooner, to store blocks worth less (its own chain is
+kept by the index: a put never evicts the chain it stores).
 
 **Saves of the missed blocks only** (`Namespace.put`, the SGLang backend) must keep the order a whole-chain save
 keeps (issue 34: within 5%): such a put does not name the prefix its request hit, so the index cannot protect it,
@@ -187,19 +193,27 @@ class WorkflowPolicy:
         retired = [g for g in groups if isinstance(g, int) and groups[g]] if groups else None
         return next(iter(groups[min(retired, key=lambda g: (self._shared(g), g))])) if groups and retired else None
 
-    def admits(self, victim: bytes, touch: Touch | None) -> bool:
-        """Whether to evict `victim` for a block the request `touch` stores: unless the victim is worth more than
-        the block coming, which enters the group of `touch`'s workflow alone (Belady's bypass, estimated: the
-        block whose next use is expected farthest is not stored). Equals are evicted, least recent first, as LRU
-        would: workflows nothing tells apart (one-shot ones whose ends never come, say) must not freeze the pool
-        with the first ones' blocks. Without an active workflow, always."""
+    def admits(self, victim: bytes, touch: Touch | None, key: bytes | None = None) -> bool:
+        """Whether to evict `victim` for the block `key` the request `touch` stores: unless the victim is worth more
+        than the block coming, which enters the group of `touch`'s workflow alone at its level — one more than the
+        workflows remembered to have touched it (kvstore.policy.evicted), 1 for a block never seen (Belady's bypass,
+        estimated: the block whose next use is expected farthest is not stored). Equals are evicted, least recent
+        first, as LRU would: workflows nothing tells apart (one-shot ones whose ends never come, say) must not
+        freeze the pool with the first ones' blocks. Without an active workflow, always."""
         if touch is None or touch.workflow not in self.flows.active or victim not in self.where:
             return True
         if self.calls.mine(victim, touch):
             return False
         group = self.where[victim][1]
         worth = self._score(group, victim) if isinstance(group, tuple) else self._shared(group)
-        return worth <= self.flows.value(touch.workflow) + self._shared(1)
+        level = self.evicted.coming_level(key, touch, self.budget)
+        return worth <= self.flows.value(touch.workflow) + self._shared(level)
+
+    def refused(self, keys: list[bytes], cls: int, touch: Touch) -> None:
+        """A put of `touch` left these blocks out (kvstore.policy's `Refusing`): remembered as touched by it."""
+        for key in keys:
+            if key not in self.where:
+                self.evicted.refused(key, touch, len(self.where))
 
     def describe(self, key: bytes) -> dict[str, Any] | None:
         """A block's standing and tags (`kvstore ls --tags`), or None if the policy does not hold it."""
@@ -242,6 +256,8 @@ class WorkflowPolicy:
             return
         tags = self.tags.setdefault(key, {})
         mask = tags.pop(touch.workflow, None)
+        if mask is None or not self.calls.mine(key, touch):
+            self.flows.touched(w, mask is not None)
         if mask is None:
             self.touched[key] = min(255, self.touched.get(key, 0) + 1)
             if len(tags) >= self.budget:                       # the budget: the least recent tag goes

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.workflows.predictor import START, Gaps, TransitionModel, survival
+from kvstore.workflows.reuse import SelfReuse
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,7 @@ class Workflow:
     agents: dict[str, int] = field(default_factory=dict)    # agent → its bit in a block's agent mask
     num: int = 0                                             # its number (1..2**32-1) in the compact books' tags
     tenant: str = ""                                         # whose model learns from it and scores it
+    fresh: int = 0                                           # blocks new to it since its last call (reuse.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +53,10 @@ class Bounds:
 
 @dataclass(slots=True)
 class Model:
-    """One tenant's predictor and gaps between calls."""
+    """One tenant's predictor, gaps between calls, and how much each type's workflows reread their own blocks."""
     predictor: TransitionModel
     gaps: Gaps
+    reuse: SelfReuse = field(default_factory=SelfReuse)
 
 
 class Workflows:
@@ -65,7 +68,8 @@ class Workflows:
         self.bounds = bounds or Bounds()
         self.models: dict[str, Model] = {}      # tenant → its model; "" the default (a predictor given: its)
         if predictor is not None:
-            self.models[""] = Model(predictor, Gaps(max_keys=self.bounds.max_keys, max_bytes=self.bounds.max_bytes))
+            self.models[""] = Model(predictor, Gaps(max_keys=self.bounds.max_keys, max_bytes=self.bounds.max_bytes),
+                                    SelfReuse(self.bounds.max_keys))
         self.horizon = horizon
         self.gamma = gamma
         self.idle_s = idle_s
@@ -80,6 +84,7 @@ class Workflows:
         self._next_num = 0                                      # of `active` and `nums`)
         self.change_hooks: list[Callable[[Workflow], None]] = []   # each policy's: the workflow's value may change
         self._mean: tuple[int, float | None] = (-1, None)         # (version, mean gap): `mean_gap`, cached
+        self.self_reuse = True                  # scale each value by its type's measured self-reuse (reuse.py)
 
     def model(self, tenant: str = "") -> Model:
         """The tenant's model, made at its first use."""
@@ -87,7 +92,7 @@ class Workflows:
         if m is None:
             b = self.bounds
             m = self.models[tenant] = Model(TransitionModel(self.horizon, b.max_keys, b.max_successors, b.max_bytes),
-                                            Gaps(max_keys=b.max_keys, max_bytes=b.max_bytes))
+                                            Gaps(max_keys=b.max_keys, max_bytes=b.max_bytes), SelfReuse(b.max_keys))
         return m
 
     @property
@@ -118,6 +123,8 @@ class Workflows:
         now = self.clock()
         if w.steps:
             m.gaps.observe(w.wtype, w.agent, now - w.seen)
+            m.reuse.called_again(w.wtype, w.fresh)           # what it touched so far may be reread from now on
+            w.fresh = 0
         w.agent = agent
         w.steps += 1
         w.seen = now
@@ -173,7 +180,8 @@ class Workflows:
                 return 0.0
             ahead = self.model(w.tenant).predictor.lookahead(w.wtype, w.agent, self.horizon)
             alive = survival(ahead)
-            got = self._value[wid] = sum(self.gamma ** k * alive[k] for k in range(len(alive)))
+            share = self.model(w.tenant).reuse.share(w.wtype) if self.self_reuse else 1.0
+            got = self._value[wid] = share * sum(self.gamma ** k * alive[k] for k in range(len(alive)))
         if not self.timed:
             return got
         w = self.active[wid]
@@ -183,6 +191,13 @@ class Workflows:
             return got
         due = gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
         return got if due is None else got * mean / (due + 0.05 * mean)
+
+    def touched(self, w: Workflow, again: bool) -> None:
+        """A policy saw workflow `w` touch a block: for the first time, or `again` in a later call (reuse.py)."""
+        if again:
+            self.model(w.tenant).reuse.reread(w.wtype)
+        else:
+            w.fresh += 1
 
     def mean_gap(self) -> float | None:
         """The mean gap between a workflow's calls over every tenant's model (None before any): the time scale of

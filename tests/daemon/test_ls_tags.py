@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from kvstore.client import KVStoreError
+from kvstore.protocol.geometry import Geometry
 from tests.conftest import DaemonProc, block, hashes, spec
 from tests.daemon.test_cli import kvstore
 
@@ -68,3 +69,31 @@ def test_a_tenant_sees_only_its_own_workflow_names(tmp_path: Path, daemons: list
         assert list(tags_of(a, ns).values())[0]["workflows"] == {"secret-plan": ["x"]}
         with pytest.raises(KVStoreError, match="did not say hello to"):
             b.list(ns.id, 10, tags=True)
+
+
+def test_a_block_a_full_pool_left_out_is_known_as_shared_when_it_comes_again(start_daemon):
+    """Issue 34: the pool (16 slots) is full of a chain two live workflows share; a third workflow's put is not
+    admitted over it (worth two against one) and its blocks are left out — remembered as touched by it. Once the
+    two have ended, a fourth workflow stores the same blocks: they enter touched by two (before: by one, as new).
+    (Fewer blocks than kvstore.workflows.reuse needs to judge the type: each workflow keeps its whole value.)"""
+    geom = Geometry(layers=2, tokens=16, kv_heads=8, head_dim=64, dtype="float16")       # 64 KiB blocks
+    d = start_daemon(capacity="1MiB", segment="1MiB", env={**WORKFLOW, "KVSTORE_SERVER_MAX_RESERVED_FRACTION": "1"})
+    with d.client() as c:
+        ns = c.namespace(spec(geometry=geom))
+        assert geom.full_bytes == 64 << 10
+        a, b, n, m = (c.workflow(w, type="t") for w in ("a", "b", "n", "m"))
+        shared, mine = hashes(16, tag=b"shared"), hashes(4, tag=b"mine")
+        a.call("x")
+        assert ns.put(shared, [block(i, 64 << 10) for i in range(16)], context=a.context("x")).stored == 16
+        b.call("x")
+        assert ns.get(shared, [bytearray(64 << 10) for _ in shared], context=b.context("x")) == 16
+        n.call("x")
+        r = ns.put(mine, [block(i, 64 << 10) for i in range(4)], context=n.context("x"))
+        assert (r.stored, r.no_space) == (0, 4) and c.stats()["counters"]["not_admitted"] >= 1
+        a.end()
+        b.end()
+        m.call("x")
+        assert ns.put(mine, [block(i, 64 << 10) for i in range(4)], context=m.context("x")).stored == 4
+        tags = tags_of(c, ns)
+        assert [tags[h]["touched"] for h in mine] == [2] * 4
+        assert [tags[h]["workflows"] for h in mine] == [{"m": ["x"]}] * 4

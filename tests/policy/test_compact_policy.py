@@ -1,10 +1,10 @@
 """The host pool's compact workflow policy (kvstore/policy/compact.py) evicts in the same order as the reference
 model (kvstore/policy/workflow.py's dict books) on random operation sequences: stores, reads and re-stores with
-and without hint context, pins, removals, evictions, blocks stored again after they left (their touch counts come
-back: kvstore.policy.evicted), workflows beginning, calling agents, ending and expiring, over two eviction classes
-and slots spread over several segments (rows are dropped with a segment's last block); and, with moves (compaction:
-a block moved to a free slot, `moved`), still in the reference's order, which is
-keyed by key and never sees a move."""
+and without hint context, pins, removals, evictions and admissions, blocks left out by a put and blocks stored again
+after they left (their touch counts come back: kvstore.policy.evicted), workflows beginning, calling agents, ending
+and expiring, over two eviction classes and slots spread over several segments (rows are dropped with a segment's
+last block); and, with moves (compaction: a block moved to a free slot, `moved`), still in the reference's order,
+which is keyed by key and never sees a move."""
 from __future__ import annotations
 
 import random
@@ -139,10 +139,17 @@ def test_the_compact_form_evicts_like_the_reference(seed: int, budget: int, inhe
             b.new.unpinned(key)
         elif op < 0.78:
             b.remove(rng.choice(keys))
+        elif op < 0.82 and touch is not None and b.gone:           # a put left these out (Refusing)
+            left = [g for g in b.gone[-8:] if b.table.get(g) is None]
+            b.ref.refused(left, 0, touch)
+            b.new.refused(left, 0, touch)
         else:
             cls = rng.choice((0, 1))
             v = b.ref.victim(cls)
             assert b.new.victim(cls) == v
+            if v is not None and touch is not None:           # admitted alike, for a block seen before or not
+                coming = rng.choice(b.gone[-8:] + [rng.randbytes(20)])
+                assert b.new.admits(v, touch, coming) == b.ref.admits(v, touch, coming)
             if v is not None:
                 assert v not in b.pinned
                 b.remove(v)

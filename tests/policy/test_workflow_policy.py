@@ -273,3 +273,55 @@ def test_what_is_remembered_of_evicted_blocks_is_bounded() -> None:
     pol.added(k(0), 0, Touch("b", "x"))                      # the first eviction: forgotten
     pol.added(k(n - 1), 0, Touch("b", "x"))                  # the last: a's count comes back, b's added
     assert [pol.describe(k(i))["touched"] for i in (0, n - 1)] == [1, 2]   # type: ignore[index]
+
+
+def test_a_type_whose_calls_never_reread_their_blocks_is_worth_only_what_they_are_to_others() -> None:
+    """Issue 34 (kvstore.workflows.reuse): a static pipeline whose stages each begin with their own role prompt
+    never rereads what it stored, so its lookahead is worth nothing to its own blocks; a chat rereads its history
+    every turn and keeps its value. Until MIN_STORED blocks are counted a type keeps the convention (its value)."""
+    from kvstore.workflows.reuse import MIN_STORED
+
+    flows = Workflows(timed=False)
+    pol = WorkflowPolicy(flows)
+    n = 0
+    for i in range(int(MIN_STORED) // 2 + 8):                   # two blocks each a later call could reread
+        for stage in ("extract", "format"):
+            flows.call(f"p{i}", stage, "pipe")
+            if i == 0 and stage == "extract":
+                assert flows.value("p0") > 0                     # nothing counted yet: the convention
+            for _ in range(2):                                    # a stage's own blocks, never read again
+                pol.added(k(n), 0, Touch(f"p{i}", stage))
+                n += 1
+        chat = [k(10_000 + 10 * i + j) for j in range(3)]
+        for turn in range(2):
+            flows.call(f"c{i}", "chat", "chat")
+            for key in chat[:turn + 1]:
+                if key in pol.where:
+                    pol.accessed(key, Touch(f"c{i}", "chat"))   # the history so far, reread
+                else:
+                    pol.added(key, 0, Touch(f"c{i}", "chat"))
+        flows.end(f"p{i}")
+        flows.end(f"c{i}")
+    flows.call("p-live", "extract", "pipe")
+    flows.call("c-live", "chat", "chat")
+    assert flows.value("p-live") == 0.0 and flows.value("c-live") > 0
+    flows.self_reuse = False                                      # the convention: worth its lookahead
+    flows.call("p-other", "extract", "pipe")
+    assert flows.value("p-other") > 0
+
+
+def test_a_block_left_out_enters_at_the_level_its_askers_give_it() -> None:
+    """Issue 34: blocks a put left out (`refused`) are remembered as touched by its workflow, once per workflow: a
+    block two workflows were refused comes in at level 3 for a third, at 2 for the last of them asking again."""
+    flows = Workflows()
+    pol = WorkflowPolicy(flows)
+    for wid in ("a", "b", "c"):
+        flows.call(wid, "x", "t")
+    pol.refused([k(0)], 0, Touch("a", "x"))
+    pol.refused([k(0)], 0, Touch("b", "x"))
+    pol.refused([k(0)], 0, Touch("b", "x"))                      # b again: still two workflows
+    assert pol.describe(k(0)) is None
+    assert [pol.evicted.coming_level(k(0), Touch(w, "x"), 4) for w in ("c", "b")] == [3, 2]
+    assert pol.evicted.coming_level(None, Touch("c", "x"), 4) == 1
+    pol.added(k(0), 0, Touch("c", "x"))
+    assert pol.describe(k(0))["touched"] == 3                    # type: ignore[index]
