@@ -417,5 +417,6 @@ class CompactWorkflowPolicy:
         return {"retired": retired, "active": active, "workflows": len(self.flows.active)}
 
     def nbytes(self) -> int:
-        """Bytes of the books: the rows, and (roughly) the groups."""
-        return self.rows.nbytes() + sys.getsizeof(self.groups) + len(self.groups) * 200 + sys.getsizeof(self.chunks)
+        """Bytes of the books: the rows, (roughly) the groups, and the records of evicted blocks."""
+        return (self.rows.nbytes() + sys.getsizeof(self.groups) + len(self.groups) * 200 + sys.getsizeof(self.chunks)
+                + self.evicted.nbytes)

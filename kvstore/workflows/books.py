@@ -242,14 +242,15 @@ class Workflows:
 
 
     def footprint(self) -> dict[str, int]:
-        """The books' sizes over every tenant: models, their pairs, successors, bytes (estimated), pending
-        predictions, gap keys, and the work counters of their lookaheads (kvstore.workflows.predictor)."""
+        """The books' sizes over every tenant: models, their pairs, successors, bytes (estimated: the self-reuse
+        books' too), pending predictions, gap keys, and the work counters of their lookaheads
+        (kvstore.workflows.predictor)."""
         out = {"models": len(self.models), "active": len(self.active), "gap_keys": 0, "bytes": 0}
         for m in self.models.values():
             for k, v in m.predictor.stats().items():
                 out[k] = max(out.get(k, 0), v) if k == "max_expansions" else out.get(k, 0) + v
             out["gap_keys"] += len(m.gaps)
-            out["bytes"] += m.gaps.bytes()
+            out["bytes"] += m.gaps.bytes() + m.reuse.bytes()
         return out
 
 
