@@ -51,7 +51,7 @@ class EvictedTouches:
             h = self.history = History(factor=FACTOR)
         if held > h.grow_at or held < h.shrink_at:
             h.size_for(held)
-        h.record(key, min(touched, 15) | _mark(last) << 4)
+        h.records.record(key, min(touched, 15) | (0 if last is None else last.num % 15 + 1) << 4)
 
     def refused(self, key: bytes, touch: Touch, held: int) -> None:
         """A put of `touch`'s workflow left the block out: it touched the block all the same (kvstore.policy's
@@ -69,7 +69,7 @@ class EvictedTouches:
         """The count a block stored again with `touch` starts from, before the touch tags it (0: none kept)."""
         if self.history is None:
             return 0
-        code = self.history.level(key)
+        code = self.history.records.level(key)
         if not code:
             return 0
         touched = code & 15

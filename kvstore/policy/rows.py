@@ -178,10 +178,10 @@ class Rows:
 
     def last_tag(self, ch: Chunk, i: int) -> int:
         """The workflow number that touched the row most recently (0: none)."""
-        b = self.budget
-        for t in reversed(ch.tags[i * b:i * b + b]):
-            if t:
-                return t
+        tags, base = ch.tags, i * self.budget
+        for j in range(base + self.budget - 1, base - 1, -1):
+            if tags[j]:
+                return tags[j]
         return 0
 
     def ended(self, num: int) -> None:

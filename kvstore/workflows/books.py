@@ -40,7 +40,9 @@ class Workflow:
     agents: dict[str, int] = field(default_factory=dict)    # agent → its bit in a block's agent mask
     num: int = 0                                             # its number (1..2**32-1) in the compact books' tags
     tenant: str = ""                                         # whose model learns from it and scores it
-    fresh: int = 0                                           # blocks new to it since its last call (reuse.py)
+    fresh: int = 0                                           # blocks new to it in its current call (reuse.py)
+    offered: int = 0                                         # ... in the calls before: its current call may reread
+    rereads: int = 0                                         # blocks it touched before, read by its current call
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +125,8 @@ class Workflows:
         now = self.clock()
         if w.steps:
             m.gaps.observe(w.wtype, w.agent, now - w.seen)
-            m.reuse.called_again(w.wtype, w.fresh)           # what it touched so far may be reread from now on
-            w.fresh = 0
+            m.reuse.counted(w.wtype, w.offered, w.rereads)   # the call that ends: what it could reread, and did
+            w.offered, w.fresh, w.rereads = w.fresh, 0, 0
         w.agent = agent
         w.steps += 1
         w.seen = now
@@ -161,6 +163,8 @@ class Workflows:
         return idle
 
     def _retire(self, w: Workflow) -> None:
+        if w.steps > 1:                                      # its last call: what it could reread, and did
+            self.model(w.tenant).reuse.counted(w.wtype, w.offered, w.rereads)
         self.model(w.tenant).predictor.forget(w.wid)
         self.nums.pop(w.num, None)
         self._value.pop(w.wid, None)
@@ -195,7 +199,7 @@ class Workflows:
     def touched(self, w: Workflow, again: bool) -> None:
         """A policy saw workflow `w` touch a block: for the first time, or `again` in a later call (reuse.py)."""
         if again:
-            self.model(w.tenant).reuse.reread(w.wtype)
+            w.rereads += 1
         else:
             w.fresh += 1
 

@@ -8,17 +8,16 @@ is across workflows (a stage's role prompt, a popular input under it), and prici
 remaining stages kept dead blocks over those shared ones (bench/agent_families' `pipeline`, offline, seeds 1–3: 28%
 of the LRU→Belady gap closed on average against 50% for the no-hint default; with this, 43%).
 
-So the books count, per type, the blocks a workflow touched for the first time (stored or read) once it calls again
-(until then nothing could have reread them: a workflow's last call, or its only one, counts nothing) and the reads
-of a block by a later call of a workflow that touched it before (not the same call's second look: a whole-chain
-save refreshes what the call read), each forgetting with an effective window of WINDOW calls. `share(type)` scales the
-type's lookahead value: reads again / first touches over FULL_AT, capped at 1 — a detector more than a measure: a
-type that rereads even one block in twenty keeps its whole value (a retrieval reader's documents are reread by its
-next hop while its retriever's prompts never are; scaling by the mean share cost that family 20 points of the gap
-at a quarter of its peak), one that
-rereads nothing is worth only what its blocks are worth to the workflows to come. 1 until MIN_STORED blocks are
-counted (the convention until the type shows otherwise). Types are bounded (`max_keys`, the oldest-made goes):
-hint strings come from clients.
+So the books count, per type, the blocks a workflow touched for the first time (stored or read), once its next call
+is over (that call could reread them: the blocks of a workflow's last call, or its only one, never count), and the
+reads of a block by a later call of a workflow that touched it before (not the same call's second look: a
+whole-chain save refreshes what the call read), each forgetting with an effective window of WINDOW calls.
+`share(type)` scales the type's lookahead value: reads again / first touches over FULL_AT, capped at 1 — a
+detector more than a measure: a type that rereads even one block in twenty keeps its whole value (a retrieval
+reader's documents are reread by its next hop while its retriever's prompts never are; scaling by the mean share
+cost that family 20 points of the gap at a quarter of its peak), one that rereads nothing is worth only what its
+blocks are worth to the workflows to come. 1 until MIN_STORED blocks are counted (the convention until the type
+shows otherwise). Types are bounded (`max_keys`, the oldest-made goes): hint strings come from clients.
 """
 from __future__ import annotations
 
@@ -45,16 +44,14 @@ class SelfReuse:
             b = self._books[wtype] = [0.0, 0.0]
         return b
 
-    def called_again(self, wtype: str, fresh: int) -> None:
-        """A workflow of `wtype` calls again: the `fresh` blocks it touched for the first time since its last call
-        may be reread from now on (blocks of a workflow's last call never count: nothing could reread them)."""
+    def counted(self, wtype: str, offered: int, rereads: int) -> None:
+        """A call of a workflow of `wtype` is over (the workflow called again, or ended): it could have reread the
+        `offered` blocks its workflow's earlier calls touched first, and reread `rereads` of them (a workflow's
+        first call is never counted: nothing could be reread). The workflow counts during its calls
+        (`Workflow.fresh`, `.offered`, `.rereads`): a touch costs an increment, not a lookup here."""
         b = self._of(wtype)
-        b[0] = b[0] * (1.0 - 1.0 / WINDOW) + fresh
-        b[1] *= 1.0 - 1.0 / WINDOW
-
-    def reread(self, wtype: str) -> None:
-        """A later call of a workflow of `wtype` read a block the workflow had touched before."""
-        self._of(wtype)[1] += 1.0
+        b[0] = b[0] * (1.0 - 1.0 / WINDOW) + offered
+        b[1] = b[1] * (1.0 - 1.0 / WINDOW) + rereads
 
     def share(self, wtype: str) -> float:
         b = self._books.get(wtype)
