@@ -50,7 +50,8 @@ class Bounds:
     """What one tenant's model may keep (kvstore.workflows.predictor's docstring; hints.model_* in the config)."""
     max_keys: int = 4096                 # (type, agent) pairs counted, and gap statistics kept
     max_successors: int = 16             # named successors per pair; the lookahead's agents per step
-    max_bytes: int = 4 << 20             # the estimate of the counts' bytes, and of the gaps' (each)
+    max_bytes: int = 4 << 20             # the estimate of the counts' bytes, and of the gaps' (each; an eighth
+                                         # of it for the self-reuse books)
 
 
 @dataclass(slots=True)
@@ -71,7 +72,7 @@ class Workflows:
         self.models: dict[str, Model] = {}      # tenant → its model; "" the default (a predictor given: its)
         if predictor is not None:
             self.models[""] = Model(predictor, Gaps(max_keys=self.bounds.max_keys, max_bytes=self.bounds.max_bytes),
-                                    SelfReuse(self.bounds.max_keys))
+                                    SelfReuse(self.bounds.max_keys, self.bounds.max_bytes // 8))
         self.horizon = horizon
         self.gamma = gamma
         self.idle_s = idle_s
@@ -94,7 +95,8 @@ class Workflows:
         if m is None:
             b = self.bounds
             m = self.models[tenant] = Model(TransitionModel(self.horizon, b.max_keys, b.max_successors, b.max_bytes),
-                                            Gaps(max_keys=b.max_keys, max_bytes=b.max_bytes), SelfReuse(b.max_keys))
+                                            Gaps(max_keys=b.max_keys, max_bytes=b.max_bytes),
+                                            SelfReuse(b.max_keys, b.max_bytes // 8))
         return m
 
     @property

@@ -17,14 +17,16 @@ detector more than a measure: a type that rereads even one block in twenty keeps
 reader's documents are reread by its next hop while its retriever's prompts never are; scaling by the mean share
 cost that family 20 points of the gap at a quarter of its peak), one that rereads nothing is worth only what its
 blocks are worth to the workflows to come. 1 until MIN_STORED blocks are counted (the convention until the type
-shows otherwise). Types are bounded (`max_keys`, the oldest-made goes): hint strings come from clients.
+shows otherwise). Types are bounded (`max_keys`, the oldest-made goes, and `max_bytes` at REUSE_KEY_BYTES a type:
+an eighth of a model's bytes, kvstore.workflows.books): hint strings come from clients.
 """
 from __future__ import annotations
 
 WINDOW = 256                # calls: each new one weighs 1/(1 − 1/WINDOW) the one before
 MIN_STORED = 64.0           # blocks counted before the measured share replaces the convention's 1
 FULL_AT = 0.05              # a share from which the value is whole: a type that rereads some of its blocks
-REUSE_KEY_BYTES = 160       # a type's books, estimated (tracemalloc: ~105 with a 40-character type)
+REUSE_KEY_BYTES = 560       # a type's books, estimated: its entry, its list of two floats and its name (hint
+                            # strings are up to 256 bytes; tracemalloc: ~105 with a 40-character name)
 
 
 class SelfReuse:
@@ -32,8 +34,8 @@ class SelfReuse:
     call (module docstring)."""
     __slots__ = ("max_keys", "_books")
 
-    def __init__(self, max_keys: int = 4096) -> None:
-        self.max_keys = max_keys
+    def __init__(self, max_keys: int = 4096, max_bytes: int = 512 << 10) -> None:
+        self.max_keys = max(1, min(max_keys, max_bytes // REUSE_KEY_BYTES))
         self._books: dict[str, list[float]] = {}
 
     def _of(self, wtype: str) -> list[float]:

@@ -130,7 +130,7 @@ def test_the_hint_state_stays_bounded(two_tenants: Tenants) -> None:
         assert s["active"] <= max_workflows and s["pending"] <= s["active"], s
         assert s["ended"] <= max_workflows, s
         assert s["models"] == 1 and s["keys"] <= keys and s["forgotten"] > 0, s
-        assert s["bytes"] <= 2 * model_bytes, s                     # the counts' estimate, and the gaps'
+        assert s["bytes"] <= 2 * model_bytes + model_bytes // 8, s  # the counts', the gaps', the self-reuse books'
         for name in rows(b):                                         # every workflow ends: nothing pending
             b.workflow(name).end()
         s = state(a)
