@@ -41,7 +41,7 @@ class Workflow:
     num: int = 0                                             # its number (1..2**32-1) in the compact books' tags
     tenant: str = ""                                         # whose model learns from it and scores it
     fresh: int = 0                                           # blocks new to it in its current call (reuse.py)
-    offered: int = 0                                         # ... in the calls before: its current call may reread
+    offered: int = 0                                         # ... in its previous call (counted when this one ends)
     rereads: int = 0                                         # blocks it touched before, read by its current call
 
 

@@ -47,10 +47,11 @@ class SelfReuse:
         return b
 
     def counted(self, wtype: str, offered: int, rereads: int) -> None:
-        """A call of a workflow of `wtype` is over (the workflow called again, or ended): it could have reread the
-        `offered` blocks its workflow's earlier calls touched first, and reread `rereads` of them (a workflow's
-        first call is never counted: nothing could be reread). The workflow counts during its calls
-        (`Workflow.fresh`, `.offered`, `.rereads`): a touch costs an increment, not a lookup here."""
+        """A call of a workflow of `wtype` is over (the workflow called again, or ended): its previous call touched
+        `offered` blocks first (each block is offered once: the share is rereads per block a workflow touched),
+        and this call reread `rereads` blocks the workflow had touched before (a workflow's first call is never
+        counted: nothing could be reread). The workflow counts during its calls (`Workflow.fresh`, `.offered`,
+        `.rereads`): a touch costs an increment, not a lookup here."""
         b = self._of(wtype)
         b[0] = b[0] * (1.0 - 1.0 / WINDOW) + offered
         b[1] = b[1] * (1.0 - 1.0 / WINDOW) + rereads
