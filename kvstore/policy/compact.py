@@ -6,8 +6,8 @@ Why a second form: the host pool is where the 10-million-block budget applies (i
 key table's ~74). Per block the reference keeps a dict of tags, an OrderedDict node and a tuple in dicts; here
 every host slot has a fixed row in per-segment arrays: kvstore.policy.rows owns them (their layout, a segment's
 rows made and dropped, tags written, a row's signature read, a row copied on a move). This module owns the order
-over them: the groups, the lists threaded through the rows' prev/next, the scores, the heap, the victims and the
-hooks on a workflow's end or hint.
+over them: the groups, the lists threaded through the rows' prev/next, the victims and the hooks on a workflow's
+end or hint; kvstore.policy.compact_scores ranks the groups (the scores, the heap, the timed pick).
 
 A group is one (class, signature, level): the set of active workflows among the tags, or, for retired blocks, how
 many workflows touched them (0..budget, then also its level); the level, min(touched, budget), prices its reuse by
@@ -33,12 +33,11 @@ own dict, directly (the lists' links, the group field).
 """
 from __future__ import annotations
 
-import heapq
-import math
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvstore.policy.compact_scores import Group, GroupScores
 from kvstore.policy.evicted import EvictedTouches
 from kvstore.policy.rows import ABSENT, MAX_BUDGET, NIL, PINNED, SLOT_MASK, Chunk, Rows
 from kvstore.policy.workflow import CurrentCalls, shared_value
@@ -51,17 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["ABSENT", "NIL", "PINNED", "CompactWorkflowPolicy"]
 
 
-class _Group:
-    __slots__ = ("id", "cls", "sig", "level", "head", "tail", "size", "seq", "ver")
-
-    def __init__(self, gid: int, cls: int, sig: frozenset[int] | int, level: int, seq: int) -> None:
-        self.id, self.cls, self.sig, self.level, self.seq = gid, cls, sig, level, seq
-        self.head = self.tail = NIL
-        self.size = 0
-        self.ver = 0                # its entry in the class's heap is the one of this version
-
-
-class CompactWorkflowPolicy:
+class CompactWorkflowPolicy(GroupScores):
     """The host pool's workflow-aware policy (module docstring), in the EvictionPolicy shape: over the index's key
     table (key → gid), with `key_at(gid)` for the way back; `slots_of(segment id)` sizes a segment's rows at once
     (else they grow as its slots are used)."""
@@ -82,18 +71,14 @@ class CompactWorkflowPolicy:
         self.inherit = inherit
         self.rows = rows = Rows(workflows, tag_budget, slots_of)
         self.chunks: dict[int, Chunk] = rows.chunks                # the rows' own dict (module docstring)
-        self.groups: dict[int, _Group] = {}
-        self._by_sig: dict[tuple[int, frozenset[int] | int, int], _Group] = {}   # (class, signature, level)
-        self._active: dict[int, dict[int, _Group]] = {}          # class → its active groups, in creation order
-        self._retired_of: dict[int, list[_Group | None]] = {}    # class → retired group per touch count
+        self.groups: dict[int, Group] = {}
+        self._by_sig: dict[tuple[int, frozenset[int] | int, int], Group] = {}   # (class, signature, level)
+        self._active: dict[int, dict[int, Group]] = {}          # class → its active groups, in creation order
+        self._retired_of: dict[int, list[Group | None]] = {}    # class → retired group per touch count
         self._with: dict[int, set[int]] = {}                     # workflow number → group ids with it
         self._free_ids: list[int] = []
         self._seq = 0
-        self._heap: dict[int, list[tuple[float, int, int, _Group]]] = {}   # class → (score, seq, ver, group)
-        self._unscored: dict[int, set[_Group]] = {}                # class → groups made or hinted since
-        self._hinted: set[int] = set()                             # workflows hinted since the last re-scoring
-        self._picked: dict[int, tuple[_Group, int, int, float]] = {}   # class → (group, version, seq, when)
-        self.pick_s = pick_s
+        self.init_scores(pick_s)
         self.pop = Popularity(tag_budget + 1, workflows.clock)
         self.calls = CurrentCalls(workflows)
         self.evicted = EvictedTouches(workflows)
@@ -201,16 +186,6 @@ class CompactWorkflowPolicy:
         got = self._best_retired(cls)
         return None if got is None else self.key_at(got[1].head)
 
-    def _best_retired(self, cls: int) -> tuple[float, _Group] | None:
-        """The retired group worth least to workflows to come (the fewest-touched among equals), its worth."""
-        best: tuple[float, _Group] | None = None
-        for g in self._retired_of.get(cls) or ():
-            if g is not None:
-                worth = shared_value(self.pop, self.flows, g.level)
-                if best is None or worth < best[0]:
-                    best = (worth, g)
-        return best
-
     def _refresh(self) -> None:
         """Prefixes read before their request stored the rest (workflow.CurrentCalls.stale): tail first."""
         for keys in self.calls.stale():
@@ -261,13 +236,13 @@ class CompactWorkflowPolicy:
         self.pop.leave(min(ch.touched[i], self.budget))
         self.rows.vacate(ch, i, gid)
 
-    def _group(self, cls: int, sig: frozenset[int] | int, level: int) -> _Group:
+    def _group(self, cls: int, sig: frozenset[int] | int, level: int) -> Group:
         g = self._by_sig.get((cls, sig, level))
         if g is not None:
             return g
         gid = self._free_ids.pop() if self._free_ids else len(self.groups)
         self._seq += 1
-        g = self._by_sig[(cls, sig, level)] = self.groups[gid] = _Group(gid, cls, sig, level, self._seq)
+        g = self._by_sig[(cls, sig, level)] = self.groups[gid] = Group(gid, cls, sig, level, self._seq)
         if isinstance(sig, int):
             slots = self._retired_of.setdefault(cls, [None] * (self.budget + 1))
             slots[sig] = g
@@ -278,7 +253,7 @@ class CompactWorkflowPolicy:
                 self._with.setdefault(n, set()).add(gid)
         return g
 
-    def _forget(self, g: _Group) -> None:
+    def _forget(self, g: Group) -> None:
         del self.groups[g.id]
         del self._by_sig[(g.cls, g.sig, g.level)]
         self._free_ids.append(g.id)
@@ -337,65 +312,6 @@ class CompactWorkflowPolicy:
             self.chunks[n >> 32].prev[n & SLOT_MASK] = dst
         else:
             g.tail = dst
-
-    def _score(self, g: _Group) -> float:
-        flows = self.flows
-        assert isinstance(g.sig, frozenset)
-        if self.inherit:
-            return math.fsum(flows.value(flows.nums[n].wid) for n in g.sig) + shared_value(self.pop, flows, g.level)
-        ch, i = self.rows.linked_row(g.head)
-        masks = self.rows.masks_of(ch, i)
-        return (math.fsum(flows.agent_value(flows.nums[n].wid, masks.get(n, 0)) for n in g.sig)
-                + shared_value(self.pop, flows, g.level))
-
-    def _changed(self, w: Workflow) -> None:
-        """A hint about `w`: its value is recomputed, so its groups are re-scored at the next victim of their
-        class (then, not now: the value is computed when the reference model would compute it)."""
-        self._hinted.add(w.num)
-
-    def _best_active(self, cls: int) -> _Group | None:
-        """The active group of the class with the lowest score (the oldest such group among equals)."""
-        groups = self._active.get(cls)
-        if not groups:
-            return None
-        if not self.inherit or self.flows.timed or self.pop.counted():
-            return self._pick(cls, groups)
-        if self._hinted:
-            for n in self._hinted:
-                for x in self._with.get(n, ()):
-                    g = self.groups[x]
-                    self._unscored.setdefault(g.cls, set()).add(g)
-            self._hinted.clear()
-        heap = self._heap.setdefault(cls, [])
-        fresh = self._unscored.pop(cls, None)
-        if fresh:
-            if len(heap) > 2 * len(groups) + 64:       # stale entries: start over
-                heap.clear()
-                fresh = set(groups.values())
-            for g in fresh:
-                g.ver += 1
-                heapq.heappush(heap, (self._score(g), g.seq, g.ver, g))
-        while heap:
-            _, _, ver, g = heap[0]
-            if ver == g.ver and self.groups.get(g.id) is g:
-                return g
-            heapq.heappop(heap)
-        return None
-
-    def _pick(self, cls: int, groups: dict[int, _Group]) -> _Group:
-        """The lowest-scored group when scores move with the clock: a minimum over the class's active groups, kept
-        for `pick_s` while no hint came and no group was made (a put's evictions come in a burst: one scan, not
-        one per block)."""
-        now = self.flows.clock()
-        got = self._picked.get(cls)
-        if got is not None:
-            g, version, seq, at = got
-            if (version == self.flows.version and seq == self._seq and now - at < self.pick_s
-                    and self.groups.get(g.id) is g):
-                return g
-        g = min(groups.values(), key=lambda g: (self._score(g), g.seq))
-        self._picked[cls] = (g, self.flows.version, self._seq, now)
-        return g
 
     def _retired(self, w: Workflow) -> None:
         """A workflow ended: the blocks of its groups move to the groups of the workflows still active on them (or
