@@ -30,7 +30,7 @@ MIN_SGLANG := 24
 MIN_TRITON := 2
 MIN_MOONCAKE := 10
 
-.PHONY: serve test unit stress bench lint clean wheel sglang-env venvs gpu-check
+.PHONY: serve test test-engines test-daemon test-variants test-sglang unit stress bench lint clean wheel sglang-env venvs gpu-check
 
 $(STAMP): $(SRC)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -108,23 +108,44 @@ venvs: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP) $(WHEEL_INSTALLED) sglang-env
 PRELOAD_GUARD = LD_PRELOAD="$$($(BIN)/python -c 'from kvstore.tiers.remote.address import library_path as p; print(p() or "")')"
 
 # The README's test command, and CI's (.ci/run): the venvs (three at once), every test, then lint (mypy checks the
-# connectors against the torch and vLLM that .venv has only now).
+# connectors against the torch and vLLM that .venv has only now). The tests run as two pairs of independent runs side
+# by side (each run's output printed whole when it ends, -O): the engine tests spend much of their time starting
+# engines and the daemon tests waiting on daemons, so on two cores a pair takes little more than its longer run.
 test:
 	$(MAKE) -j3 venvs
-	$(PRELOAD_GUARD) KVSTORE_REQUIRE_ENGINES=vllm,mooncake KVSTORE_MIN_PASSED=vllm:$(MIN_VLLM),mooncake:$(MIN_MOONCAKE) \
-		TOKENIZERS_PARALLELISM=false \
-		$(BIN)/python -m pytest -q --durations=15 $(GUARD) -m "not sglang and not triton and not wheel"
-	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q tests/index tests/daemon/test_daemon_basic.py \
-		tests/daemon/test_checksums.py tests/daemon/test_fuzz_model.py tests/daemon/test_limits.py \
-		tests/daemon/test_quotas.py tests/daemon/test_scale.py
-	KVSTORE_SSD_IO=threads $(BIN)/python -m pytest -q tests/tiers/test_ssd_tier.py tests/traffic/test_traffic_daemon.py
-	KVSTORE_WHEEL_VENV=$(WHEEL_VENV) KVSTORE_WHEEL_DIR=$(WHEEL_DIR) KVSTORE_REQUIRE_ENGINES=wheel \
-		KVSTORE_MIN_PASSED=wheel:$(MIN_WHEEL) $(BIN)/python -m pytest -q -s $(GUARD) -m wheel tests/install
-	KVSTORE_REQUIRE_ENGINES=sglang,triton KVSTORE_MIN_PASSED=sglang:$(MIN_SGLANG),triton:$(MIN_TRITON) \
-		TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q $(GUARD) -m "sglang or triton" \
-		tests/connectors/test_sglang_connector.py tests/connectors/test_sglang_hints.py tests/connectors/test_kv_pages.py \
-		tests/connectors/test_sglang_hybrid.py
+	$(MAKE) -j2 -O test-engines test-daemon
+	$(MAKE) -j2 -O test-sglang test-variants
 	$(MAKE) lint
+
+# The tests with a real vLLM (tests/connectors), and every other test of .venv; each run in its own base
+# directory (two pytest runs at once must not clean up each other's).
+test-engines: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP)
+	$(PRELOAD_GUARD) KVSTORE_REQUIRE_ENGINES=vllm,mooncake KVSTORE_MIN_PASSED=vllm:$(MIN_VLLM),mooncake:1 \
+		TOKENIZERS_PARALLELISM=false $(BIN)/python -m pytest -q --durations=10 --basetemp=/tmp/kvstore-tests-engines \
+		$(GUARD) -m "not sglang and not triton and not wheel" tests/connectors
+
+test-daemon: $(STAMP) $(VLLM_STAMP) $(MOONCAKE_STAMP)
+	$(PRELOAD_GUARD) KVSTORE_REQUIRE_ENGINES=mooncake KVSTORE_MIN_PASSED=mooncake:$(MIN_MOONCAKE) \
+		TOKENIZERS_PARALLELISM=false $(BIN)/python -m pytest -q --durations=10 --basetemp=/tmp/kvstore-tests-daemon \
+		$(GUARD) -m "not sglang and not triton and not wheel" --ignore=tests/connectors
+
+# The same code on its other paths: the pure-Python fallbacks (no native index or copy) through the index and the
+# daemon's core ops, the SSD tier on threads instead of io_uring, and the wheel installed as a user would.
+test-variants: $(STAMP) $(WHEEL_INSTALLED)
+	KVSTORE_NO_NATIVE=1 $(BIN)/python -m pytest -q --basetemp=/tmp/kvstore-tests-fallback tests/index \
+		tests/daemon/test_daemon_basic.py tests/daemon/test_checksums.py tests/daemon/test_fuzz_model.py \
+		tests/daemon/test_limits.py tests/daemon/test_quotas.py tests/daemon/test_scale.py
+	KVSTORE_SSD_IO=threads $(BIN)/python -m pytest -q --basetemp=/tmp/kvstore-tests-threads \
+		tests/tiers/test_ssd_tier.py tests/traffic/test_traffic_daemon.py
+	KVSTORE_WHEEL_VENV=$(WHEEL_VENV) KVSTORE_WHEEL_DIR=$(WHEEL_DIR) KVSTORE_REQUIRE_ENGINES=wheel \
+		KVSTORE_MIN_PASSED=wheel:$(MIN_WHEEL) $(BIN)/python -m pytest -q -s --basetemp=/tmp/kvstore-tests-wheel \
+		$(GUARD) -m wheel tests/install
+
+test-sglang:
+	KVSTORE_REQUIRE_ENGINES=sglang,triton KVSTORE_MIN_PASSED=sglang:$(MIN_SGLANG),triton:$(MIN_TRITON) \
+		TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q --basetemp=/tmp/kvstore-tests-sglang \
+		$(GUARD) -m "sglang or triton" tests/connectors/test_sglang_connector.py tests/connectors/test_sglang_hints.py \
+		tests/connectors/test_kv_pages.py tests/connectors/test_sglang_hybrid.py
 
 # The unit layer: every test that runs in this process (no daemon, master or engine: tests/conftest.py marks the
 # others `system`), in a couple of minutes — the loop to run while editing. make test runs them too.
