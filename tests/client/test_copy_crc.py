@@ -4,6 +4,7 @@ always that of the destination as written, even while another thread rewrites th
 writing into a shared slot that a reader is copying)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,6 +80,47 @@ def test_native_continues_a_crc_and_takes_any_buffer() -> None:
     out = bytearray(100)
     assert native(out, b"k" * 100) == crc32c(b"k" * 100) and out == b"k" * 100      # bytes in, bytearray out
     assert native(memoryview(out)[:0], b"") == 0
+
+
+# dst - src mod 4096 at each edge of the streamed copy's choice (native/kvcopy.c: the vector loop up to LEAD = 64 and
+# from LEAD_GAP = 256, the scalar loop's STREAM_GAP = 512); 64 is what torch's tensors and the slots give a load
+DELTAS = [0, 8, 16, 31, 32, 63, 64, 65, 96, 128, 255, 256, 257, 511, 512, 4032, 4088, 4095]
+STREAMED = [65536, 65537, 65536 + 767, 24576 * 3 + 8 * 97 + 5, (2 << 20) + 3]
+
+
+def _at_delta(n: int, delta: int, src_off: int) -> tuple[np.ndarray, np.ndarray]:
+    """A source at src_off into a page and a destination `delta` bytes further on mod 4096, in one buffer (so that
+    the distance is exact), not overlapping."""
+    room = -(-(n + 4096) // 4096) * 4096
+    buf = np.zeros(2 * room + 8192, np.uint8)
+    base = (-buf.ctypes.data) % 4096
+    src = buf[base + src_off:][:n]
+    src[:] = np.random.default_rng(n + delta).integers(0, 256, n, dtype=np.uint8)
+    d0 = base + room + src_off + delta
+    return buf[d0:d0 + n], src
+
+
+@needs_native
+@pytest.mark.parametrize("vector", [True, False])
+def test_streamed_copies_match_the_package_at_every_distance_between_dst_and_src(vector: bool) -> None:
+    """Both loops of the streamed copy (the vector one where the CPU has AVX2; KVCOPY_NO_VECTOR for the scalar
+    one), in a child so the switch is read at import: every byte and the CRC at each distance and length."""
+    code = ("import sys, json, numpy as np, crc32c; sys.path.insert(0, sys.argv[1]); "
+            "from tests.client.test_copy_crc import DELTAS, STREAMED, _at_delta; from kvstore import _kvcopy; "
+            "bad = [(n, d, o) for n in STREAMED for d in DELTAS for o in (0, 8, 40) "
+            "for dst, src in [_at_delta(n, d, o)] "
+            "if _kvcopy.copy_crc32c(dst, src, stream=True) != crc32c.crc32c(src.tobytes()) "
+            "or not np.array_equal(dst, src)]; "
+            "print(json.dumps({'vector': _kvcopy.VECTOR, 'bad': bad}))")
+    env = {k: v for k, v in os.environ.items() if k != "KVCOPY_NO_VECTOR"}
+    if not vector:
+        env["KVCOPY_NO_VECTOR"] = "1"
+    out = subprocess.run([sys.executable, "-c", code, ROOT], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    if vector and not got["vector"]:
+        pytest.skip("this CPU has no AVX2: the scalar loop is the only one")
+    assert got["vector"] == vector and got["bad"] == []
 
 
 @pytest.mark.parametrize("kind", KINDS)
