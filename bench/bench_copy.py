@@ -1,10 +1,12 @@
 """The client's checked copy without the daemon: the one-pass copy + CRC-32C (kvstore._kvcopy) against numpy's
 memcpy and against memcpy then the `crc32c` package, over 2 MiB blocks, on 1 and 2 threads.
 
-Two layouts, as the client meets them: put (a private numpy buffer into a page-aligned slot) and get (a slot into a
-private buffer: numpy's buffers start 16 bytes into a page, where the one-pass copy keeps regular stores, see
-native/kvcopy.c). The kinds take turns within each repetition; every ratio is to the memcpy of the same repetition,
-and the table shows medians with their IQR.
+Three layouts, as the client and the connectors meet them: put (a private numpy buffer into a page-aligned slot), get
+(a slot into a private buffer: numpy's buffers start 16 bytes into a page) and load (a slot into an engine's KV
+tensor, which torch starts 64 bytes into a page: the vLLM and SGLang connectors' layer loads, streamed; where the CPU
+has AVX2 the streamed one pass takes the vector loop that loads ahead of its stores, see native/kvcopy.c).
+The kinds take turns within each repetition; every ratio is to the memcpy of the same repetition, and the table shows
+medians with their IQR.
 
     python bench/bench_copy.py [--reps N] [--blocks N]
 """
@@ -25,14 +27,20 @@ from common import Table, busy_cpus, summary, warn_if_busy, write_json  # noqa: 
 
 from kvstore.checksum import FUSED, copy_crc32c, crc32c  # noqa: E402
 
+try:
+    from kvstore._kvcopy import VECTOR
+except ImportError:
+    VECTOR = False
+
 BLOCK = 2 << 20
 Pairs = list[tuple[np.ndarray, np.ndarray]]
 
 
-def page_aligned(n: int) -> np.ndarray:
-    """A buffer starting on a page, as a slot does (memfd segments are mapped at page boundaries)."""
-    raw = np.ones(n + 4096, np.uint8)
-    start = -raw.ctypes.data % 4096
+def page_aligned(n: int, into: int = 0) -> np.ndarray:
+    """A buffer starting on a page, as a slot does (memfd segments are mapped at page boundaries), or `into` bytes
+    after one (torch's tensors: 64)."""
+    raw = np.ones(n + 8192, np.uint8)
+    start = -raw.ctypes.data % 4096 + into
     return raw[start:start + n]
 
 
@@ -70,9 +78,12 @@ def main() -> None:
     load_before = warn_if_busy()
     private = [np.random.default_rng(i).integers(0, 256, BLOCK, dtype=np.uint8) for i in range(args.blocks)]
     slots = [page_aligned(BLOCK) for _ in range(args.blocks)]
-    layouts: dict[str, Pairs] = {"put": list(zip(slots, private)), "get": list(zip(private, slots))}
+    tensors = [page_aligned(BLOCK, 64) for _ in range(args.blocks)]
+    layouts: dict[str, Pairs] = {"put": list(zip(slots, private)), "get": list(zip(private, slots)),
+                                 "load": list(zip(tensors, slots))}
     t = Table(["layout", "threads", "kind", "GB/s: median (IQR)", "ratio to memcpy: median (IQR)"])
-    res: dict[str, object] = {"fused_copy_crc": FUSED, "block_bytes": BLOCK, "blocks": args.blocks}
+    res: dict[str, object] = {"fused_copy_crc": FUSED, "vector_loop": VECTOR, "block_bytes": BLOCK,
+                              "blocks": args.blocks}
     pool = ThreadPoolExecutor(1)
     for name, pairs in layouts.items():
         for threads in (1, 2):

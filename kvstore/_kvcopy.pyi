@@ -2,6 +2,7 @@
 from typing import Any
 
 HARDWARE: bool
+VECTOR: bool        # AVX2: streamed copies take the vector loop that loads ahead of its stores
 
 def copy_crc32c(dst: Any, src: Any, crc: int = 0, *, stream: bool = False) -> int: ...
 
