@@ -47,12 +47,12 @@
  * core, and a later load whose address has the same low 12 bits waits for it ("4K aliasing"). Where dst - src mod
  * 4096 is small, the copy's next loads are exactly those: an engine's KV tensors sit 64 bytes into a page (torch's
  * alignment) and the slots on page boundaries, so every load of a layer (slot -> pages) has dst - src = 64. The
- * scalar loop cannot stream there (0.3-1.3 GB/s for deltas of 16..64) and fell back to regular stores: a checked
- * load at 0.75x memcpy, measured, which is what made a checked load in vLLM cost 1.2x an unchecked one. Where the
+ * scalar loop cannot stream there (0.3-1.3 GB/s for deltas of 16..64) and falls back to regular stores: a checked
+ * load at 0.75x memcpy, measured, where the unchecked one is a memcpy (bench_vllm_ttft). Where the
  * CPU has AVX2 (VECTOR), the streamed copy loads 32 bytes a register and keeps each stream's loads 64 bytes ahead
  * of its stores (chunk3_lead): a load then never comes after a store it could alias, for any dst - src up to 64,
- * and the CRC is fed from the very registers that are stored. Measured here on 1 GiB of 64 KiB runs (one layer of
- * a 4 MiB block per run), dst - src = 64: memcpy 81 ms, the scalar loop 107 ms, the vector loop 86 ms; at 0, 16,
+ * and the CRC is fed from the very registers that are stored. Measured here on 1 GiB of 64 KiB runs (the K or V of
+ * one layer of a 4 MiB block), dst - src = 64: memcpy 81 ms, the scalar loop 107 ms, the vector loop 86 ms; at 0, 16,
  * 256, 512 and 4032 it is as fast as memcpy or faster (memcpy itself falls to 166 ms at 16). Between 65 and 255
  * the loads may come after a store they alias: there the scalar loop decides as before (STREAM_GAP).
  */
