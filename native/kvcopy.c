@@ -52,9 +52,9 @@
  * CPU has AVX2 (VECTOR), the streamed copy loads 32 bytes a register and keeps each stream's loads 64 bytes ahead
  * of its stores (chunk3_lead): a load then never comes after a store it could alias, for any dst - src up to 64,
  * and the CRC is fed from the very registers that are stored. Measured here on 1 GiB of 64 KiB runs (the K or V of
- * one layer of a 4 MiB block), dst - src = 64: memcpy 81 ms, the scalar loop 107 ms, the vector loop 86 ms; at 0, 16,
- * 256, 512 and 4032 it is as fast as memcpy or faster (memcpy itself falls to 166 ms at 16). Between 65 and 255
- * the loads may come after a store they alias: there the scalar loop decides as before (STREAM_GAP).
+ * one layer of a 4 MiB block), dst - src = 64: memcpy 81 ms, the scalar loop 107 ms, the vector loop 86 ms; at 0,
+ * 16, 256, 512 and 4032 it is as fast as memcpy or faster (memcpy itself falls to 166 ms at 16). Between 65 and
+ * 255 the loads may come after a store they alias: there the scalar loop decides as before (STREAM_GAP).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
