@@ -30,7 +30,8 @@ MIN_SGLANG := 24
 MIN_TRITON := 2
 MIN_MOONCAKE := 10
 
-.PHONY: serve test test-engines test-daemon test-variants test-sglang unit stress bench lint clean wheel sglang-env venvs gpu-check
+.PHONY: serve test test-engines test-daemon test-variants test-sglang unit stress bench lint clean wheel sglang-env \
+        venvs gpu-check
 
 $(STAMP): $(SRC)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
