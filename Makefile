@@ -142,7 +142,7 @@ test-variants: $(STAMP) $(WHEEL_INSTALLED)
 		KVSTORE_MIN_PASSED=wheel:$(MIN_WHEEL) $(BIN)/python -m pytest -q -s --basetemp=/tmp/kvstore-tests-wheel \
 		$(GUARD) -m wheel tests/install
 
-test-sglang:
+test-sglang: sglang-env
 	KVSTORE_REQUIRE_ENGINES=sglang,triton KVSTORE_MIN_PASSED=sglang:$(MIN_SGLANG),triton:$(MIN_TRITON) \
 		TOKENIZERS_PARALLELISM=false .venv-sglang/bin/python -m pytest -q --basetemp=/tmp/kvstore-tests-sglang \
 		$(GUARD) -m "sglang or triton" tests/connectors/test_sglang_connector.py tests/connectors/test_sglang_hints.py \
