@@ -17,7 +17,7 @@ import pytest
 from kvstore.tiers.remote.address import LISTEN, is_loopback, sockets
 from tests.conftest import DaemonProc, block, hashes, spec
 from tests.mooncake_master import MooncakeMaster, master_binary
-from tests.tiers.test_remote_tier import get_all, node, put_through, remote_of, wait_for
+from tests.tiers.test_remote_tier import get_all, get_eventually, node, put_through, remote_of, wait_for
 
 pytestmark = [pytest.mark.mooncake,
               pytest.mark.skipif(master_binary() is None, reason="Mooncake Store is not installed: pip install "
@@ -125,7 +125,7 @@ def test_blocks_committed_while_the_master_is_down_are_published_when_it_returns
     with b.client() as c:
         ns = c.namespace(spec())
         wait_for(lambda: ns.lookup(hs) == 8, "A publishes what waited: B finds it", timeout=60)
-    assert get_all(b, hs) == [block(300 + i) for i in range(8)]
+    get_eventually(b, hs, [block(300 + i) for i in range(8)], "B gets what A published after the return")
     assert remote_of(a)["counters"]["puts"] >= 8
 
 
