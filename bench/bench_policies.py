@@ -9,7 +9,11 @@ whole chain in one reserve (held blocks refreshed tail first, the rest stored). 
 requests on a fresh daemon with a host pool of the same size: a share of the trace's 43,924 distinct blocks, rounded
 to the pool's 1 MiB segments (16 blocks of 64 KiB; the offline replays use the same count). Offline LRU replays the
 same model in Python (it must equal the daemon's LRU: a check of the replay); offline Belady evicts the block used
-farthest in the future and bypasses blocks never used again.
+farthest in the future and bypasses blocks never used again. Two more offline columns say how far knowing a block's
+future *without its timing* gets (what a reuse-aware order estimates from the past): the reuse oracle is told
+whether each block is used again and keeps those by LRU; the count oracle is told how many more times, keeps the
+most-used by that count (LRU among equals); both bypass blocks never used again. `--trace` takes any Mooncake trace,
+e.g. the FAST'25 release's conversation_trace.jsonl, plain or gzip'd.
 
     .venv/bin/python bench/bench_policies.py [--quick] [--fractions 0.005,0.01,0.02,0.05,0.1] [--policies lru,history]
 
@@ -49,7 +53,9 @@ SEGMENT = 1 << 20                                                               
 
 
 def load(path: str, limit: int | None) -> list[list[int]]:
-    with gzip.open(path, "rt") as f:
+    """A Mooncake trace's chains: JSON lines with `hash_ids`, gzip'd (.gz) or not (the FAST'25 release's own
+    files, e.g. its conversation_trace.jsonl)."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
         reqs = [json.loads(line)["hash_ids"] for line in f]
     return reqs[:limit] if limit else reqs
 
@@ -96,6 +102,62 @@ def offline_belady(reqs: list[list[int]], cap: int) -> float:
                 neg, v = heapq.heappop(heap)
                 if held.get(v) == -neg:
                     del held[v]
+    return hit / total
+
+
+def offline_reuse_oracle(reqs: list[list[int]], cap: int) -> float:
+    """LRU over the blocks that will be used again, told by an oracle (not when: only whether); a block never used
+    again is not kept. The ceiling of a policy that orders by reuse alone."""
+    again: list[list[bool]] = [[]] * len(reqs)
+    later: set[int] = set()
+    for i in range(len(reqs) - 1, -1, -1):
+        again[i] = [b in later for b in reqs[i]]
+        later.update(reqs[i])
+    held: OrderedDict[int, None] = OrderedDict()
+    hit = total = 0
+    for chain, reused in zip(reqs, again):
+        n = next((i for i, b in enumerate(chain) if b not in held), len(chain))
+        hit, total = hit + n, total + len(chain)
+        for b, r in zip(reversed(chain), reversed(reused)):    # tail first: the head ends the most recent
+            if not r:
+                held.pop(b, None)
+                continue
+            held[b] = None
+            held.move_to_end(b)
+            while len(held) > cap:
+                held.popitem(last=False)
+    return hit / total
+
+
+def offline_count_oracle(reqs: list[list[int]], cap: int) -> float:
+    """Keep the blocks with the most uses still to come (told by an oracle; not when), the least recent of equals
+    first out, none never used again; a block that would be the first out is not stored (bypass)."""
+    uses: dict[int, int] = {}
+    left: list[list[int]] = [[]] * len(reqs)
+    for i in range(len(reqs) - 1, -1, -1):
+        left[i] = [uses.get(b, 0) for b in reqs[i]]
+        for b in reqs[i]:
+            uses[b] = uses.get(b, 0) + 1
+    held: dict[int, tuple[int, int, int]] = {}
+    heap: list[tuple[tuple[int, int, int], int]] = []
+    hit = total = 0
+    for i, (chain, counts) in enumerate(zip(reqs, left)):
+        n = next((j for j, b in enumerate(chain) if b not in held), len(chain))
+        hit, total = hit + n, total + len(chain)
+        for depth in range(len(chain) - 1, -1, -1):            # tail first
+            b, k = chain[depth], counts[depth]
+            if k == 0:
+                held.pop(b, None)
+                continue
+            rank = (k, i, -depth)
+            if b not in held and len(held) >= cap:
+                while heap and held.get(heap[0][1]) != heap[0][0]:
+                    heapq.heappop(heap)
+                if heap[0][0] > rank:
+                    continue
+                del held[heapq.heappop(heap)[1]]
+            held[b] = rank
+            heapq.heappush(heap, (rank, b))
     return hit / total
 
 
@@ -148,15 +210,21 @@ def main() -> None:
     policies = (args.policies or "lru,history").split(",")
     res: dict[str, Any] = {"trace": os.path.basename(args.trace), "requests": len(reqs), "distinct_blocks": distinct,
                            "cells": []}
-    t = Table(["pool", "offline LRU", "offline Belady", *[f"{p} (gap closed)" for p in policies],
+    t = Table(["pool", "offline LRU", "offline Belady", "reuse oracle (gap closed)", "count oracle (gap closed)",
+               *[f"{p} (gap closed)" for p in policies],
                *[f"{p} µs/block" for p in policies]])
     for frac in fractions:
         per = SEGMENT // GEOM.full_bytes
         cap = max(1, round(distinct * frac / per)) * per
         progress(f"{frac:.1%} of {distinct} blocks = {cap}: offline LRU and Belady")
         cell: dict[str, Any] = {"fraction": frac, "blocks": cap, "offline_lru": offline_lru(reqs, cap),
-                                "offline_belady": offline_belady(reqs, cap), "daemon": {}}
+                                "offline_belady": offline_belady(reqs, cap),
+                                "offline_reuse_oracle": offline_reuse_oracle(reqs, cap),
+                                "offline_count_oracle": offline_count_oracle(reqs, cap), "daemon": {}}
         lru, bel = cell["offline_lru"], cell["offline_belady"]
+        for o in ("reuse", "count"):
+            x = cell[f"offline_{o}_oracle"]
+            cell[f"{o}_oracle_gap_closed"] = (x - lru) / (bel - lru) if bel > lru else 0.0
         for p in policies:
             progress(f"{frac:.1%}: {p} through the daemon")
             r = cell["daemon"][p] = daemon_replay(reqs, cap, p)
@@ -164,6 +232,8 @@ def main() -> None:
         res["cells"].append(cell)
         d = cell["daemon"]
         t.add([f"{frac:.1%} ({d[policies[0]]['capacity_blocks']})", f"{lru:.2%}", f"{bel:.2%}",
+               *[f"{cell[f'offline_{o}_oracle']:.2%} ({cell[f'{o}_oracle_gap_closed']:+.1%})"
+                 for o in ("reuse", "count")],
                *[f"{d[p]['hit_rate']:.2%} ({d[p]['gap_closed']:+.1%})" for p in policies],
                *[f"{d[p]['us_per_block']:.1f}" for p in policies]])
     print(t)

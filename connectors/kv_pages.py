@@ -31,10 +31,13 @@ CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
 REGISTER_FLAGS = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED
 COPY_ENGINES = ("auto", "kernel", "copy")
-# A load of this many bytes per layer is written around the caches (non-temporal stores): attention reads the layer
-# right after, but a layer larger than about half the last-level cache would not be there anyway, and regular
-# stores first read every line they write (one-pass copy + CRC-32C of 128 KiB pages: 9.9 GB/s, 12.7 streamed here).
-STREAM_LOAD_BYTES = 16 << 20
+# A load of this many bytes per layer is written around the caches (non-temporal stores). Regular stores first read
+# every line they write, and the checked copy cannot hide that as memcpy does (rep movsb): measured in the engine
+# (bench_vllm_ttft, 2K tokens of 128 KiB, 9 MiB a layer, two runs of each), the checked load's copy ran at 3.7-6.8
+# GB/s with regular stores and 8.7-9.3 GB/s streamed (memcpy 10-12), and the time above vLLM's floor fell from
+# 0.039-0.071 s to 0.034-0.037 s (unchecked 0.020-0.036): the attention that reads the layer next lost nothing. At
+# 512 tokens (2.2 MiB a layer) the two copied at the same speed (6.0 / 6.3 GB/s): below this the layer stays cached.
+STREAM_LOAD_BYTES = 4 << 20
 TABLES_KEPT = 16             # transfers whose run tables the CUDA mover keeps (loads and saves of a step)
 
 
