@@ -219,6 +219,22 @@ def test_a_quota_holds_across_block_sizes_borrowed_records_are_punched_out(tmp_p
     s.close()
 
 
+def test_a_borrower_that_cannot_make_the_room_loses_no_record(tmp_path):
+    """Sizes that do not tile: b's quota is 7.5 of its records, so it keeps 8 at least. With a at 6 records and
+    the tier full, b is one record over its floor, and a's 7th needs one and a half: b gives nothing (before, it
+    lost that record to a punch that made room for no one)."""
+    s = open_store(str(tmp_path), {"a": 7, "b": 5}, records=12)   # b: 5 × 12 KiB = 7.5 records of 8 KiB
+    assert put_small(s, "b", range(18)) == 18
+    assert put(s, "a", range(6)) == 6                  # b's records punched out: 2, 1, 2, 1, 2, 1
+    assert s.counters["punched"] == 9 and held_small(s, "b", range(18)) == list(range(9, 18))
+    assert s.capacity - s.allocated_bytes() == 0
+    assert put(s, "a", range(6, 7)) == 1               # within a's quota, but b can free 8 KiB of the 12 it needs
+    assert s.counters["punched"] == 9 and held_small(s, "b", range(18)) == list(range(9, 18))
+    assert held(s, "a", range(7)) == [1, 2, 3, 4, 5, 6]    # a cycled its own
+    assert s.quotas.rows([])["b"]["ssd_used_bytes"] == 9 * SMALL_RECORD
+    s.close()
+
+
 def test_free_records_of_one_size_serve_another_without_quotas(tmp_path):
     d = str(tmp_path)
     s = open_store(d, None, records=12)

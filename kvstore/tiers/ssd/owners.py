@@ -225,6 +225,30 @@ class SsdQuotas:
                 eligible.append(((t, p), self.held(t) - self.quota(t)))
         return _pick(eligible, None, age) if eligible else None
 
+    def giveable(self, writer: str, records: Counter[tuple[str, int]], exclude: int,
+                 record: Callable[[int], int]) -> int:
+        """At most how many bytes `borrower`'s loop can free for `writer` (arguments as there): a tenant gives
+        whole records while it stays at or above its quota, so with one other block size it gives exactly its
+        excess rounded down to that size's records (the usual case: a tenant is a model), and with several at
+        most its excess. A bound the loop never beats, so a write it cannot serve evicts no one's block for
+        nothing (before, the loop punched records until the borrowers ran out, and the room it made served no one
+        but the borrower's next write)."""
+        sizes: dict[str, list[tuple[int, int]]] = {}
+        for (t, p), n in records.items():
+            if n > 0 and p != exclude and t != writer:
+                sizes.setdefault(t, []).append((record(p), n))
+        total = 0
+        for t, held in sizes.items():
+            over = self.held(t) - self.quota(t)
+            if over <= 0:
+                continue
+            if len(held) == 1:
+                rec, n = held[0]
+                total += min(n, over // rec) * rec
+            else:
+                total += min(over, sum(rec * n for rec, n in held))
+        return total
+
     def evicted(self, victim: str, writer: str, record: int) -> None:
         self.evictions[victim] += 1
         if victim != writer:

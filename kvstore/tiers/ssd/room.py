@@ -95,12 +95,20 @@ class Room:
         """Room for one record of `cf` within the cap, made by evicting borrowers' records of other block sizes
         (owners.py's rule: the least recently used first, none below its quota) and punching them out of their
         files (files.punch): a block size's file never shrinks, so a tenant's quota would otherwise hold only
-        within the sizes it already has. False when no borrower is left to give (what was punched stays punched:
-        room for the next write)."""
+        within the sizes it already has. False, punching nothing, when the borrowers could not give enough
+        (`SsdQuotas.giveable`); False, too, when a punch is refused or the LRU order gave less than that bound
+        (what was punched stays punched: room for the next write)."""
         s = self.store
+
+        def record(payload: int) -> int:
+            return s.files[payload].record
+
+        need = cf.record - (s.capacity - s.allocated_bytes())
+        if need > 0 and s.quotas.giveable(writer, s.class_records, cf.payload, record) < need:
+            return False                                  # they cannot make the room: punch no one's for nothing
         while s.capacity - s.allocated_bytes() < cf.record:
-            pick = s.quotas.borrower(writer, s.class_records, exclude=cf.payload,
-                                     record=lambda p: s.files[p].record, age=self._age(lambda c: c))
+            pick = s.quotas.borrower(writer, s.class_records, exclude=cf.payload, record=record,
+                                     age=self._age(lambda c: c))
             if pick is None:
                 return False
             tenant, payload = pick
