@@ -10,9 +10,9 @@ over them: the groups, the lists threaded through the rows' prev/next, the victi
 end or hint; kvstore.policy.compact_scores ranks the groups (the scores, the heap, the timed pick).
 
 A group is one (class, signature, level): the set of active workflows among the tags, or, for retired blocks, how
-many workflows touched them (0..budget, then also its level); the level, min(touched, budget), prices its reuse by
-workflows to come (kvstore.workflows.popularity; workflow.py's docstring); its record holds the list's head (least
-recent), tail and size.
+many workflows touched them (its level); the level (popularity.level_of: the count up to the budget, then
+doublings) prices its reuse by workflows to come (kvstore.workflows.popularity; workflow.py's docstring); its record
+holds the list's head (least recent), tail and size.
 
 A block moved to another slot (compaction: kvstore.index.capacity) takes its row along (`moved`, O(budget)): the
 new slot's row replaces the old one in its group's list, where it stood.
@@ -42,7 +42,7 @@ from kvstore.policy.evicted import EvictedTouches
 from kvstore.policy.rows import ABSENT, MAX_BUDGET, NIL, PINNED, SLOT_MASK, Chunk, Rows
 from kvstore.policy.workflow import CurrentCalls, shared_value
 from kvstore.workflows import Touch, Workflow, Workflows
-from kvstore.workflows.popularity import Popularity
+from kvstore.workflows.popularity import Popularity, level_of, levels
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
@@ -79,7 +79,7 @@ class CompactWorkflowPolicy(GroupScores):
         self._free_ids: list[int] = []
         self._seq = 0
         self.init_scores(pick_s)
-        self.pop = Popularity(tag_budget + 1, workflows.clock)
+        self.pop = Popularity(levels(tag_budget), workflows.clock)
         self.calls = CurrentCalls(workflows)
         self.evicted = EvictedTouches(workflows)
 
@@ -98,7 +98,7 @@ class CompactWorkflowPolicy(GroupScores):
         if self.rows.tag(ch, i, touch) and touch is not None:
             self.flows.touched(self.flows.active[touch.workflow], False)
         self.calls.stored(key, touch)
-        self.pop.enter(min(ch.touched[i], self.budget))
+        self.pop.enter(level_of(ch.touched[i], self.budget))
         self._link(ch, i, gid, cls)
 
     def accessed(self, key: bytes, touch: Touch | None = None) -> None:
@@ -115,9 +115,9 @@ class CompactWorkflowPolicy(GroupScores):
         self.calls.read(key, touch)
         if ch.touched[i] != before:              # a workflow new to it: reuse no lookahead saw coming
             b = self.budget
-            self.pop.touched(min(before, b))
-            self.pop.leave(min(before, b))
-            self.pop.enter(min(ch.touched[i], b))
+            self.pop.touched(level_of(before, b))
+            self.pop.leave(level_of(before, b))
+            self.pop.enter(level_of(ch.touched[i], b))
         g = ch.group[i]
         if g >= 0:
             cls = self.groups[g].cls
@@ -233,7 +233,7 @@ class CompactWorkflowPolicy(GroupScores):
     def _drop(self, ch: Chunk, i: int, gid: int) -> None:
         if ch.group[i] >= 0:
             self._unlink(ch, i, gid)
-        self.pop.leave(min(ch.touched[i], self.budget))
+        self.pop.leave(level_of(ch.touched[i], self.budget))
         self.rows.vacate(ch, i, gid)
 
     def _group(self, cls: int, sig: frozenset[int] | int, level: int) -> Group:
@@ -244,7 +244,7 @@ class CompactWorkflowPolicy(GroupScores):
         self._seq += 1
         g = self._by_sig[(cls, sig, level)] = self.groups[gid] = Group(gid, cls, sig, level, self._seq)
         if isinstance(sig, int):
-            slots = self._retired_of.setdefault(cls, [None] * (self.budget + 1))
+            slots = self._retired_of.setdefault(cls, [None] * levels(self.budget))
             slots[sig] = g
         else:
             self._active.setdefault(cls, {})[gid] = g
@@ -271,7 +271,7 @@ class CompactWorkflowPolicy(GroupScores):
 
     def _link(self, ch: Chunk, i: int, gid: int, cls: int) -> None:
         """At the most recent end of the slot's group (from its tags now)."""
-        g = self._group(cls, self.rows.sig(ch, i), min(ch.touched[i], self.budget))
+        g = self._group(cls, self.rows.sig(ch, i), level_of(ch.touched[i], self.budget))
         ch.prev[i] = g.tail
         ch.next[i] = NIL
         if g.tail != NIL:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from kvstore.policy.levels import History
 from kvstore.workflows import Touch, Workflow, Workflows
+from kvstore.workflows.popularity import level_of
 
 FACTOR = 3                  # records per block held (the families' figures move by <1 point from 3 to 50)
 
@@ -63,7 +64,7 @@ class EvictedTouches:
     def coming_level(self, key: bytes | None, touch: Touch, budget: int) -> int:
         """The level a block not held would enter at when `touch` stores it: the workflows remembered to have
         touched it, and this one (1 for a block never seen, or no key given)."""
-        return 1 if key is None else min(self.restore(key, touch) + 1, budget)
+        return 1 if key is None else level_of(self.restore(key, touch) + 1, budget)
 
     def restore(self, key: bytes, touch: Touch | None) -> int:
         """The count a block stored again with `touch` starts from, before the touch tags it (0: none kept)."""

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.workflows import Touch, Workflows, agent_names
+from kvstore.workflows.popularity import level_of
 
 ABSENT, PINNED, NIL = -2, -1, -1
 SLOT_MASK = 0xFFFFFFFF
@@ -163,12 +164,12 @@ class Rows:
 
     def sig(self, ch: Chunk, i: int) -> frozenset[int] | int:
         """The row's signature: the set of its active workflows' numbers, or, when none is, how many workflows ever
-        touched it (0..budget)."""
+        touched it, as a level (popularity.level_of)."""
         b = self.budget
         live = self.flows.nums
         act = [t for t in ch.tags[i * b:i * b + b] if t and t in live]
         if not act:
-            return min(ch.touched[i], b)
+            return level_of(ch.touched[i], b)
         if len(act) > 1:
             return frozenset(act)
         sig = self._single.get(act[0])

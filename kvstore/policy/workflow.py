@@ -8,12 +8,13 @@ it (`tags`, at most `tag_budget` of them, the most recent, and how many ever did
    ever named one — unless workflows to come are likely to reuse them (below). Fewest touching workflows first,
    least recently used first among equals. Without any hints every block is here, and the policy is LRU.
    **Workflows to come** (issue 34): a block many workflows used — a system prompt, a shared document, a popular
-   retrieved passage — is reused by workflows that have not begun, which no lookahead sees. Each block's level,
-   min(workflows that touched it, `tag_budget`), has a rate of reuse by a workflow new to the block, measured
-   online (kvstore.workflows.popularity); a block is worth that rate in the units of the lookahead values
-   (`shared_value`: rate × mean gap × the lookahead of a workflow that never ends), retired or active. Groups are
-   per (signature, level); the victim is the lowest-worth group's head, retired before active among equals. With
-   no block ever reused by a second workflow every rate is 0 and the order is PBKV's (retired strictly first).
+   retrieved passage — is reused by workflows that have not begun, which no lookahead sees. Each block's level, how
+   many workflows touched it (the count up to `tag_budget`, then doublings: popularity.level_of), has a rate of reuse
+   by a workflow new to the block, measured online (kvstore.workflows.popularity); a block is worth that rate in the
+   units of the lookahead values (`shared_value`: rate × mean gap × the lookahead of a workflow that never ends),
+   retired or active. Groups are per (signature, level); the victim is the lowest-worth group's head, retired
+   before active among equals. With no block ever reused by a second workflow every rate is 0 and the order is
+   PBKV's (retired strictly first).
    A block's count outlives its eviction (kvstore.policy.evicted): stored again, it comes back at its level.
 2. **Then active blocks, lowest score first.** A block's score sums, over the active workflows that touched it,
    that workflow's K-step lookahead reuse value: Σ_k γ^(k-1) · s_w(k) · P(step k calls an agent that reuses the
@@ -71,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.policy.evicted import EvictedTouches
 from kvstore.workflows import Touch, Workflow, Workflows, agent_names
-from kvstore.workflows.popularity import Popularity
+from kvstore.workflows.popularity import Popularity, level_of, levels
 
 if TYPE_CHECKING:
     from kvstore.index.keytable import KeyTable
@@ -79,7 +80,7 @@ if TYPE_CHECKING:
 
 RETIRED = frozenset[str]()
 Signature = frozenset[str]
-Active = tuple[Signature, int]         # an active group: its workflows and its blocks' level (min(touched, budget))
+Active = tuple[Signature, int]         # an active group: its workflows and its blocks' level (popularity.level_of)
 
 
 def host_policy(table: KeyTable, workflows: Workflows | None = None, key_at: Callable[[int], bytes | None] | None
@@ -111,7 +112,7 @@ class WorkflowPolicy:
         self.where: dict[bytes, tuple[int, Active | int]] = {}   # key → (class, group)
         self.groups: dict[int, dict[Active | int, OrderedDict[bytes, None]]] = {}
         self.pins: set[bytes] = set()
-        self.pop = Popularity(tag_budget + 1, workflows.clock)
+        self.pop = Popularity(levels(tag_budget), workflows.clock)
         self.calls = CurrentCalls(workflows)
         self.evicted = EvictedTouches(workflows)
 
@@ -135,8 +136,8 @@ class WorkflowPolicy:
         self._tag(key, touch)
         self.calls.read(key, touch)
         if self.touched.get(key, 0) != before:          # a workflow new to it: reuse no lookahead saw coming
-            self.pop.touched(min(before, self.budget))
-            self.pop.leave(min(before, self.budget))
+            self.pop.touched(level_of(before, self.budget))
+            self.pop.leave(level_of(before, self.budget))
             self.pop.enter(self._level(key))
         if key not in self.pins:
             self._unlink(key)
@@ -246,7 +247,7 @@ class WorkflowPolicy:
         return shared_value(self.pop, self.flows, level)
 
     def _level(self, key: bytes) -> int:
-        return min(self.touched.get(key, 0), self.budget)
+        return level_of(self.touched.get(key, 0), self.budget)
 
     def _tag(self, key: bytes, touch: Touch | None) -> None:
         if touch is None or not touch.workflow:
