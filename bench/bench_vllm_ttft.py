@@ -12,7 +12,9 @@ Per prompt length, fresh engine processes (the KV was computed by another proces
 - kvstore: prefix cache on; each repetition resets vLLM's prefix cache first, so the prompt loads from the daemon
   (host pool); then repetitions without reset (the floor: vLLM's own prefix cache, the same engine and connector);
   then repetitions with the daemon's host pool emptied first (every block read from the SSD tier);
-- kvstore, verify off: host-pool hits without the CRC-32C check (what the checksums cost);
+- kvstore, verify off: host-pool hits without the CRC-32C check (what the checksums cost), in the same engine,
+  alternating with the checked ones rep by rep (before, a second engine process ran them after the checked ones,
+  and the order alone moved the ratio at 8K tokens by more than the checksums did);
 - example: the same three kinds of figure for ExampleConnector (hit from the page cache, floor, files dropped from
   the page cache before each repetition).
 The connector's own counters give its copy time (load GB/s), against one-thread numpy copies of the same pages
@@ -108,8 +110,7 @@ def engine(cfg: dict[str, Any]) -> None:
     elif mode == "example":
         ktc = KVTransferConfig(**_example_config(cfg["disk"]))
     else:
-        ktc = KVTransferConfig(**_kvstore_config(cfg["socket"], mode != "kvstore-noverify"),
-                               kv_load_failure_policy="recompute")
+        ktc = KVTransferConfig(**_kvstore_config(cfg["socket"], True), kv_load_failure_policy="recompute")
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], block_size=BLOCK, enable_prefix_caching=mode != "store",
               prefix_caching_hash_algo="sha256_cbor", max_model_len=tokens + 64, seed=0, enforce_eager=True,
               max_num_batched_tokens=8192, kv_transfer_config=ktc)
@@ -131,25 +132,39 @@ def engine(cfg: dict[str, Any]) -> None:
         with Client(cfg["socket"]) as c:
             c.evict(everything=True)
 
-    def phase(kind: str, before: Any = None) -> None:
-        """`reps` hits of one kind, each followed by a floor run in the same state (interleaved, so drift in the
-        machine's speed lands on both); the connector's counters for the hits alone."""
+    def phase(kinds: tuple[str, ...], before: Any = None) -> None:
+        """`reps` hits of each kind, the kinds in turn rep by rep, each hit followed by a floor run in the same state
+        (interleaved, so drift in the machine's speed lands on all); the connector's counters for the hits alone.
+        A kind ending in `_unchecked` loads with the connector's CRC check off (the same blocks, the same engine)."""
         for _ in range(reps):
-            was = _stats()
-            timed(kind, lambda: (before() if before else None, llm.reset_prefix_cache()))
-            now = _stats()
-            print("STATS " + json.dumps({"kind": kind, **{k: now[k] - was[k] for k in now}}), flush=True)
-            timed(f"floor_{kind}")
+            for kind in kinds:
+                _set_verify(not kind.endswith("_unchecked"))
+                was = _stats()
+                timed(kind, lambda: (before() if before else None, llm.reset_prefix_cache()))
+                now = _stats()
+                print("STATS " + json.dumps({"kind": kind, **{k: now[k] - was[k] for k in now}}), flush=True)
+                timed(f"floor_{kind}")
+        _set_verify(True)
 
     if mode == "store":
         timed("recompute")
         return
     timed("first")                    # a hit in the fresh process: its segments mapped, the engine's buffers sized
-    phase("hit")
     if mode == "kvstore":
-        phase("ssd", evict)
+        phase(("hit", "hit_unchecked"))
+        phase(("ssd",), evict)
     elif mode == "example":
-        phase("cold", lambda: _drop_page_cache(cfg["disk"]))
+        phase(("hit",))
+        phase(("cold",), lambda: _drop_page_cache(cfg["disk"]))
+
+
+def _set_verify(on: bool) -> None:
+    """The kvstore connector's CRC check on or off for the loads to come (the worker reads it at each load)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = getattr(get_kv_transfer_group(), "connector_worker", None)
+    if worker is not None:
+        worker.verify = on
 
 
 def _stats() -> dict[str, Any]:
@@ -216,10 +231,9 @@ def one_size(tokens: int, args: argparse.Namespace, g: dict[str, Any], model: st
             "disk": disk, "kv_gib": kv_gib}
     progress(f"{tokens} tokens: store (MultiConnector kvstore + Example; the recompute figure)")
     store, _ = run({**base, "mode": "store", "reps": 1})
-    progress(f"{tokens} tokens: kvstore hits (host, then SSD), each with a floor run, in a fresh engine")
+    progress(f"{tokens} tokens: kvstore hits (host with and without checksums in turn, then SSD), each with a "
+             "floor run, in a fresh engine")
     kvs, kstats = run({**base, "mode": "kvstore"})
-    progress(f"{tokens} tokens: kvstore hits without checksums")
-    fast, fstats = run({**base, "mode": "kvstore-noverify"})
     progress(f"{tokens} tokens: ExampleConnector hits (page cache, then cold), each with a floor run")
     example_failed = None
     try:
@@ -240,11 +254,11 @@ def one_size(tokens: int, args: argparse.Namespace, g: dict[str, Any], model: st
     return {"tokens": tokens, "kv_bytes": nbytes, "blocks": loaded, "recompute": store["recompute"],
             "kvstore_first": kvs["first"], "kvstore": kvs["hit"], "kvstore_floor": kvs["floor_hit"],
             "kvstore_ssd": kvs["ssd"], "kvstore_ssd_floor": kvs["floor_ssd"],
-            "kvstore_no_checksums": fast["hit"], "kvstore_no_checksums_floor": fast["floor_hit"],
+            "kvstore_no_checksums": kvs["hit_unchecked"], "kvstore_no_checksums_floor": kvs["floor_hit_unchecked"],
             "example_first": ex["first"], "example": ex["hit"], "example_floor": ex["floor_hit"],
             "example_cold": ex["cold"], "example_cold_floor": ex["floor_cold"],
-            "connector": kstats, "connector_no_checksums": fstats, "memcpy_gbps": mem,
-            "load_copy_gbps": gbps(kstats.get("hit", {})), "load_copy_gbps_no_checksums": gbps(fstats.get("hit", {})),
+            "connector": kstats, "memcpy_gbps": mem, "load_copy_gbps": gbps(kstats.get("hit", {})),
+            "load_copy_gbps_no_checksums": gbps(kstats.get("hit_unchecked", {})),
             "cached_tokens": kvs["hit"][0][1], "example_failed": example_failed}
 
 
