@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvstore.policy.workflow import WorkflowPolicy
 from kvstore.workflows import Touch, Workflows
+from kvstore.workflows.popularity import level_of
 from kvstore.workflows.predictor import END, Gaps, TransitionModel, survival
 
 
@@ -207,6 +208,33 @@ def test_a_block_workflows_to_come_reuse_outlives_an_idle_workflows_own() -> Non
         flows.end(f"w{i}")
     assert pol.counts()["retired"] == 1 and pol.pop.rate(1) > 0
     assert pol.victim(0) == k(1)                 # "slow" called 30 s ago, gaps 0.5 s: due back last
+
+
+def test_a_block_every_workflow_reads_outranks_one_four_read() -> None:
+    """Levels go on past the tag budget (popularity.level_of): a prompt block every workflow reads and document
+    blocks four workflows read, then no one, were one level (4) with one rate, and the least recent went first: the
+    prompt. Now the prompt sits at the top level, whose rate its readers measured, and the documents go first."""
+    now = [0.0]
+    flows = Workflows(clock=lambda: now[0])
+    pol = WorkflowPolicy(flows)                  # tag budget 4
+    for i in range(30):                          # a new workflow every second reads the prompt, calls twice, ends
+        w = f"w{i}"
+        now[0] += 0.5
+        flows.call(w, "x", "t")
+        blocks = [0, 10, 11, 12] if i < 4 else [0]     # the first four read the documents too
+        for b in blocks:
+            if i == 0:
+                pol.added(k(b), 0, Touch(w, "x"))
+            else:
+                pol.accessed(k(b), Touch(w, "x"))
+        now[0] += 0.5
+        flows.call(w, "x", "t")
+        flows.end(w)
+    for d in (10, 11, 12):                       # the documents read again (no hint): more recent than the prompt
+        pol.accessed(k(d))
+    assert pol.describe(k(0))["touched"] == 30 and pol.describe(k(10))["touched"] == 4   # type: ignore[index]
+    assert pol.pop.rate(level_of(30, 4)) > pol.pop.rate(4)
+    assert drain(pol) == [10, 11, 12, 0]
 
 
 def test_a_put_of_the_missed_blocks_keeps_the_prefix_it_read() -> None:
