@@ -64,13 +64,18 @@ def key(b: int) -> bytes:
     return b.to_bytes(16, "little")
 
 
-def offline_lru(reqs: list[list[int]], cap: int) -> float:
+def offline_lru(reqs: list[list[int]], cap: int, again: list[list[bool]] | None = None) -> float:
+    """Offline LRU; with `again` (per request, per block: used again later), a block not used again is not kept."""
     held: OrderedDict[int, None] = OrderedDict()
     hit = total = 0
-    for chain in reqs:
-        n = next((i for i, b in enumerate(chain) if b not in held), len(chain))
+    for i, chain in enumerate(reqs):
+        n = next((j for j, b in enumerate(chain) if b not in held), len(chain))
         hit, total = hit + n, total + len(chain)
-        for b in reversed(chain):                   # tail first: the head ends the most recent
+        reused = again[i] if again is not None else [True] * len(chain)
+        for b, r in zip(reversed(chain), reversed(reused)):    # tail first: the head ends the most recent
+            if not r:
+                held.pop(b, None)
+                continue
             held[b] = None
             held.move_to_end(b)
             while len(held) > cap:
@@ -113,20 +118,7 @@ def offline_reuse_oracle(reqs: list[list[int]], cap: int) -> float:
     for i in range(len(reqs) - 1, -1, -1):
         again[i] = [b in later for b in reqs[i]]
         later.update(reqs[i])
-    held: OrderedDict[int, None] = OrderedDict()
-    hit = total = 0
-    for chain, reused in zip(reqs, again):
-        n = next((i for i, b in enumerate(chain) if b not in held), len(chain))
-        hit, total = hit + n, total + len(chain)
-        for b, r in zip(reversed(chain), reversed(reused)):    # tail first: the head ends the most recent
-            if not r:
-                held.pop(b, None)
-                continue
-            held[b] = None
-            held.move_to_end(b)
-            while len(held) > cap:
-                held.popitem(last=False)
-    return hit / total
+    return offline_lru(reqs, cap, again)
 
 
 def offline_count_oracle(reqs: list[list[int]], cap: int) -> float:
