@@ -219,11 +219,16 @@ class SsdQuotas:
         `victim_tenant` among the tenants other than the writer that stay at or above their quota without one
         record of that size (`records`: records per (tenant, size); `exclude`: the writer's own size;
         `record(size)`: a record's bytes; `age((t, size))`: when that class's victim was last used)."""
-        eligible = []
-        for (t, p), n in records.items():
-            if n > 0 and p != exclude and t != writer and self.held(t) - self.quota(t) >= record(p):
-                eligible.append(((t, p), self.held(t) - self.quota(t)))
+        eligible = [((t, p), over) for t, p, _, over in self._others(writer, records, exclude) if over >= record(p)]
         return _pick(eligible, None, age) if eligible else None
+
+    def _others(self, writer: str, records: Counter[tuple[str, int]], exclude: int
+                ) -> Iterable[tuple[str, int, int, int]]:
+        """(tenant, block size, records, bytes over its quota) of every tenant but `writer` holding records of a
+        size other than `exclude`: the candidates of `borrower` and `giveable`."""
+        for (t, p), n in records.items():
+            if n > 0 and p != exclude and t != writer:
+                yield t, p, n, self.held(t) - self.quota(t)
 
     def giveable(self, writer: str, records: Counter[tuple[str, int]], exclude: int,
                  record: Callable[[int], int]) -> int:
@@ -234,19 +239,18 @@ class SsdQuotas:
         nothing (before, the loop punched records until the borrowers ran out, and the room it made served no one
         but the borrower's next write)."""
         sizes: dict[str, list[tuple[int, int]]] = {}
-        for (t, p), n in records.items():
-            if n > 0 and p != exclude and t != writer:
+        excess: dict[str, int] = {}
+        for t, p, n, over in self._others(writer, records, exclude):
+            if over > 0:
                 sizes.setdefault(t, []).append((record(p), n))
+                excess[t] = over
         total = 0
         for t, held in sizes.items():
-            over = self.held(t) - self.quota(t)
-            if over <= 0:
-                continue
             if len(held) == 1:
                 rec, n = held[0]
-                total += min(n, over // rec) * rec
+                total += min(n, excess[t] // rec) * rec
             else:
-                total += min(over, sum(rec * n for rec, n in held))
+                total += min(excess[t], sum(rec * n for rec, n in held))
         return total
 
     def evicted(self, victim: str, writer: str, record: int) -> None:
