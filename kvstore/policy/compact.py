@@ -72,7 +72,8 @@ class CompactWorkflowPolicy(GroupScores):
         self.rows = rows = Rows(workflows, tag_budget, slots_of)
         self.chunks: dict[int, Chunk] = rows.chunks                # the rows' own dict (module docstring)
         self.groups: dict[int, Group] = {}
-        self._by_sig: dict[tuple[int, frozenset[int] | int, int], Group] = {}   # (class, signature, level)
+        self._by_sig: dict[tuple[int, frozenset[int] | int, int, bool], Group] = {}   # (class, signature, level,
+                                                                 # done with: workflow.py's Active)
         self._active: dict[int, dict[int, Group]] = {}          # class → its active groups, in creation order
         self._retired_of: dict[int, list[Group | None]] = {}    # class → retired group per touch count
         self._with: dict[int, set[int]] = {}                     # workflow number → group ids with it
@@ -97,6 +98,7 @@ class CompactWorkflowPolicy(GroupScores):
             ch.touched[i] = kept
         if self.rows.tag(ch, i, touch) and touch is not None:
             self.flows.touched(self.flows.active[touch.workflow], False)
+        self.flows.seen(touch, key)
         self.calls.stored(key, touch)
         self.pop.enter(level_of(ch.touched[i], self.budget))
         self._link(ch, i, gid, cls)
@@ -112,6 +114,7 @@ class CompactWorkflowPolicy(GroupScores):
         new = self.rows.tag(ch, i, touch)
         if new is not None and touch is not None and (new or not self.calls.mine(key, touch)):
             self.flows.touched(self.flows.active[touch.workflow], not new)
+        self.flows.seen(touch, key)
         self.calls.read(key, touch)
         if ch.touched[i] != before:              # a workflow new to it: reuse no lookahead saw coming
             b = self.budget
@@ -218,6 +221,7 @@ class CompactWorkflowPolicy(GroupScores):
         """As WorkflowPolicy.refused: blocks a put of `touch` left out are remembered as touched by it."""
         held = sum(self.pop.held)
         for key in keys:
+            self.flows.seen(touch, key)
             gid = self.table.get(key)
             ch, i = self.rows.row(gid) if gid is not None else (None, 0)
             if ch is None or ch.group[i] == ABSENT:
@@ -236,13 +240,13 @@ class CompactWorkflowPolicy(GroupScores):
         self.pop.leave(level_of(ch.touched[i], self.budget))
         self.rows.vacate(ch, i, gid)
 
-    def _group(self, cls: int, sig: frozenset[int] | int, level: int) -> Group:
-        g = self._by_sig.get((cls, sig, level))
+    def _group(self, cls: int, sig: frozenset[int] | int, level: int, dead: bool = False) -> Group:
+        g = self._by_sig.get((cls, sig, level, dead))
         if g is not None:
             return g
         gid = self._free_ids.pop() if self._free_ids else len(self.groups)
         self._seq += 1
-        g = self._by_sig[(cls, sig, level)] = self.groups[gid] = Group(gid, cls, sig, level, self._seq)
+        g = self._by_sig[(cls, sig, level, dead)] = self.groups[gid] = Group(gid, cls, sig, level, self._seq, dead)
         if isinstance(sig, int):
             slots = self._retired_of.setdefault(cls, [None] * levels(self.budget))
             slots[sig] = g
@@ -255,7 +259,7 @@ class CompactWorkflowPolicy(GroupScores):
 
     def _forget(self, g: Group) -> None:
         del self.groups[g.id]
-        del self._by_sig[(g.cls, g.sig, g.level)]
+        del self._by_sig[(g.cls, g.sig, g.level, g.dead)]
         self._free_ids.append(g.id)
         if isinstance(g.sig, int):
             self._retired_of[g.cls][g.sig] = None
@@ -271,7 +275,13 @@ class CompactWorkflowPolicy(GroupScores):
 
     def _link(self, ch: Chunk, i: int, gid: int, cls: int) -> None:
         """At the most recent end of the slot's group (from its tags now)."""
-        g = self._group(cls, self.rows.sig(ch, i), level_of(ch.touched[i], self.budget))
+        sig = self.rows.sig(ch, i)
+        dead = False
+        if not isinstance(sig, int) and self.flows.dead_blocks:      # done with by its most recent workflow?
+            key = self.key_at(gid)
+            last = self.flows.nums[self.rows.last_active(ch, i)]
+            dead = key is not None and self.flows.block_worth(last.wid, key) < 1.0
+        g = self._group(cls, sig, level_of(ch.touched[i], self.budget), dead)
         ch.prev[i] = g.tail
         ch.next[i] = NIL
         if g.tail != NIL:

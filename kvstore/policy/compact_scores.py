@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvstore.policy.rows import NIL, Rows
@@ -26,10 +27,12 @@ __all__ = ["Group", "GroupScores"]
 
 
 class Group:
-    __slots__ = ("id", "cls", "sig", "level", "head", "tail", "size", "seq", "ver")
+    __slots__ = ("id", "cls", "sig", "level", "head", "tail", "size", "seq", "ver", "dead")
 
-    def __init__(self, gid: int, cls: int, sig: frozenset[int] | int, level: int, seq: int) -> None:
+    def __init__(self, gid: int, cls: int, sig: frozenset[int] | int, level: int, seq: int,
+                 dead: bool = False) -> None:
         self.id, self.cls, self.sig, self.level, self.seq = gid, cls, sig, level, seq
+        self.dead = dead            # its blocks' most recent workflow is done with them (workflows.rereads)
         self.head = self.tail = NIL
         self.size = 0
         self.ver = 0                # its entry in the class's heap is the one of this version
@@ -46,6 +49,7 @@ class GroupScores:
     _retired_of: dict[int, list[Group | None]]
     _with: dict[int, set[int]]
     _seq: int
+    key_at: Callable[[int], bytes | None]
 
     def init_scores(self, pick_s: float) -> None:
         self._heap: dict[int, list[tuple[float, int, int, Group]]] = {}   # class → (score, seq, ver, group)
@@ -68,6 +72,10 @@ class GroupScores:
         flows = self.flows
         assert isinstance(g.sig, frozenset)
         if self.inherit:
+            key = self.key_at(g.head) if g.dead else None
+            if key is not None:
+                return (math.fsum(flows.value(flows.nums[n].wid) * flows.block_worth(flows.nums[n].wid, key)
+                                  for n in g.sig) + shared_value(self.pop, flows, g.level))
             return math.fsum(flows.value(flows.nums[n].wid) for n in g.sig) + shared_value(self.pop, flows, g.level)
         ch, i = self.rows.linked_row(g.head)
         masks = self.rows.masks_of(ch, i)

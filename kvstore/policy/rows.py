@@ -185,6 +185,14 @@ class Rows:
                 return tags[j]
         return 0
 
+    def last_active(self, ch: Chunk, i: int) -> int:
+        """The active workflow number that touched the row most recently (0: none is active)."""
+        tags, base, live = ch.tags, i * self.budget, self.flows.nums
+        for j in range(base + self.budget - 1, base - 1, -1):
+            if tags[j] and tags[j] in live:
+                return tags[j]
+        return 0
+
     def ended(self, num: int) -> None:
         """Workflow `num` ended: its one-workflow signature is made anew if the number comes back."""
         self._single.pop(num, None)

@@ -80,7 +80,8 @@ if TYPE_CHECKING:
 
 RETIRED = frozenset[str]()
 Signature = frozenset[str]
-Active = tuple[Signature, int]         # an active group: its workflows and its blocks' level (popularity.level_of)
+Active = tuple[Signature, int, bool]   # an active group: its workflows, its blocks' level (popularity.level_of), and
+                                       # whether its most recent workflow is done with them (workflows.rereads)
 
 
 def host_policy(table: KeyTable, workflows: Workflows | None = None, key_at: Callable[[int], bytes | None] | None
@@ -213,6 +214,7 @@ class WorkflowPolicy:
     def refused(self, keys: list[bytes], cls: int, touch: Touch) -> None:
         """A put of `touch` left these blocks out (kvstore.policy's `Refusing`): remembered as touched by it."""
         for key in keys:
+            self.flows.seen(touch, key)
             if key not in self.where:
                 self.evicted.refused(key, touch, len(self.where))
 
@@ -228,8 +230,11 @@ class WorkflowPolicy:
 
     # ----- inside -----
     def _score(self, group: Active, key: bytes) -> float:
-        sig, level = group
+        sig, level, dead = group
         if self.inherit:                 # fsum: exact, so the same in any order (the compact form sums by number)
+            if dead:
+                flows = self.flows
+                return math.fsum(flows.value(w) * flows.block_worth(w, key) for w in sig) + self._shared(level)
             return math.fsum(self.flows.value(w) for w in sig) + self._shared(level)
         masks = self.tags.get(key, {})
         return math.fsum(self.flows.agent_value(w, masks.get(w, 0)) for w in sig) + self._shared(level)
@@ -264,11 +269,14 @@ class WorkflowPolicy:
             if len(tags) >= self.budget:                       # the budget: the least recent tag goes
                 del tags[next(iter(tags))]
         tags[touch.workflow] = (mask or 0) | (1 << min(w.agents.get(touch.agent, 0), 7))   # 8 bits a tag
+        self.flows.seen(touch, key)
 
     def _group_of(self, key: bytes) -> Active | int:
-        sig = frozenset(w for w in self.tags.get(key, ()) if w in self.flows.active)
+        tags = self.tags.get(key, ())
+        sig = frozenset(w for w in tags if w in self.flows.active)
         if sig:
-            return sig, self._level(key)
+            last = next(w for w in reversed(tags) if w in sig)
+            return sig, self._level(key), self.flows.block_worth(last, key) < 1.0
         return self._level(key)                                     # retired: by how many workflows touched it
 
     def _link(self, key: bytes) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.workflows.predictor import START, Gaps, TransitionModel, survival
+from kvstore.workflows.rereads import Rereads
 from kvstore.workflows.reuse import SelfReuse
 
 
@@ -88,6 +89,8 @@ class Workflows:
         self.change_hooks: list[Callable[[Workflow], None]] = []   # each policy's: the workflow's value may change
         self._mean: tuple[int, float | None] = (-1, None)         # (version, mean gap): `mean_gap`, cached
         self.self_reuse = True                  # scale each value by its type's measured self-reuse (reuse.py)
+        self.reread_classes = Rereads(self.bounds.max_keys)   # what each workflow is done with (rereads.py)
+        self.dead_blocks = True                 # price those at what their class is read again (rereads.py)
 
     def model(self, tenant: str = "") -> Model:
         """The tenant's model, made at its first use."""
@@ -168,6 +171,7 @@ class Workflows:
         if w.steps > 1:                                      # its last call: what it could reread, and did
             self.model(w.tenant).reuse.counted(w.wtype, w.offered, w.rereads)
         self.model(w.tenant).predictor.forget(w.wid)
+        self.reread_classes.ended(w)
         self.nums.pop(w.num, None)
         self._value.pop(w.wid, None)
         self.version += 1
@@ -204,6 +208,19 @@ class Workflows:
             w.rereads += 1
         else:
             w.fresh += 1
+
+    def seen(self, touch: Touch | None, key: bytes) -> None:
+        """A policy saw `touch`'s call touch `key` (read, stored, or left out): the rereads' books (rereads.py)."""
+        if touch is not None:
+            w = self.active.get(touch.workflow)
+            if w is not None:
+                self.reread_classes.seen(w, touch, key)
+
+    def block_worth(self, wid: str, key: bytes) -> float:
+        """The share of the workflow's value a block keeps: below 1 only where the block's class is measured
+        dead for it (rereads.py), 1 with `dead_blocks` off or the workflow not active."""
+        w = self.active.get(wid)
+        return self.reread_classes.worth(w, key) if w is not None and self.dead_blocks else 1.0
 
     def mean_gap(self) -> float | None:
         """The mean gap between a workflow's calls over every tenant's model (None before any): the time scale of
@@ -257,6 +274,8 @@ class Workflows:
                 out[k] = max(out.get(k, 0), v) if k == "max_expansions" else out.get(k, 0) + v
             out["gap_keys"] += len(m.gaps)
             out["bytes"] += m.gaps.bytes() + m.reuse.bytes()
+        out["bytes"] += self.reread_classes.bytes()
+        out["reread_keys"] = len(self.reread_classes)
         return out
 
 
