@@ -353,3 +353,39 @@ def test_a_block_left_out_enters_at_the_level_its_askers_give_it() -> None:
     assert pol.evicted.coming_level(None, Touch("c", "x"), 4) == 1
     pol.added(k(0), 0, Touch("c", "x"))
     assert pol.describe(k(0))["touched"] == 3                    # type: ignore[index]
+
+
+def _map_reduce(flows: Workflows, pol: WorkflowPolicy, wid: str, base: int, reduce: bool = True) -> None:
+    """A planner's prompt (2 blocks), a worker's (2 blocks) read by its check, the planner's reread by a reducer."""
+    flows.call(wid, "planner", "mr")
+    for j in range(2):
+        pol.added(k(base + j), 0, Touch(wid, "planner"))
+    flows.call(wid, "worker", "mr")
+    for j in range(2, 4):
+        pol.added(k(base + j), 0, Touch(wid, "worker"))
+    flows.call(wid, "worker", "mr")                                 # the check: the worker's prompt, once more
+    for j in range(2, 4):
+        pol.accessed(k(base + j), Touch(wid, "worker"))
+    if reduce:
+        flows.call(wid, "reducer", "mr")
+        for j in range(2):
+            pol.accessed(k(base + j), Touch(wid, "reducer"))
+
+
+def test_blocks_a_workflow_is_done_with_go_before_its_older_prefix() -> None:
+    """Issue 34: a worker's prompt read by its check is never read again by its workflow (learned from ended ones),
+    while the planner's older prefix waits for the reducer: the worker's go first, though used more recently;
+    without the rereads' books (`dead_blocks` off) the order is the group's LRU, the planner's prefix first."""
+    for dead_blocks in (True, False):
+        flows = Workflows(timed=False)                              # (calls microseconds apart: no gaps to time)
+        flows.dead_blocks = dead_blocks
+        pol = WorkflowPolicy(flows)
+        for i in range(20):
+            _map_reduce(flows, pol, f"old{i}", 100 * (i + 1))
+            flows.end(f"old{i}")
+        for i in range(20):
+            for j in range(4):
+                pol.removed(k(100 * (i + 1) + j))
+        _map_reduce(flows, pol, "x", 0, reduce=False)
+        assert [flows.block_worth("x", k(j)) < 1.0 for j in range(4)] == [False, False, dead_blocks, dead_blocks]
+        assert drain(pol) == ([2, 3, 0, 1] if dead_blocks else [0, 1, 2, 3])

@@ -1,0 +1,73 @@
+"""Which blocks a workflow is done with (kvstore/workflows/rereads.py): learned per (type, agent, touches) from
+keys, not from what a pool kept; only a class measured dead changes a block's worth; the books are bounded and let
+go of a workflow at its end."""
+from __future__ import annotations
+
+import pytest
+
+from kvstore.workflows import Touch, Workflows
+from kvstore.workflows import rereads as rr
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(4, "big")
+
+
+def run(flows: Workflows, wid: str, base: int, reread: bool) -> None:
+    """Two calls of agent "a": the second rereads the first's block when `reread`."""
+    flows.call(wid, "a", "t")
+    flows.seen(Touch(wid, "a"), k(base))
+    flows.call(wid, "a", "t")
+    flows.seen(Touch(wid, "a"), k(base if reread else base + 1))
+    flows.end(wid)
+
+
+def test_a_class_is_dead_only_once_measured_never_read_again() -> None:
+    flows = Workflows()
+    flows.call("w", "a", "t")
+    flows.seen(Touch("w", "a"), k(0))
+    assert flows.block_worth("w", k(0)) == 1.0                     # nothing measured: the convention
+    for i in range(40):
+        run(flows, f"old{i}", 10 * (i + 1), reread=False)          # (t, a, 1) never read again
+    worth = flows.block_worth("w", k(0))
+    assert worth == pytest.approx(rr.PRIOR / (80 + rr.PRIOR)) and worth < rr.DEAD_BELOW
+    flows.seen(Touch("w", "a"), k(0))                              # the same call again: still one touch
+    assert flows.block_worth("w", k(0)) == worth
+
+
+def test_a_class_read_again_half_the_time_keeps_its_whole_worth() -> None:
+    """A graded share would rank a chain's prefix below its own tail (rereads.py): only dead classes count."""
+    flows = Workflows()
+    for i in range(200):
+        run(flows, f"old{i}", 10 * (i + 1), reread=i % 2 == 0)
+    flows.call("w", "a", "t")
+    flows.seen(Touch("w", "a"), k(0))
+    assert flows.block_worth("w", k(0)) == 1.0
+
+
+def test_a_block_read_again_after_its_eviction_counts_as_read_again() -> None:
+    """The books follow keys: what the pool dropped and the workflow asked for again is a success (no policy
+    here holds anything), so a pool that evicts a class does not teach itself that the class is dead."""
+    flows = Workflows()
+    for i in range(40):
+        run(flows, f"old{i}", 10 * (i + 1), reread=True)
+    flows.call("w", "a", "t")
+    flows.seen(Touch("w", "a"), k(0))
+    assert flows.block_worth("w", k(0)) == 1.0
+    assert flows.reread_classes._classes[("", "t", "a", 1)] == [40.0, 40.0]
+
+
+def test_the_books_are_bounded_and_let_go_of_an_ended_workflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rr, "MAX_PER_WORKFLOW", 3)
+    flows = Workflows()
+    for i in range(40):
+        run(flows, f"old{i}", 10 * (i + 1), reread=False)
+    flows.call("w", "a", "t")
+    for i in range(5):
+        flows.seen(Touch("w", "a"), k(i))
+    assert len(flows.reread_classes) == 3                          # the rest untracked: the convention's 1
+    assert [flows.block_worth("w", k(i)) < 1.0 for i in range(5)] == [True, True, True, False, False]
+    assert flows.footprint()["reread_keys"] == 3
+    flows.end("w")
+    assert len(flows.reread_classes) == 0
+    assert flows.block_worth("w", k(0)) == 1.0                     # not active: the books say nothing
