@@ -9,10 +9,12 @@ rows made and dropped, tags written, a row's signature read, a row copied on a m
 over them: the groups, the lists threaded through the rows' prev/next, the victims and the hooks on a workflow's
 end or hint; kvstore.policy.compact_scores ranks the groups (the scores, the heap, the timed pick).
 
-A group is one (class, signature, level): the set of active workflows among the tags, or, for retired blocks, how
-many workflows touched them (its level); the level (popularity.level_of: the count up to the budget, then
-doublings) prices its reuse by workflows to come (kvstore.workflows.popularity; workflow.py's docstring); its record
-holds the list's head (least recent), tail and size.
+A group is one (class, signature, level, dead): the set of active workflows among the tags, or, for retired blocks,
+how many workflows touched them (its level), and whether the most recent of those workflows is done with its
+blocks (kvstore.workflows.rereads: found from the key at a link, `key_at`, for active rows only); the level
+(popularity.level_of: the count up to the budget, then doublings) prices its reuse by workflows to come
+(kvstore.workflows.popularity; workflow.py's docstring); its record holds the list's head (least recent), tail and
+size.
 
 A block moved to another slot (compaction: kvstore.index.capacity) takes its row along (`moved`, O(budget)): the
 new slot's row replaces the old one in its group's list, where it stood.

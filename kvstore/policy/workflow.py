@@ -31,6 +31,12 @@ it (`tags`, at most `tag_budget` of them, the most recent, and how many ever did
    **Self-reuse** (kvstore.workflows.reuse): the convention is measured per workflow type — how often a later call
    rereads what the workflow touched before — and a type that never does (a static pipeline whose stages begin
    with their own role prompts) has its value scaled to nothing: its blocks are worth what they are to others.
+   **Blocks a workflow is done with** (kvstore.workflows.rereads): the convention per block — a map-reduce worker's
+   prompt, read by its check, is never read again; a coding agent's failed attempt is dropped for the next. Per
+   (type, the agent that touched the block last, how many of the workflow's calls touched it) the books learn how
+   often a later call reads such a block again; a class measured dead keeps only that share of the workflow's
+   value, and its blocks form a group of their own (the signature's `dead` group), so they go before the
+   workflow's live ones however recent. Only dead classes: a graded share would rank a chain's head below its tail.
    Blocks are kept in groups of one signature (the set of active workflows that touched them), each an LRU list:
    a score is computed per group, not per block, and a workflow's step changes the value of its groups only.
 3. Within a group, least recently used first: a read touches a prefix's head last, so tails go before heads.
