@@ -22,8 +22,10 @@ likely to be read again than its last turn, though every later round reads both 
 before its tail loses the tail with it (tried: the held-out debate family's 25% pool fell from 33% to 18%). Dead
 classes are ones no later call reads (the worker's checked prompt, k = 2), where order does not matter.
 
-Bounded: MAX_PER_WORKFLOW keys a workflow and MAX_KEYS over all (beyond them a block is untracked: the
-convention's 1), classes at most `max_classes` (the oldest-made goes). KEY_BYTES is the estimate of one tracked key.
+Bounded: MAX_PER_WORKFLOW keys a workflow, MAX_PER_TENANT a tenant (so one tenant's workflows cannot use up the
+books for another's) and MAX_KEYS over all; beyond them a block is untracked (the convention's 1). Classes are at
+most `max_classes` (the oldest-made goes), keyed by tenant: one tenant's traffic never makes another's class dead.
+KEY_BYTES is the estimate of one tracked key.
 """
 from __future__ import annotations
 
@@ -38,19 +40,21 @@ DEAD_BELOW = 0.2            # a class read again less often than this is dead fo
 HALF_AT = 4096.0            # resolved blocks between halvings of a class's counts
 MAX_PER_WORKFLOW = 1 << 14
 MAX_KEYS = 1 << 18
+MAX_PER_TENANT = 1 << 16
 KEY_BYTES = 120             # a tracked key: its dict slot, the packed int, the key's share (tracemalloc: ~110)
 CLASS_BYTES = 400           # a class: its tuple key (type and agent strings shared with the books) and counts
 
 
 class Rereads:
     """The books above: per active workflow, its keys' classes; per class, successes and resolved blocks."""
-    __slots__ = ("max_classes", "_keys", "_classes", "_tracked")
+    __slots__ = ("max_classes", "_keys", "_classes", "_tracked", "_by_tenant")
 
     def __init__(self, max_classes: int = 4096) -> None:
         self.max_classes = max_classes
         self._keys: dict[str, dict[bytes, tuple[int, str, int]]] = {}   # wid → key → (k, last agent, its step)
         self._classes: dict[tuple[str, str, str, int], list[float]] = {}   # (tenant, type, agent, k) → [s, n]
         self._tracked = 0
+        self._by_tenant: dict[str, int] = {}                       # tenant → keys tracked
 
     def seen(self, w: Workflow, touch: Touch, key: bytes) -> None:
         """A call of `w` (`touch`) touched `key` — read, stored, or left out by a full pool."""
@@ -59,9 +63,11 @@ class Rereads:
             keys = self._keys[w.wid] = {}
         got = keys.get(key)
         if got is None:
-            if len(keys) < MAX_PER_WORKFLOW and self._tracked < MAX_KEYS:
+            mine = self._by_tenant.get(w.tenant, 0)
+            if len(keys) < MAX_PER_WORKFLOW and mine < MAX_PER_TENANT and self._tracked < MAX_KEYS:
                 keys[key] = (1, touch.agent, w.steps)
                 self._tracked += 1
+                self._by_tenant[w.tenant] = mine + 1
             return
         k, agent, step = got
         if step == w.steps:                         # the same call again (a get, then the put of its chain)
@@ -76,6 +82,11 @@ class Rereads:
         if not keys:
             return
         self._tracked -= len(keys)
+        left = self._by_tenant.get(w.tenant, 0) - len(keys)
+        if left > 0:
+            self._by_tenant[w.tenant] = left
+        else:
+            self._by_tenant.pop(w.tenant, None)
         for k, agent, _ in keys.values():
             self._count(w, agent, k, 0.0)
 

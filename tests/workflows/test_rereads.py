@@ -71,3 +71,29 @@ def test_the_books_are_bounded_and_let_go_of_an_ended_workflow(monkeypatch: pyte
     flows.end("w")
     assert len(flows.reread_classes) == 0
     assert flows.block_worth("w", k(0)) == 1.0                     # not active: the books say nothing
+
+
+def test_one_tenants_workflows_cannot_use_up_anothers_books(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hostile tenant's workflows touching keys without end fill their tenant's share, not the books: another
+    tenant's blocks are still tracked, and its classes are its own."""
+    monkeypatch.setattr(rr, "MAX_PER_TENANT", 4)
+    flows = Workflows()
+    for i in range(3):
+        flows.call(f"h{i}", "a", "t", tenant="hostile")
+        for j in range(10):
+            flows.seen(Touch(f"h{i}", "a"), k(1000 * i + j))
+    assert len(flows.reread_classes) == 4
+    for i in range(40):
+        flows.call(f"old{i}", "a", "t", tenant="b")
+        flows.seen(Touch(f"old{i}", "a"), k(10 * (i + 1)))
+        flows.call(f"old{i}", "a", "t", tenant="b")
+        flows.end(f"old{i}")
+    flows.call("w", "a", "t", tenant="b")
+    flows.seen(Touch("w", "a"), k(0))
+    assert flows.block_worth("w", k(0)) < rr.DEAD_BELOW                 # b's class, learned from b's workflows
+    flows.call("h9", "a", "t", tenant="hostile")
+    flows.seen(Touch("h9", "a"), k(5))
+    assert flows.block_worth("h9", k(5)) == 1.0                         # untracked (and not b's class)
+    for i in range(3):
+        flows.end(f"h{i}")
+    assert flows.reread_classes._by_tenant == {"b": 1}
