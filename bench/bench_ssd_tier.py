@@ -46,6 +46,12 @@ def q(xs: list[float], p: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(len(xs) * p))]
 
 
+def quiet(c: Any) -> None:
+    """Wait until every staged demotion is on disk (the SSD-hit get is measured on a disk nothing else uses)."""
+    while c.stats()["tiers"][1]["staged_blocks"]:
+        time.sleep(0.002)
+
+
 def promotion(c: Any, ns: Any, src: list[bytes], raw_fd: int, raw_buf: mmap.mmap, nblocks: int, samples: int,
               rng: random.Random, evict: bool) -> dict[str, list[float]]:
     """SSD-hit gets of one block, each followed by a raw read and a host-hit get of the same block; with `evict`,
@@ -54,6 +60,7 @@ def promotion(c: Any, ns: Any, src: list[bytes], raw_fd: int, raw_buf: mmap.mmap
     res: dict[str, list[float]] = {"ssd": [], "raw": [], "host": []}
     for _ in range(samples):
         i = rng.randrange(nblocks // 2)        # the older half: evicted to SSD long ago
+        quiet(c)                               # the last sample's demotion written: no competing load
         r = c.call("lookup", ns=ns.id, keys=key(i))
         if r["n"] - r["host"] != 1:            # only on SSD
             continue
