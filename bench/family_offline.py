@@ -121,6 +121,8 @@ def policy(events: list[Event], cap: int, save: str, name: str = "workflow", **k
             flows.call(e.workflow, e.agent, e.family)
             touch = Touch(e.workflow, e.agent)
         chain = [_key(b) for b in e.blocks]
+        if touch is not None:                            # the lookup's chain, with its context (read_ops.touch_of)
+            flows.chain(touch, b"".join(chain), 8)
         n = prefix_held(chain, held)
         hit, total = hit + n, total + len(chain)
         if hasattr(pol, "asked"):                        # the lookup (kvstore.policy.Asking)

@@ -120,10 +120,13 @@ def _prefix(st: State, ns: NamespaceEntry, blob: bytes) -> tuple[int, int]:
 
 def touch_of(st: State, h: Conn, m: dict[str, Any], ns: NamespaceEntry | None = None) -> Touch | None:
     """The request's hint context (its `wf` and `agent` fields) for the index's policy; None without one. With
-    `ns`, the request's keys become the workflow's chain (the predictive prefetch)."""
+    `ns`, the request's keys become the workflow's chain: its call's (kvstore.workflows.rereads: does the call
+    extend an earlier call's whole chain?) and the predictive prefetch's."""
     touch = st.hints.touch(tenant_of(st.config, h), m) if "wf" in m else None
-    if touch is not None and ns is not None and st.predictive is not None:
-        st.predictive.saw(ns, touch, m["keys"])
+    if touch is not None and ns is not None:
+        st.workflows.chain(touch, m["keys"])
+        if st.predictive is not None:
+            st.predictive.saw(ns, touch, m["keys"])
     return touch
 
 

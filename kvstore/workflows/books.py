@@ -44,6 +44,12 @@ class Workflow:
     fresh: int = 0                                           # blocks new to it in its current call (reuse.py)
     offered: int = 0                                         # ... in its previous call (counted when this one ends)
     rereads: int = 0                                         # blocks it touched before, read by its current call
+    extends: bool = False                                    # its current call's chain holds an earlier call's
+                                                             # whole chain (`Workflows.chain`, rereads.py)
+    chain_step: int = -1                                     # ... the call whose chain that is,
+    chain_len: int = 0                                       # ... its length in keys and its last key,
+    chain_tail: bytes = b""
+    tails: list[bytes] = field(default_factory=list)        # ... the last keys of its earlier calls' chains
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +222,24 @@ class Workflows:
             if w is not None:
                 self.reread_classes.seen(w, touch, key)
 
+    def chain(self, touch: Touch | None, keys: bytes, width: int = 16) -> None:
+        """The request of `touch` asks for this chain (a lookup's or a get's keys, `width` bytes each, head first):
+        whether its call extends the whole chain of an earlier call of its workflow — a tool loop's next turn, a
+        map-reduce worker's check of its own read — or starts a branch of its own (rereads.py keeps the two
+        apart). A call's chain is the longest it asked for; its last key is remembered, TAILS of them."""
+        w = self.active.get(touch.workflow) if touch is not None else None
+        if w is None or not isinstance(keys, bytes) or len(keys) < width:
+            return                                          # (a malformed blob is the op's to refuse)
+        if w.chain_step != w.steps:                         # the call's first chain
+            if w.chain_tail:
+                w.tails.append(w.chain_tail)
+                del w.tails[:-TAILS]
+            w.chain_step, w.chain_len, w.chain_tail, w.extends = w.steps, 0, b"", False
+        n = len(keys) // width
+        if n > w.chain_len:
+            w.chain_len, w.chain_tail = n, bytes(keys[(n - 1) * width:n * width])
+            w.extends = any(_holds(keys, t, width) for t in w.tails)
+
     def block_worth(self, wid: str, key: bytes) -> float:
         """The share of the workflow's value a block keeps: below 1 only where the block's class is measured
         dead for it (rereads.py), 1 with `dead_blocks` off or the workflow not active."""
@@ -277,6 +301,19 @@ class Workflows:
         out["bytes"] += self.reread_classes.bytes()
         out["reread_keys"] = len(self.reread_classes)
         return out
+
+
+TAILS = 16              # earlier calls' chain ends a workflow remembers (`Workflows.chain`)
+
+
+def _holds(keys: bytes, key: bytes, width: int) -> bool:
+    """Whether `key` is one of the `width`-byte keys of `keys` (at a key's boundary, not across two)."""
+    i = keys.find(key)
+    while i >= 0:
+        if i % width == 0:
+            return True
+        i = keys.find(key, i + 1)
+    return False
 
 
 def agent_names(w: Workflow, mask: int) -> list[str]:

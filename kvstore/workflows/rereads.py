@@ -51,8 +51,10 @@ class Rereads:
 
     def __init__(self, max_classes: int = 4096) -> None:
         self.max_classes = max_classes
-        self._keys: dict[str, dict[bytes, tuple[int, str, int]]] = {}   # wid → key → (k, last agent, its step)
-        self._classes: dict[tuple[str, str, str, int], list[float]] = {}   # (tenant, type, agent, k) → [s, n]
+        self._keys: dict[str, dict[bytes, tuple[int, str, bool, int]]] = {}   # wid → key → (k, last agent, its
+                                                                               # call extends, its step)
+        self._classes: dict[tuple[str, str, str, bool, int], list[float]] = {}   # (tenant, type, agent,
+                                                                                  # extends, k) → [s, n]
         self._tracked = 0
         self._by_tenant: dict[str, int] = {}                       # tenant → keys tracked
 
@@ -65,16 +67,16 @@ class Rereads:
         if got is None:
             mine = self._by_tenant.get(w.tenant, 0)
             if len(keys) < MAX_PER_WORKFLOW and mine < MAX_PER_TENANT and self._tracked < MAX_KEYS:
-                keys[key] = (1, touch.agent, w.steps)
+                keys[key] = (1, touch.agent, w.extends, w.steps)
                 self._tracked += 1
                 self._by_tenant[w.tenant] = mine + 1
             return
-        k, agent, step = got
+        k, agent, extends, step = got
         if step == w.steps:                         # the same call again (a get, then the put of its chain)
-            keys[key] = (k, touch.agent, step)
+            keys[key] = (k, touch.agent, w.extends, step)
             return
-        self._count(w, agent, k, 1.0)
-        keys[key] = (min(k + 1, K_MAX), touch.agent, w.steps)
+        self._count(w, agent, extends, k, 1.0)
+        keys[key] = (min(k + 1, K_MAX), touch.agent, w.extends, w.steps)
 
     def ended(self, w: Workflow) -> None:
         """`w` ended (or was retired): every class its keys are in resolves as never read again."""
@@ -87,8 +89,8 @@ class Rereads:
             self._by_tenant[w.tenant] = left
         else:
             self._by_tenant.pop(w.tenant, None)
-        for k, agent, _ in keys.values():
-            self._count(w, agent, k, 0.0)
+        for k, agent, extends, _ in keys.values():
+            self._count(w, agent, extends, k, 0.0)
 
     def worth(self, w: Workflow, key: bytes) -> float:
         """The share of `w`'s lookahead value `key` keeps: its class's P if the class is dead, else 1."""
@@ -96,14 +98,14 @@ class Rereads:
         got = keys.get(key) if keys is not None else None
         if got is None:
             return 1.0
-        c = self._classes.get((w.tenant, w.wtype, got[1], got[0]))
+        c = self._classes.get((w.tenant, w.wtype, got[1], got[2], got[0]))
         if c is None:
             return 1.0
         p = (c[0] + PRIOR) / (c[1] + PRIOR)
         return p if p < DEAD_BELOW else 1.0
 
-    def _count(self, w: Workflow, agent: str, k: int, success: float) -> None:
-        ck = (w.tenant, w.wtype, agent, k)
+    def _count(self, w: Workflow, agent: str, extends: bool, k: int, success: float) -> None:
+        ck = (w.tenant, w.wtype, agent, extends, k)
         c = self._classes.get(ck)
         if c is None:
             if len(self._classes) >= self.max_classes:

@@ -54,7 +54,7 @@ def test_a_block_read_again_after_its_eviction_counts_as_read_again() -> None:
     flows.call("w", "a", "t")
     flows.seen(Touch("w", "a"), k(0))
     assert flows.block_worth("w", k(0)) == 1.0
-    assert flows.reread_classes._classes[("", "t", "a", 1)] == [40.0, 40.0]
+    assert flows.reread_classes._classes[("", "t", "a", False, 1)] == [40.0, 40.0]
 
 
 def test_the_books_are_bounded_and_let_go_of_an_ended_workflow(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,3 +97,48 @@ def test_one_tenants_workflows_cannot_use_up_anothers_books(monkeypatch: pytest.
     for i in range(3):
         flows.end(f"h{i}")
     assert flows.reread_classes._by_tenant == {"b": 1}
+
+
+def test_a_call_extends_an_earlier_calls_whole_chain_or_branches() -> None:
+    """`Workflows.chain`: a call whose chain holds the last key of an earlier call's chain extends it (a loop's next
+    turn, a worker's check of its read); one that shares only a head branches; a key found across two keys'
+    boundary is not one of them."""
+    flows = Workflows()
+    t = Touch("w", "a")
+    steps = [([1, 2], False), ([1, 2, 3], True), ([1, 4], False), ([1, 4, 5, 6], True), ([1, 7], False)]
+    for chain, extends in steps:
+        flows.call("w", "a", "t")
+        flows.chain(t, b"".join(k(i) for i in chain[:1]), 4)      # a shorter chain first (a get's held prefix)
+        flows.chain(t, b"".join(k(i) for i in chain), 4)
+        assert flows.active["w"].extends is extends, chain
+    flows.call("w", "a", "t")
+    tail = k(7)
+    flows.chain(t, b"\0\0" + tail + b"\0\0", 4)                  # k(7) only across a boundary: no
+    assert not flows.active["w"].extends
+
+
+def test_new_blocks_of_a_call_that_extends_are_a_class_apart() -> None:
+    """A map-reduce worker's check stores blocks no call reads again, after the read's blocks it rereads: they are
+    dead, while the read's own new blocks (a branch of its own, read by the check) are not."""
+    flows = Workflows()
+    for i in range(40):
+        wid, t = f"old{i}", Touch(f"old{i}", "worker")
+        read, check = [k(1000 + i), k(2000 + i)], [k(1000 + i), k(2000 + i), k(3000 + i)]
+        flows.call(wid, "worker", "mr")
+        flows.chain(t, b"".join(read), 4)
+        for key in read:
+            flows.seen(t, key)
+        flows.call(wid, "worker", "mr")
+        flows.chain(t, b"".join(check), 4)
+        for key in check:
+            flows.seen(t, key)
+        flows.end(wid)
+    t = Touch("x", "worker")
+    flows.call("x", "worker", "mr")
+    flows.chain(t, k(1) + k(2), 4)
+    flows.seen(t, k(2))                                             # the read's new block: read again by a check
+    assert flows.block_worth("x", k(2)) == 1.0
+    flows.call("x", "worker", "mr")
+    flows.chain(t, k(1) + k(2) + k(3), 4)
+    flows.seen(t, k(3))                                             # the check's: never read again
+    assert flows.block_worth("x", k(3)) < rr.DEAD_BELOW
