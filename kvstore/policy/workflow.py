@@ -33,7 +33,8 @@ it (`tags`, at most `tag_budget` of them, the most recent, and how many ever did
    with their own role prompts) has its value scaled to nothing: its blocks are worth what they are to others.
    **Blocks a workflow is done with** (kvstore.workflows.rereads): the convention per block — a map-reduce worker's
    prompt, read by its check, is never read again; a coding agent's failed attempt is dropped for the next. Per
-   (type, the agent that touched the block last, how many of the workflow's calls touched it) the books learn how
+   (type, the agent that touched the block last, whether its call extended an earlier call's whole chain, how many
+   of the workflow's calls touched it) the books learn how
    often a later call reads such a block again; a class measured dead keeps only that share of the workflow's
    value, and its blocks form a group of their own (the signature's `dead` group), so they go before the
    workflow's live ones however recent. Only dead classes: a graded share would rank a chain's head below its tail.

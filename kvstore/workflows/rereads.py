@@ -9,7 +9,12 @@ which active blocks their workflows never touch again): the map-reduce 50% pool 
 LRU→Belady gap, the held-out debate family's 25% pool from 33% to 67%, coding's 50% pool from 38% to 57%.
 
 What a framework's hints carry at call time says it too, learned online: a block's class is its workflow's type,
-the agent whose call touched it last, and how many of the workflow's calls touched it (`k`, up to K_MAX). Each
+the agent whose call touched it last, whether that call extends the whole chain of an earlier call of the workflow
+(`Workflows.chain`, from the keys a lookup or get asks for with its context: a tool loop's next turn and a worker's
+check of its own read do; a fresh branch from a shared head does not), and how many of the workflow's calls touched
+it (`k`, up to K_MAX). Without the third, a worker's check (whose new blocks nothing reads again) and its read (whose
+new blocks the check reads) were one class, alive on average (offline, mapreduce at 50%: 34/61/52% of the gap over
+seeds 1–3 without it, 79/85/69% with it). Each
 block a workflow touched resolves once per class it passes through — read again by a later call of the same
 workflow (a success, and the block moves to class k+1), or never (a failure, counted when the workflow ends) — so
 the estimate does not depend on what the pool kept: the books follow keys, not residency (an evicted block read
