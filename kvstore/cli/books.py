@@ -38,7 +38,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if "tags" in data:
             kheads += ["standing", "touched by", "workflows (agents)"]
             for row, t in zip(krows, data["tags"]):
-                row += [t["standing"], t["touched"], _workflows_cell(t["workflows"])] if t else ["-", "-", "-"]
+                row += ([t["standing"], t["touched"], _workflows_cell(t["workflows"], t.get("done", ()))] if t
+                        else ["-", "-", "-"])
         text += "\n\n" + table_of(kheads, krows)
         data["keys"] = [[k.hex(), gid] for k, gid in data["keys"]]
     out(args, data, text)
@@ -68,8 +69,9 @@ def _sharing_tables(data: dict[str, Any]) -> str:
     return text
 
 
-def _workflows_cell(flows: dict[str, list[str]]) -> str:
-    return ", ".join(f"{w} ({'/'.join(a) or '-'})" for w, a in flows.items()) or "-"
+def _workflows_cell(flows: dict[str, list[str]], done: Any = ()) -> str:
+    """Each workflow with its agents; "done" where the workflow is done with the block (goes first)."""
+    return ", ".join(f"{w} ({'/'.join(a) or '-'}{', done' if w in done else ''})" for w, a in flows.items()) or "-"
 
 
 def cmd_resize(args: argparse.Namespace) -> int:

@@ -139,15 +139,17 @@ def _pairs(st: State, shown: list[NamespaceEntry]) -> dict[str, list[dict[str, A
 def _tags(st: State, ns: NamespaceEntry, block_hash: bytes, tenant: str | None) -> dict[str, Any] | None:
     """A listed block's standing and tags under the workflow policy (None under LRU, or gone since the listing):
     the workflows by their own ids — of the connection's tenant only; the admin sees every tenant's, as
-    "tenant/id" where tenants are configured."""
+    "tenant/id" where tenants are configured — and those of them done with it (`done`: the block's class is
+    measured dead for them, kvstore.workflows.rereads)."""
     policy = st.index.policy
     got = policy.describe(ns.key(block_hash)) if isinstance(policy, Explaining) else None
     if got is None:
         return None
     mine = [(w, unscoped(w)) for w in got["workflows"] if tenant is None or unscoped(w)[0] == tenant]
+    label = {w: f"{t}/{name}" if tenant is None and t else name for w, (t, name) in mine}
     return {"standing": got["standing"], "touched": got["touched"],
-            "workflows": {f"{t}/{name}" if tenant is None and t else name: got["agents"].get(w, [])
-                          for w, (t, name) in mine}}
+            "workflows": {label[w]: got["agents"].get(w, []) for w, _ in mine},
+            "done": [label[w] for w in got.get("done", ()) if w in label]}
 
 
 def _keys(st: State, ns: NamespaceEntry, limit: int) -> list[list[Any]]:

@@ -233,7 +233,11 @@ class CompactWorkflowPolicy(GroupScores):
         """A block's standing and tags (`kvstore ls --tags`), or None if the policy has no row for it."""
         gid = self.table.get(key)
         ch, i = self.rows.row(gid) if gid is not None else (None, 0)
-        return None if ch is None or ch.group[i] == ABSENT else self.rows.describe(ch, i)
+        if ch is None or ch.group[i] == ABSENT:
+            return None
+        got = self.rows.describe(ch, i)
+        got["done"] = [w for w in got["workflows"] if self.flows.block_worth(w, key) < 1.0]
+        return got
 
     # ----- groups -----
     def _drop(self, ch: Chunk, i: int, gid: int) -> None:

@@ -226,14 +226,16 @@ class WorkflowPolicy:
                 self.evicted.refused(key, touch, len(self.where))
 
     def describe(self, key: bytes) -> dict[str, Any] | None:
-        """A block's standing and tags (`kvstore ls --tags`), or None if the policy does not hold it."""
+        """A block's standing and tags (`kvstore ls --tags`), or None if the policy does not hold it; `done`: the
+        active workflows that are done with it (kvstore.workflows.rereads)."""
         if key not in self.where:
             return None
         tags = {w: m for w, m in self.tags.get(key, {}).items() if w in self.flows.active}
         standing = "pinned" if key in self.pins else "active" if tags else "retired"
         return {"standing": standing, "workflows": list(tags),
                 "agents": {w: agent_names(self.flows.active[w], m) for w, m in tags.items()},
-                "touched": self.touched.get(key, 0)}
+                "touched": self.touched.get(key, 0),
+                "done": [w for w in tags if self.flows.block_worth(w, key) < 1.0]}
 
     # ----- inside -----
     def _score(self, group: Active, key: bytes) -> float:

@@ -17,8 +17,8 @@ WORKFLOW = {"KVSTORE_POOL_EVICTION": "workflow"}
 NOT_ME = 4242424                          # an admin uid that is not this test's: no client here is the admin
 
 
-def tags_of(c, ns) -> dict[bytes, dict]:
-    data = c.list(ns.id, 100, tags=True)
+def tags_of(c, ns, limit: int = 100) -> dict[bytes, dict]:
+    data = c.list(ns.id, limit, tags=True)
     return {k: t for (k, _), t in zip(data["keys"], data["tags"])}
 
 
@@ -33,7 +33,8 @@ def test_a_blocks_tags_follow_its_workflows(start_daemon):
         w.call("tester")
         ns.get(hs[:1], [bytearray(len(block(0)))], context=w.context("tester"))
         tags = tags_of(c, ns)
-        assert tags[hs[0]] == {"standing": "active", "touched": 1, "workflows": {"review-7": ["coder", "tester"]}}
+        assert tags[hs[0]] == {"standing": "active", "touched": 1, "workflows": {"review-7": ["coder", "tester"]},
+                               "done": []}
         assert tags[hs[2]]["workflows"] == {"review-7": ["coder"]}
         out = json.loads(kvstore("ls", "--ns", str(ns.id), "--tags", "--json", sock=d.socket).stdout)
         assert out["tags"][0]["standing"] == "active"
@@ -97,3 +98,32 @@ def test_a_block_a_full_pool_left_out_is_known_as_shared_when_it_comes_again(sta
         tags = tags_of(c, ns)
         assert [tags[h]["touched"] for h in mine] == [2] * 4
         assert [tags[h]["workflows"] for h in mine] == [{"m": ["x"]}] * 4
+
+
+def test_the_blocks_a_workflow_is_done_with_are_listed_as_done(start_daemon):
+    """Issue 34 (kvstore.workflows.rereads): after forty map-reduce workers whose check rereads their read's chain
+    and stores one block more, none read again, a live worker's read is not done with (its check reads it) and,
+    once checked, all of its chain is — learned through the daemon, from the gets' keys with their context."""
+    d = start_daemon(env=WORKFLOW)
+    with d.client() as c:
+        ns = c.namespace(spec())
+        out = [bytearray(len(block(0))) for _ in range(3)]
+
+        def call(w, chain: list[bytes]) -> None:
+            w.call("worker")
+            n = ns.get(chain, out[:len(chain)], context=w.context("worker"))
+            ns.put(chain[n:], [block(i) for i in range(n, len(chain))], context=w.context("worker"))
+
+        for i in range(40):
+            w = c.workflow(f"old{i}", type="mapreduce")
+            call(w, hashes(2, 100 * (i + 1)))                      # the read
+            call(w, hashes(3, 100 * (i + 1)))                      # the check: the read's chain, then one more
+            w.end()
+        live = c.workflow("live", type="mapreduce")
+        call(live, hashes(2))
+        assert tags_of(c, ns, 1000)[hashes(2)[1]]["done"] == []    # the read's: its check will read it
+        call(live, hashes(3))
+        tags = tags_of(c, ns, 1000)
+        assert [tags[h]["done"] for h in hashes(3)] == [["live"]] * 3
+        text = kvstore("ls", "--ns", str(ns.id), "--tags", "--limit", "1000", sock=d.socket).stdout
+        assert "live (worker, done)" in text

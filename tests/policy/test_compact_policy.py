@@ -242,7 +242,7 @@ def test_a_moved_pinned_block_stays_pinned() -> None:
     pol, table, keys, order = one_segment(flows, 4, None)
     pol.pinned(order[1])
     move(pol, table, keys, order[1], 2 << 32 | 0)
-    assert pol.describe(order[1]) == {"standing": "pinned", "workflows": [], "agents": {}, "touched": 0}
+    assert pol.describe(order[1]) == {"standing": "pinned", "workflows": [], "agents": {}, "touched": 0, "done": []}
     assert pol.counts()["retired"] == 3
     pol.unpinned(order[1])                               # a candidate again, as if just used
     assert evict_all(pol, table, keys) == [order[0], order[2], order[3], order[1]]
