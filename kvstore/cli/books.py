@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Collection
 from typing import Any
 
 from kvstore.cli.common import client, ms, out, table_of
@@ -69,7 +70,7 @@ def _sharing_tables(data: dict[str, Any]) -> str:
     return text
 
 
-def _workflows_cell(flows: dict[str, list[str]], done: Any = ()) -> str:
+def _workflows_cell(flows: dict[str, list[str]], done: Collection[str] = ()) -> str:
     """Each workflow with its agents; "done" where the workflow is done with the block (goes first)."""
     return ", ".join(f"{w} ({'/'.join(a) or '-'}{', done' if w in done else ''})" for w, a in flows.items()) or "-"
 

@@ -40,9 +40,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstore.policy.compact_scores import Group, GroupScores
+from kvstore.policy.current_calls import CurrentCalls
 from kvstore.policy.evicted import EvictedTouches
 from kvstore.policy.rows import ABSENT, MAX_BUDGET, NIL, PINNED, SLOT_MASK, Chunk, Rows
-from kvstore.policy.workflow import CurrentCalls, shared_value
+from kvstore.policy.workflow import shared_value
 from kvstore.workflows import Touch, Workflow, Workflows
 from kvstore.workflows.popularity import Popularity, level_of, levels
 

@@ -142,3 +142,17 @@ def test_new_blocks_of_a_call_that_extends_are_a_class_apart() -> None:
     flows.chain(t, k(1) + k(2) + k(3), 4)
     flows.seen(t, k(3))                                             # the check's: never read again
     assert flows.block_worth("x", k(3)) < rr.DEAD_BELOW
+
+
+def test_a_malformed_chain_changes_nothing() -> None:
+    """`Workflows.chain` is fed a request's keys before the op checks them: a blob that is not bytes, or shorter
+    than one key, is left for the op to refuse — no exception here, no call's chain changed."""
+    flows = Workflows()
+    t = Touch("w", "a")
+    flows.call("w", "a", "t")
+    flows.chain(t, k(1) + k(2), 4)
+    for bad in ("not bytes", [k(1)], b"ab", b""):
+        flows.chain(t, bad, 4)                                     # type: ignore[arg-type]
+    w = flows.active["w"]
+    assert (w.chain_len, w.chain_tail, w.extends) == (2, k(2), False)
+    flows.chain(None, k(1), 4)                                     # no context: nothing to book
