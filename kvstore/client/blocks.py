@@ -109,14 +109,17 @@ class Namespace:
         return Lease(self, reply["slots"], reply.get("crcs"))
 
     def acquire_stream(self, hashes: Sequence[bytes], lane: str = "critical",
-                       context: ContextLike = None) -> StreamLease:
+                       context: ContextLike = None, pieces: bool = False) -> StreamLease:
         """Like `acquire`, but the blocks are reported as they land in the host pool, in the order of `hashes`:
         iterate `arrivals()` and copy the first blocks (a layer at a time, say) while later ones are still on the
-        SSD. Read the stream to its end (or release the lease) before the next call on this client."""
+        SSD. Read the stream to its end (or release the lease) before the next call on this client. `pieces`:
+        the daemon also reports the next block's verified start while the rest is read (`StreamLease.on_landing`,
+        `read_streamed`)."""
         self.client.flush()
+        extra = {"pieces": True} if pieces else {}
         self.client._sendall(encode({"v": VERSION, "op": "acquire", "id": next(self.client._ids), "ns": self.id,
                                          "keys": self._acquire_keys(hashes), "lane": lane, "stream": True,
-                                         **context_fields(context)}))
+                                         **extra, **context_fields(context)}))
         return StreamLease(self)
 
     def _acquire_keys(self, hashes: Sequence[bytes]) -> bytes:
@@ -188,22 +191,22 @@ class Namespace:
             verify: bool = True, context: ContextLike = None) -> int:
         """Load the longest stored prefix into `outs`; returns how many blocks were loaded. With `verify`, each
         copy in `outs` is checked against its writer's CRC-32C: the prefix ends at a block that fails the check or
-        has no CRC (its bytes and those after it in `outs` are not to be used)."""
+        has no CRC (its bytes and those after it in `outs` are not to be used). Each batch is a streaming acquire
+        with `pieces`: blocks promoted from the SSD are copied as they land, the first one's verified start while
+        the rest of it is still on the disk (StreamLease.read_streamed)."""
         if len(hashes) != len(outs):
             raise ValueError(f"{len(hashes)} hashes but {len(outs)} output buffers")
         done = 0
         leases: list[Lease] = []
         try:
             for i in range(0, len(hashes), batch):
-                lease = self.acquire(hashes[i:i + batch], lane, context)
-                leases.append(lease)
-                if verify:
-                    n = lease.read_verified(outs[i:i + len(lease)])
-                else:
-                    lease.read_blocks(outs[i:i + len(lease)])
-                    n = len(lease)
+                part = hashes[i:i + batch]
+                dsts = self._check(outs[i:i + len(part)], self.block_bytes, "output block", True)
+                streamed = self.acquire_stream(part, lane, context, pieces=True)
+                leases.append(streamed)
+                n = streamed.read_streamed(dsts, verify)
                 done += n
-                if n < len(hashes[i:i + batch]):
+                if n < len(part):
                     break
         finally:
             for lease in reversed(leases):       # released tail first: the head stays the most recent

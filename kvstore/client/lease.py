@@ -4,13 +4,20 @@ acquire's replies arrive (blocks promoted from the SSD one after another). A lea
 (mapped through its client) and their release; `Namespace` (kvstore.client.blocks) makes one with an `acquire`
 request. A streaming lease reads its replies off the client's wire itself, so it must be read to its end (or
 released) before the client's next request.
+
+`StreamLease.read_streamed` is `Namespace.get`'s copy: each block is copied as its reply arrives and, where the
+acquire asked for `pieces`, the next block's verified start as soon as the daemon reports it (a `landing`: the
+daemon checked those bytes against the record's marks while the rest of the block is still on the disk), its CRC-32C
+continued over the rest once the block is whole. An SSD-hit get then copies most of its block during the read.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvstore.checksum import crc32c
+import numpy as np
+
+from kvstore.checksum import copy_crc32c, crc32c
 
 if TYPE_CHECKING:
     from kvstore.client.blocks import Namespace
@@ -78,6 +85,8 @@ class StreamLease(Lease):
     def __init__(self, ns: Namespace) -> None:
         super().__init__(ns, [], [])
         self.complete = False
+        self.on_landing: Callable[[int, int, int], None] | None = None   # (position, gid, verified bytes)
+        self.landings = 0                    # verified pieces reported ahead of their block
 
     def arrivals(self) -> Iterator[int]:
         """Read the daemon's replies as they come; after each, yield how many leading blocks are ready."""
@@ -90,6 +99,10 @@ class StreamLease(Lease):
                 raise
             self.ns.client._adopt(reply.get("segments", []), fds)
             self.complete = not reply.get("more")
+            if reply.get("landing"):
+                self.landings += 1
+                if self.on_landing is not None:
+                    self.on_landing(*reply["landing"])
             gids = reply["slots"]
             self.gids += gids
             self.crcs += reply.get("crcs") or [None] * len(gids)
@@ -97,6 +110,20 @@ class StreamLease(Lease):
             if len(self.gids) > last or (self.complete and last < 0):
                 last = len(self.gids)
                 yield last
+
+    def read_streamed(self, dsts: Sequence[np.ndarray], verify: bool = True) -> int:
+        """Copy the blocks into `dsts` (flat uint8, one per key asked) as the stream brings them (module doc) and
+        read it to its end; how many leading copies are the bytes committed: with `verify`, checked against each
+        writer's CRC-32C as `read_verified` does (a copy that fails, or a block without a CRC, ends the prefix),
+        else every block pinned."""
+        copy = _StreamedCopy(self, dsts, verify)
+        self.on_landing = copy.landed
+        try:
+            for n in self.arrivals():
+                copy.arrived(n)
+        finally:
+            self.on_landing = None
+        return copy.good
 
     def wait(self) -> int:
         """Read the stream to its end; the number of blocks pinned."""
@@ -108,3 +135,61 @@ class StreamLease(Lease):
         self.wait()                      # the replies must be read before this client's next request
         super().release()
 
+
+
+class _StreamedCopy:
+    """One `read_streamed`: what has been copied of each block, and the verified prefix."""
+
+    def __init__(self, lease: StreamLease, dsts: Sequence[np.ndarray], verify: bool) -> None:
+        self.lease, self.dsts, self.verify = lease, dsts, verify
+        self.started: dict[int, tuple[int, int, int]] = {}   # position → (gid, bytes copied, their CRC-32C)
+        self.copied = 0                                      # blocks copied whole
+        self.good = 0                                        # ... of which the leading ones are the bytes committed
+        self.failed = False
+
+    def landed(self, pos: int, gid: int, nbytes: int) -> None:
+        """The verified start of the next block: copy what is new of it (a block already in, or a segment not
+        mapped yet, is left to its whole reply: nothing is asked of the daemon mid-stream)."""
+        client = self.lease.ns.client
+        if self.failed or pos != len(self.lease.gids) or pos >= len(self.dsts) or \
+                (gid >> 32) not in client._segments:
+            return
+        at, have, crc = self.started.get(pos, (gid, 0, 0))
+        if at != gid:                                       # read again into another slot: start over
+            have, crc = 0, 0
+        dst = self.dsts[pos]
+        if not have < nbytes <= dst.nbytes:
+            return
+        src = client.slot(gid)[have:nbytes]
+        if self.verify:
+            crc = copy_crc32c(dst[have:nbytes], src, crc=crc)
+        else:
+            np.copyto(dst[have:nbytes], src)
+        self.started[pos] = (gid, nbytes, crc)
+
+    def arrived(self, n: int) -> None:
+        """The first `n` blocks are pinned: copy the ones not copied yet (the rest of a started one), check them."""
+        n = min(n, len(self.dsts))
+        if self.failed or n <= self.copied:
+            return
+        lease, first = self.lease, self.copied
+        crcs: dict[int, int] = {}
+        whole = [i for i in range(first, n) if self.started.get(i, (None,))[0] != lease.gids[i]]
+        pairs = [(self.dsts[i], lease.views[i]) for i in whole]
+        if self.verify:
+            crcs.update(zip(whole, lease.ns.client.copier.copy_checked(pairs)))
+        else:
+            lease.ns.client.copier.copy(pairs)
+        for i in sorted(set(range(first, n)) - set(whole)):      # the started ones: their rest
+            _, have, crc = self.started.pop(i)
+            dst, src = self.dsts[i], lease.views[i]
+            if self.verify:
+                crcs[i] = copy_crc32c(dst[have:], src[have:], crc=crc)
+            else:
+                np.copyto(dst[have:], src[have:])
+        self.copied = n
+        for i in range(first, n):
+            if self.verify and (lease.crcs[i] is None or crcs[i] != lease.crcs[i]):
+                self.failed = True
+                return
+            self.good += 1

@@ -34,7 +34,7 @@ COUNTERS = ("lookups", "hits", "hits_host", "hits_lower", "hits_remote", "misses
             "write_through_skipped", "held_cap", "reservations_expired", "pins_expired", "idle_closed",
             "segment_moves", "segment_moves_inline", "segments_hollowed", "admin_chunks", "kept_own_chain",
             "not_admitted", "reserve_evictions", "published", "publish_skipped", "publish_gone", "reads_ssd",
-            "reads_remote", "reads_donated",
+            "reads_remote", "reads_donated", "landings",
             "blocks_compacted", "forks", "evictions_coupled")
 CHUNK_BLOCKS = 256          # blocks evicted or listed per hold of the state lock
 EVICT_ROOM_WAIT_S = 30.0    # an operator's eviction waits this long at most for staging room per chunk

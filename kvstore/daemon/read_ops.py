@@ -133,7 +133,8 @@ def touch_of(st: State, h: Conn, m: dict[str, Any], ns: NamespaceEntry | None = 
 def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     """Pin the longest present prefix; blocks that only a lower tier holds are promoted into host slots first, and a
     block already being promoted (by a prefetch or another get) is waited for, never read twice. With `stream`,
-    the blocks are reported in partial replies as they land; the last reply carries the rest. With `residual` (a
+    the blocks are reported in partial replies as they land; the last reply carries the rest; with `pieces` too,
+    the next block's verified start while the rest of it is read (kvstore.daemon.stream). With `residual` (a
     pair), the residual namespace's prefix of the same keys is pinned too and answered beside (`residual`)."""
     ns = st.index.namespace(m["ns"], h)
     residual = _residual_of(st, h, m, ns)
@@ -147,7 +148,8 @@ def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError(Code.BAD_REQUEST, f"acquire: {e}") from None
     touch = touch_of(st, h, m, ns)
     st.index.asked(ns, hashes)
-    stream = Stream(st.index, st.pool, h, st.lock, m.get("_emit") if m.get("stream") else None)
+    stream = Stream(st.index, st.pool, h, st.lock, m.get("_emit") if m.get("stream") else None,
+                    pieces=bool(m.get("pieces")), counters=st.counters)
     _pin_prefix(st, h, ns, hashes, lane, touch, stream)
     if st.predictive is not None:
         st.predictive.acquired(ns, hashes, stream.gids)
@@ -186,7 +188,9 @@ def _pin_prefix(st: State, h: Conn, ns: NamespaceEntry, hashes: list[bytes], lan
                 break                                   # still in flight: the prefix so far
             continue
         before = len(gids)
-        gids += st.promotion.promote(ns, rest, h, lane, stream.publish if stream.emit else None, touch)
+        landing = None if not stream.pieces else (lambda i, gid, nb, at=before: stream.landing(at + i, gid, nb))
+        gids += st.promotion.promote(ns, rest, h, lane, stream.publish if stream.emit else None, touch,
+                                     landing=landing)
         lower += len(gids) - before
         if len(gids) == before:
             break

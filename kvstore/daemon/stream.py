@@ -1,9 +1,15 @@
 """A streaming acquire's partial replies: blocks are sent as they land, in key order, so the client can start
-copying the first ones while later ones are still being read from a lower tier."""
+copying the first ones while later ones are still being read from a lower tier. With `pieces` (the request's
+field), the next block's verified start is sent too while the rest of it is still on the disk — {"slots": [],
+"landing": [position in the keys, gid, bytes]} — so that a one-block get copies most of its block during the read:
+those bytes are checked against the record's marks (kvstore.tiers.ssd.record), and the block's own reply follows
+once it is whole and verified (a block that fails never gets one: the client drops what it copied)."""
 from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -18,14 +24,18 @@ class Stream:
     """The gids an acquire has pinned so far, and how many of them were sent. Without `emit`, nothing is sent
     early: the final reply carries them all."""
 
-    def __init__(self, index: Index, pool: HostPool, holder: Holdings, lock: Any, emit: Emit | None) -> None:
+    def __init__(self, index: Index, pool: HostPool, holder: Holdings, lock: Any, emit: Emit | None,
+                 pieces: bool = False, counters: Counter[str] | None = None) -> None:
         self.index = index
         self.pool = pool
         self.holder = holder
         self.lock = lock
         self.emit = emit
+        self.pieces = pieces and emit is not None
+        self.counters: Counter[str] = counters if counters is not None else Counter()
         self.gids: list[int] = []
         self.sent = 0
+        self._sending = threading.Lock()      # a landing comes from the reading thread, blocks from the handler's
 
     def unsent(self) -> bool:
         return self.emit is not None and len(self.gids) > self.sent
@@ -43,20 +53,45 @@ class Stream:
         part = self.gids[self.sent:]
         self.sent = len(self.gids)
         fields: dict[str, Any] = {"slots": part, "crcs": self.index.crcs_of(part)}
-        # handles of segments this connection has not seen ride along: the client cannot ask mid-stream
-        new = [self.pool.segments[sid] for sid in sorted({g >> 32 for g in part} - self.holder.segments)]
-        fds = [os.dup(seg.fd) for seg in new]
-        fields["segments"] = [[seg.id, seg.slot_bytes, seg.nslots] for seg in new]
-        self.holder.segments.update(seg.id for seg in new)
+        fds = self._segments_of(part, fields)
         self.lock.release()
         try:
-            assert self.emit is not None
-            self.emit(fields, fds)
-        except OSError as e:
-            log.debug("streaming acquire: the client went away (%s); not sending more", e)
-            self.emit = None
+            self._send(fields, fds)
         finally:
             self.lock.acquire()
+
+    def landing(self, pos: int, gid: int, nbytes: int) -> None:
+        """(The reading thread, without the state lock.) The first `nbytes` of the block at `pos` of the keys, in
+        slot `gid` (reserved for this acquire), are read and verified: sent, for the client to copy now."""
+        if self.emit is None:
+            return
+        fields: dict[str, Any] = {"slots": [], "landing": [pos, gid, nbytes]}
+        with self.lock:
+            fds = self._segments_of([gid], fields)
+            self.counters["landings"] += 1          # stats: verified pieces sent ahead of their block
+        self._send(fields, fds)
+
+    def _segments_of(self, gids: list[int], fields: dict[str, Any]) -> list[int]:
+        """(Under the state lock.) The handles of segments this connection has not seen ride along (the client
+        cannot ask mid-stream): their fds to pass, their shapes in `fields`."""
+        new = [self.pool.segments[sid] for sid in sorted({g >> 32 for g in gids} - self.holder.segments)]
+        fields["segments"] = [[seg.id, seg.slot_bytes, seg.nslots] for seg in new]
+        self.holder.segments.update(seg.id for seg in new)
+        return [os.dup(seg.fd) for seg in new]
+
+    def _send(self, fields: dict[str, Any], fds: list[int]) -> None:
+        """One partial reply (its fds passed and closed). A client gone mid-stream only stops the sending: the
+        promotion finishes, and the session drops its pins."""
+        with self._sending:
+            if self.emit is None:
+                for fd in fds:
+                    os.close(fd)
+                return
+            try:
+                self.emit(fields, fds)
+            except OSError as e:
+                log.debug("streaming acquire: the client went away (%s); not sending more", e)
+                self.emit = None
 
     def rest(self) -> list[int]:
         return self.gids[self.sent:]

@@ -27,6 +27,7 @@ log = logging.getLogger("kvstore")
 PROMOTION_WAIT_S = 5.0      # a get waiting for a promotion in flight gives up (a miss) after this long
 
 Early = Callable[[list[int]], None]     # blocks published before the whole read is done (under the state lock)
+Landing = Callable[[int, int, int], None]   # (i, gid, nbytes): block i's slot holds its first nbytes, verified
 
 
 class Promotion:
@@ -85,11 +86,13 @@ class Promotion:
 
     def promote(self, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings, lane: Lane,
                 early: Early | None = None, touch: Touch | None = None,
-                skip: frozenset[str] = frozenset()) -> list[int]:
+                skip: frozenset[str] = frozenset(), landing: Landing | None = None) -> list[int]:
         """(Under the state lock, released during the read.) Promote the leading blocks that one lower tier holds
         into pinned host slots; returns their gids in key order — except those already handed to `early`, which
         gets the blocks verified so far while later ones are still being read. `touch`: the request's hint
-        context, which the promoted blocks are tagged with (kvstore.workflows).
+        context, which the promoted blocks are tagged with (kvstore.workflows). `landing` (without the state
+        lock): the verified start of the next block to be handed to `early`, while the rest of it is still read
+        (a tier that reads in checked pieces: the SSD), so that the getter copies it out meanwhile.
 
         A tier that serves none of them leaves the read to the tiers that hold the leading block now, looked up
         again without it: the store evicted it meanwhile, a value failed its check, or — the case that must never
@@ -100,13 +103,13 @@ class Promotion:
             sources = self._sources(ns, hashes, lane, skip)
             if not sources:
                 return []
-            got = self._promote_from(sources[0], ns, hashes, holder, lane, early, touch)
+            got = self._promote_from(sources[0], ns, hashes, holder, lane, early, touch, landing)
             if got is not None:
                 return got
             skip |= {sources[0].name}
 
     def _promote_from(self, tier: LowerTier, ns: NamespaceEntry, hashes: list[bytes], holder: Holdings, lane: Lane,
-                      early: Early | None, touch: Touch | None) -> list[int] | None:
+                      early: Early | None, touch: Touch | None, landing: Landing | None) -> list[int] | None:
         """(Under the state lock, released during the read.) `promote` from one tier; None if it served none of
         the blocks (it no longer holds the leading one, or the read failed): the caller looks again."""
         run = 0
@@ -134,10 +137,15 @@ class Promotion:
                 assert early is not None
                 early(part)
 
+        def on_piece(i: int, nbytes: int) -> None:           # the reading thread, without the state lock
+            if landing is not None and i == done[0] and not done[1]:    # the next block out: worth copying now
+                landing(i, plan[i][1], nbytes)
+
         self.lock.release()
         try:
             self.copy_evicted()                  # slots taken by eviction: their old bytes copied down first
-            n = tier.read([ns.block_id(h) for h, _ in plan], views, lane, on_ready if early else None, crcs)
+            n = tier.read([ns.block_id(h) for h, _ in plan], views, lane, on_ready if early else None, crcs,
+                          on_piece if landing is not None and early is not None else None)
         except Exception as e:                   # the tier's own failure: a miss, and no slot left reserved
             log.error("%s: promotion read failed (%s: %s); serving the host prefix only", tier.name,
                       type(e).__name__, e)

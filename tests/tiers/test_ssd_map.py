@@ -121,11 +121,13 @@ def test_a_map_that_cannot_be_trusted_is_rebuilt_by_a_full_scan(ssd_dir: str, da
     finally:
         gate.set()
         s.close()
+    gate.clear()                                              # the validation waits again: its state is seen
     s = SsdStore(ssd_dir, 256 * RECORD).open(wait=False)      # the rebuilt map is complete: no scan needed
     try:
         assert s.scan.from_maps == N and s.scan.state == "validating"
         assert [s.index[NS + h(i)][1] for i in range(N)] == recs
     finally:
+        gate.set()
         s.close()
 
 

@@ -128,3 +128,86 @@ def test_a_critical_read_waits_its_turn_when_critical_reads_are_queued(tmp_path:
         gate.set()
         s.close()
         path.close()
+
+
+# ----- verified pieces handed on while the read is in flight (record marks) -----
+PIECE = BLOCK // 4                    # record.piece_bytes of a 2 MiB payload
+
+
+def _pieces_of(s: SsdStore, i: int, out: mmap.mmap, want: bytes) -> tuple[int, list[tuple[int, int, bool]]]:
+    """A one-block critical get of block i, and each piece handed on: (block, bytes, whether `out` then held
+    exactly the block's first bytes)."""
+    seen: list[tuple[int, int, bool]] = []
+    n = s.get_many(NS, [h(i)], [memoryview(out)], Lane.CRITICAL,
+                   on_piece=lambda k, nbytes: seen.append((k, nbytes, out[:nbytes] == want[:nbytes])))
+    return n, seen
+
+
+def test_a_critical_read_hands_on_each_verified_piece_before_the_block_is_whole(store) -> None:  # type: ignore[no-untyped-def]
+    s, _, blocks = store
+    out = mmap.mmap(-1, BLOCK)
+    n, seen = _pieces_of(s, 1, out, blocks[1][:])
+    assert n == 1 and out[:] == blocks[1][:]
+    if s.io == "io_uring":            # every piece but the last, each already the block's bytes when handed on
+        assert seen == [(0, PIECE, True), (0, 2 * PIECE, True), (0, 3 * PIECE, True)]
+    else:                             # the threads backend reads a critical block in one request: nothing early
+        assert seen == []
+
+
+@pytest.mark.parametrize("where, handed", [
+    (HEADER_BYTES + 2 * PIECE, 2),      # the third piece fails its mark: the two before it were handed on
+    (HEADER_BYTES, 0),                  # the first piece fails: nothing
+    (40, 0),                            # the header fails its checksum: no marks are trusted
+])
+def test_a_piece_that_fails_its_mark_is_never_handed_on(store, where: int, handed: int) -> None:  # type: ignore[no-untyped-def]
+    s, _, blocks = store
+    rec = s.index[NS + h(1)][1]
+    with open(s.files[BLOCK].path, "r+b") as f:
+        f.seek(rec * RECORD + where)
+        byte = f.read(1)
+        f.seek(rec * RECORD + where)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    out = mmap.mmap(-1, BLOCK)
+    n, seen = _pieces_of(s, 1, out, blocks[1][:])
+    assert n == 0 and not s.has(NS + h(1))                         # a quarantined miss, as before
+    assert seen == ([(0, PIECE * (k + 1), True) for k in range(handed)] if s.io == "io_uring" else [])
+
+
+def test_a_record_holding_another_block_hands_on_nothing(store) -> None:  # type: ignore[no-untyped-def]
+    """A record rewritten with another block under the read (here: the books pointing at block 1's record for
+    block 2): its bytes pass its own marks, but the header names another key, so not one byte is handed on."""
+    s, _, blocks = store
+    with s.lock:
+        s.index[NS + h(2)] = s.index[NS + h(1)]
+    out = mmap.mmap(-1, BLOCK)
+    n, seen = _pieces_of(s, 2, out, blocks[1][:])
+    assert n == 0 and seen == [] and s.counters["bad.key_mismatch"] == 1
+
+
+def test_a_record_without_marks_is_read_and_checked_whole(store) -> None:  # type: ignore[no-untyped-def]
+    """A record written before marks existed (or whose marks block is damaged) is served as before, checked
+    whole at the end, with nothing handed on early."""
+    from dataclasses import replace
+
+    from kvstore.tiers.ssd.record import MARKS_AT, parse_header, parse_marks
+
+    s, _, blocks = store
+    rec = s.index[NS + h(1)][1]
+    path = s.files[BLOCK].path
+    with open(path, "r+b") as f:
+        f.seek(rec * RECORD)
+        raw = f.read(HEADER_BYTES)
+        header = parse_header(raw)
+        assert header is not None and header.marked and len(parse_marks(raw, header)) == 4
+        f.seek(rec * RECORD)
+        f.write(replace(header, marks=()).pack())                      # as an older daemon wrote it
+        rec2 = s.index[NS + h(2)][1]
+        f.seek(rec2 * RECORD + MARKS_AT + 20)                          # block 2: a mark damaged
+        byte = f.read(1)
+        f.seek(rec2 * RECORD + MARKS_AT + 20)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    for i in (1, 2):
+        out = mmap.mmap(-1, BLOCK)
+        n, seen = _pieces_of(s, i, out, blocks[i][:])
+        assert n == 1 and out[:] == blocks[i][:] and seen == []
+    assert not any(k.startswith("bad.") for k in s.counters)

@@ -412,3 +412,34 @@ def test_cli_verify_refuses_a_shared_directory(ssd_dir: str) -> None:
     r = subprocess.run([sys.executable, "-m", "kvstore", "verify", "--dir", ssd_dir], capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.startswith(f"kvstore: cannot verify {ssd_dir}: ssd directory {ssd_dir} is shared")
+
+
+def test_a_header_carries_its_payloads_piece_marks_and_refuses_marks_that_do_not_check_out() -> None:
+    """The marks block: the payload's CRC-32C at the end of each piece, the last its CRC; marks of another piece
+    size or count, or damaged, are ignored (the payload is then checked whole), never trusted."""
+    import struct
+    from dataclasses import replace
+
+    import numpy as np
+
+    from kvstore.checksum import crc32c
+    from kvstore.tiers.ssd.record import (MARKS_AT, PIECE_MIN, Header, parse_header, parse_marks, piece_bytes,
+                                          running_crcs)
+
+    body = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    marks = running_crcs(body)
+    piece = piece_bytes(len(body))
+    assert piece == 256 << 10 and len(marks) == 4 and marks[-1] == crc32c(body)
+    assert [crc32c(body[:piece * (k + 1)]) for k in range(4)] == list(marks)
+    header = Header(NS, h(7), len(body), marks[-1], 5, writer=True, marks=marks)
+    raw = header.pack()
+    parsed = parse_header(raw)
+    assert parsed is not None and parsed.marked and parsed.writer_crc == marks[-1]
+    assert parse_marks(raw, parsed) == marks
+    assert parse_marks(replace(header, marks=()).pack(), parsed) == ()             # no block
+    for at, value in [(MARKS_AT + 4, struct.pack("<I", piece // 2)),                 # another piece size
+                      (MARKS_AT + 8, struct.pack("<I", 3)),                          # another count
+                      (MARKS_AT + 12, b"\0\0\0\0")]:                                 # a mark, damaged
+        bad = raw[:at] + value + raw[at + len(value):]
+        assert parse_marks(bad, parsed) == ()
+    assert running_crcs(body[:PIECE_MIN]) == (crc32c(body[:PIECE_MIN]),)      # one piece: its CRC, no marks

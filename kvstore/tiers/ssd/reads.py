@@ -4,8 +4,12 @@
   ours, naming the key and the length asked, the payload matching its CRC-32C. A payload that O_DIRECT can move as
   it is (a host slot of whole pages) is read straight into `out`, no bounce copy: a lower-lane read in pieces of
   PIECE_BYTES with a checkpoint between pieces (it yields to critical ones); a critical read in one request, or,
-  through io_uring, in up to OVERLAP_PIECES pieces all in flight whose CRC-32C is continued as each lands, so
-  the checksum overlaps the disk (one request where 4 x 512 KiB in turn cost +0.2-0.3 ms of a 2 MiB read here).
+  through io_uring, in the record's pieces (record.piece_bytes: 4 of a 2 MiB block) all in flight, whose CRC-32C
+  is continued as each lands, so the checksum overlaps the disk (one request where 4 x 512 KiB in turn cost
+  +0.2-0.3 ms of a 2 MiB read here). Where the record's header has marks (record.py), each piece is checked
+  against its mark as it lands, and `on_piece(bytes)` hands on the payload verified so far: a streaming get
+  copies it out while the rest is still on the disk. Only bytes that match the marks of the header naming the
+  key asked are ever handed on, so a record rewritten under the read, or torn, gives nothing away.
   Any other payload goes through an aligned buffer and is copied into `out` only once checked. A record that
   fails is a miss: quarantined (its header zeroed, its space reused), counted as bad.<reason>, and `out` may then
   hold garbage that the caller must not publish.
@@ -24,13 +28,22 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from crc32c import crc32c as crc32c_continue  # kvstore.checksum's CRC-32C, continued from a value
 
 from kvstore.tiers.ssd import uring
 from kvstore.tiers.ssd.files import ClassFile, aligned, aligned_for_io
-from kvstore.tiers.ssd.record import HEADER_BYTES, BadRecord, Header, check_record, padded
+from kvstore.tiers.ssd.record import (
+    HEADER_BYTES,
+    BadRecord,
+    Header,
+    check_record,
+    parse_header,
+    parse_marks,
+    piece_bytes,
+)
 from kvstore.traffic import Busy, Lane
 from kvstore.traffic.path import PIECE_BYTES
 
@@ -39,8 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore")
 Out = memoryview | bytearray
-OVERLAP_PIECES = 4           # a critical read's pieces, in flight at once (uring.DEPTH at most)
-OVERLAP_MIN = 256 << 10      # ... none smaller than this: a small block is one request
+Pieces = Callable[[int], None]          # the payload bytes verified so far, as a read's pieces land
 
 
 class Reader:
@@ -49,15 +61,17 @@ class Reader:
         self._preadv = preadv
 
     def get_many(self, ns: bytes, hashes: Sequence[bytes], outs: Sequence[Out], lane: Lane,
-                 on_ready: Callable[[int], None] | None, crcs: list[int | None] | None) -> int:
+                 on_ready: Callable[[int], None] | None, crcs: list[int | None] | None,
+                 on_piece: Callable[[int, int], None] | None = None) -> int:
         """Read blocks into `outs`, all in flight at once; the length of the prefix read and verified. A full lane
         ends the prefix where it refused a read (a miss this time, never an error), once the reads before it
-        finish."""
-        jobs = []
+        finish. `on_piece(i, bytes)`: block i's payload verified so far, while its read is in flight."""
+        jobs: list[Future[Any]] = []
         here = len(hashes) == 1                 # the caller would only wait: it reads the block itself
         for h, out in zip(hashes, outs):
             try:
-                job = self.read_async(ns + h, out, lane, here=here)
+                job = self.read_async(ns + h, out, lane, here=here,
+                                      on_piece=None if on_piece is None else partial(on_piece, len(jobs)))
             except Busy:            # the lane's queue is full: the prefix ends here, the reads submitted finish
                 self.store.counters["busy"] += 1
                 break
@@ -83,8 +97,8 @@ class Reader:
                 self.store.touch_locked(ns + h)
         return n
 
-    def read_async(self, key: bytes, out: Out, lane: Lane,
-                   on_done: Callable[[Future[Any]], None] | None = None, here: bool = False) -> Future[Any] | None:
+    def read_async(self, key: bytes, out: Out, lane: Lane, on_done: Callable[[Future[Any]], None] | None = None,
+                   here: bool = False, on_piece: Pieces | None = None) -> Future[Any] | None:
         """Submit a verified read of one block into `out`; None (counted) when the store does not hold it with
         that size. The future's result is its writer's CRC-32C (None if none), or False for a bad record; Busy if
         the lane is full. With `here` (no `on_done`), a critical read may run in this thread (Path.run)."""
@@ -96,19 +110,20 @@ class Reader:
                 return None
             cf = s.files[where[0]]
         def fn() -> int | bool | None:
-            return self.read_into(key, cf, where[1], out)
+            return self.read_into(key, cf, where[1], out, on_piece)
 
         if here and on_done is None:
             return s.path.run(lane, cf.record, fn, tag=key)
         return s.path.submit(lane, cf.record, fn, tag=key, on_done=on_done)
 
-    def read_into(self, key: bytes, cf: ClassFile, rec: int, out: Out) -> int | bool | None:
+    def read_into(self, key: bytes, cf: ClassFile, rec: int, out: Out,
+                  on_piece: Pieces | None = None) -> int | bool | None:
         """(A path worker.) Read record `rec` of `cf` into `out` and check it: its writer's CRC-32C (None if the
         block has none), or False when it fails (quarantined, unless evicted or rewritten while it was read)."""
         s = self.store
         buf = cf.take()
         try:
-            header = self._read_checked(key, cf, rec, buf, out)
+            header = self._read_checked(key, cf, rec, buf, out, on_piece)
         except BadRecord as e:
             with s.lock:
                 if s.index.get(key, (0, -1))[1] == rec:    # not evicted or rewritten while we read
@@ -122,14 +137,15 @@ class Reader:
             s.counters["hits"] += 1
         return header.writer_crc          # verified; the writer's CRC-32C (None if none), which the slot carries on
 
-    def _read_checked(self, key: bytes, cf: ClassFile, rec: int, buf: Any, out: Any) -> Header:
+    def _read_checked(self, key: bytes, cf: ClassFile, rec: int, buf: Any, out: Any,
+                      on_piece: Pieces | None) -> Header:
         """The record's header once the record is checked; `out` holds the payload (or garbage on BadRecord)."""
         with memoryview(buf) as mv:
             if aligned_for_io(out):       # straight into `out`; the header into `buf`
                 crc = None
                 with mv[:HEADER_BYTES] as head:
                     if self.store.io == "io_uring" and self.store.path.running_lane() == Lane.CRITICAL:
-                        n, crc = _read_overlapped(cf, rec, head, out)
+                        n, crc = _read_overlapped(cf, rec, head, out, key, on_piece)
                     else:
                         n = self._read_in_pieces(cf, rec, head, out)
                 with memoryview(out) as o, o[:max(n - HEADER_BYTES, 0)] as payload:
@@ -176,26 +192,33 @@ class Reader:
         return bad
 
 
-def _read_overlapped(cf: ClassFile, rec: int, head: memoryview, out: Any) -> tuple[int, int | None]:
-    """(A critical read, io_uring.) Header and payload straight into `out` in up to OVERLAP_PIECES pieces, all in
-    flight at once, the payload's CRC-32C continued over each piece as it lands in order: only the last piece's
-    checksum is left once the disk is done. Returns (bytes read, the payload's CRC-32C, None if short). Measured
-    on this VM, a 2 MiB read into a host slot: 0.74x the time of a plain 2 MiB os.preadv, against 0.84x for one
-    request with the CRC after it."""
+def _read_overlapped(cf: ClassFile, rec: int, head: memoryview, out: Any, key: bytes,
+                     on_piece: Pieces | None) -> tuple[int, int | None]:
+    """(A critical read, io_uring.) Header and payload straight into `out` in the record's pieces, all in flight
+    at once, the payload's CRC-32C continued over each piece as it lands in order: only the last piece's checksum
+    is left once the disk is done. Returns (bytes read, the payload's CRC-32C, None if short). Measured on this VM,
+    a 2 MiB read into a host slot: 0.74x the time of a plain 2 MiB os.preadv, against 0.84x for one request with
+    the CRC after it. With `on_piece`, each piece but the last that matches its mark is handed on (module doc)."""
     at = rec * cf.record
     with memoryview(out) as o:
-        size = max(padded(-(-len(o) // OVERLAP_PIECES)), OVERLAP_MIN)
+        size = piece_bytes(len(o))
         parts = [o[i:i + size] for i in range(0, len(o), size)]
         ops: list[uring.Op] = [("r", cf.fd, [head, parts[0]], at)]
         ops += [("r", cf.fd, [p], at + HEADER_BYTES + k * size) for k, p in enumerate(parts[1:], 1)]
+        want = [HEADER_BYTES + len(parts[0])] + [len(p) for p in parts[1:]]
         landed = [False] * len(parts)
+        whole = [False] * len(parts)
         state = [0, 0]                     # pieces checksummed so far, CRC-32C so far
+        marks = _Marks(head, key, len(o), on_piece if len(parts) > 1 else None)
 
         def done(i: int, res: int) -> None:
-            landed[i] = res > 0
+            landed[i], whole[i] = res > 0, res == want[i]
             while state[0] < len(parts) and landed[state[0]]:
-                state[1] = crc32c_continue(parts[state[0]], state[1])
+                k = state[0]
+                state[1] = crc32c_continue(parts[k], state[1])
                 state[0] += 1
+                if k < len(parts) - 1:
+                    marks.landed(k, state[1], whole[k])
         try:
             results = uring.run_many(ops, len(ops), done)
         finally:
@@ -206,6 +229,43 @@ def _read_overlapped(cf: ClassFile, rec: int, head: memoryview, out: Any) -> tup
             raise OSError(-res, os.strerror(-res))
     n = sum(results)
     return n, state[1] if n == HEADER_BYTES + len(out) else None
+
+
+class _Marks:
+    """A critical read's pieces checked against the marks of the header read with the first one; the payload
+    verified so far goes to `on_piece`. Any doubt (no marks, a header naming another block, a short piece, a
+    mismatch, `on_piece` failing) stops the handing on: the read goes on, checked whole at its end."""
+
+    def __init__(self, head: memoryview, key: bytes, length: int, on_piece: Pieces | None) -> None:
+        self.head, self.key, self.length, self.on_piece = head, key, length, on_piece
+        self.size = piece_bytes(length)
+        self.marks: tuple[int, ...] = ()
+
+    def landed(self, k: int, crc: int, whole: bool) -> None:
+        """Piece k is in whole (or not), the payload's CRC-32C continued through it is `crc`."""
+        if self.on_piece is None:
+            return
+        if k == 0:
+            self.marks = _marks_of(bytes(self.head), self.key, self.length)
+        if not whole or k >= len(self.marks) or self.marks[k] != crc:
+            self.on_piece = None
+            return
+        try:
+            self.on_piece((k + 1) * self.size)
+        except Exception:                  # the read must go on (uring's on_done must not raise)
+            log.exception("ssd: handing on a verified piece failed; the rest of this read is handed on whole")
+            self.on_piece = None
+
+
+def _marks_of(raw: bytes, key: bytes, length: int) -> tuple[int, ...]:
+    """The marks of a header that names `key` and `length`; () for any other (or none)."""
+    try:
+        header = parse_header(raw)
+    except BadRecord:
+        return ()
+    if header is None or header.ns + header.hash != key or header.length != length:
+        return ()
+    return parse_marks(raw, header)
 
 
 def _check_on_disk(key: bytes, cf: ClassFile, rec: int) -> str | None:

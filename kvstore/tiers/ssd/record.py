@@ -3,7 +3,12 @@
     record = header (4 KiB, of which the first 96 bytes are fields) + payload (the block, padded to 4 KiB)
 
 Header fields (little endian): magic "KVSREC01", format version, header length, namespace digest (16), block hash
-(16), payload length, payload CRC-32C, sequence number, flags, then a CRC-32C of all the fields before it. The
+(16), payload length, payload CRC-32C, sequence number, flags, then a CRC-32C of all the fields before it. With flag
+PIECE_MARKS, a marks block follows at MARKS_AT: "MRKS", the piece size, the count, the payload's CRC-32C continued
+to the end of each piece (the last is the payload CRC), and a CRC-32C of the block. A reader that reads the payload
+in those pieces checks each one as it lands, so the verified bytes can be handed on before the last piece is in
+(reads.py); marks that do not check out are ignored (the payload is still checked whole). Daemons that predate the
+flag ignore it and read the record as before. The
 payload CRC is the one the block's writer committed it with (flag WRITER_CRC) — checked against the bytes before
 they are written, and carried on when the block is promoted — or, for a block committed without one, the tier's own
 (good against a torn write, never reported as the writer's). Version 1 records (zlib CRC-32, no flags) are still
@@ -21,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from crc32c import crc32c as crc32c_continue  # kvstore.checksum's CRC-32C, continued from a value
+
 from kvstore.checksum import crc32c
 
 MAGIC = b"KVSREC01"
@@ -28,6 +35,13 @@ VERSION = 2
 ALIGN = 4096
 HEADER_BYTES = ALIGN
 WRITER_CRC = 1                                      # flags: the payload CRC is the block writer's
+PIECE_MARKS = 2                                     # flags: a marks block follows the fields (module doc)
+MARKS_AT = 128                                      # its offset in the header (past the map entry's bytes)
+MARKS_MAGIC = b"MRKS"
+MAX_MARKS = 64
+PIECES = 4                                          # a payload's pieces, in flight at once on a critical read
+PIECE_MIN = 256 << 10                               # ... none smaller than this: a small block is one piece
+_MARKS = struct.Struct("<4sII")                     # magic, piece bytes, count; then the marks, then their CRC
 _FIELDS = struct.Struct("<8sII16s16sQIQI")         # magic, version, header len, ns, hash, length, crc, seq, flags
 _HEADER = struct.Struct("<8sII16s16sQIQII")        # ... + crc of the fields
 _FIELDS_V1 = struct.Struct("<8sII16s16sQIQ")       # version 1: no flags, zlib CRC-32
@@ -53,12 +67,20 @@ class Header:
     seq: int
     writer: bool = False        # `crc` is the CRC-32C the block's writer committed it with
     version: int = VERSION
+    marks: tuple[int, ...] = ()  # the payload's CRC-32C at the end of each piece of piece_bytes(length); written
+    marked: bool = False         # (as parsed) the flag says a marks block follows: `parse_marks` reads it
 
     def pack(self) -> bytes:
-        """The header as this daemon writes it (always the current version)."""
+        """The header as this daemon writes it (always the current version), with its marks block if any."""
+        flags = (WRITER_CRC if self.writer else 0) | (PIECE_MARKS if self.marks else 0)
         fields = _FIELDS.pack(MAGIC, VERSION, HEADER_BYTES, self.ns, self.hash, self.length, self.crc, self.seq,
-                              WRITER_CRC if self.writer else 0)
-        return (fields + struct.pack("<I", crc32c(fields))).ljust(HEADER_BYTES, b"\0")
+                              flags)
+        head = (fields + struct.pack("<I", crc32c(fields))).ljust(MARKS_AT, b"\0")
+        if self.marks:
+            block = _MARKS.pack(MARKS_MAGIC, piece_bytes(self.length), len(self.marks)) + \
+                struct.pack(f"<{len(self.marks)}I", *self.marks)
+            head += block + struct.pack("<I", crc32c(block))
+        return head.ljust(HEADER_BYTES, b"\0")
 
     @property
     def writer_crc(self) -> int | None:
@@ -72,6 +94,42 @@ def record_bytes(payload: int) -> int:
 
 def padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def piece_bytes(length: int) -> int:
+    """The piece size of a payload of `length` bytes: PIECES pieces of whole pages, none under PIECE_MIN. The
+    writer's marks and a critical reader's requests share it."""
+    return max(padded(-(-length // PIECES)), PIECE_MIN)
+
+
+def running_crcs(payload: Any) -> tuple[int, ...]:
+    """The payload's CRC-32C continued to the end of each piece of piece_bytes (one pass over the bytes, as the
+    CRC of the whole would be): the marks of its header; the last is the payload's CRC."""
+    piece = piece_bytes(len(payload))
+    out, crc = [], 0
+    with memoryview(payload).cast("B") as mv:
+        for i in range(0, len(mv), piece):
+            with mv[i:i + piece] as part:
+                crc = crc32c_continue(part, crc)
+            out.append(crc)
+    return tuple(out) or (crc32c(b""),)
+
+
+def parse_marks(raw: Any, header: Header) -> tuple[int, ...]:
+    """The marks block of a header read whole (`raw`, HEADER_BYTES), () when the header has none or they do not
+    check out (a block of another piece size or count, a torn or corrupt block, a last mark that is not the
+    payload CRC): the payload is then checked whole."""
+    if not header.marked or len(raw) < HEADER_BYTES:
+        return ()
+    magic, piece, count = _MARKS.unpack_from(raw, MARKS_AT)
+    if magic != MARKS_MAGIC or not 2 <= count <= MAX_MARKS or piece != piece_bytes(header.length) or \
+            count != -(-header.length // piece):
+        return ()
+    end = MARKS_AT + _MARKS.size + 4 * count
+    marks = struct.unpack_from(f"<{count}I", raw, MARKS_AT + _MARKS.size)
+    if crc32c(bytes(raw[MARKS_AT:end])) != struct.unpack_from("<I", raw, end)[0] or marks[-1] != header.crc:
+        return ()
+    return marks
 
 
 def parse_header(raw: bytes) -> Header | None:
@@ -93,7 +151,7 @@ def parse_header(raw: bytes) -> Header | None:
         raise BadRecord("version", f"format version {version}, this daemon reads 1 and {VERSION}")
     if hlen != HEADER_BYTES or _CRC[version](raw[:fields]) != hcrc:
         raise BadRecord("header_checksum", "header fields do not match their checksum")
-    return Header(ns, h, length, crc, seq, bool(flags & WRITER_CRC), version)
+    return Header(ns, h, length, crc, seq, bool(flags & WRITER_CRC), version, marked=bool(flags & PIECE_MARKS))
 
 
 def check_payload(header: Header, payload: memoryview | bytes) -> None:

@@ -34,12 +34,11 @@ from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvstore.checksum import crc32c
 from kvstore.testpoints import crash_point
 from kvstore.tiers.ssd import diskio
 from kvstore.tiers.ssd.files import ZERO_BUF, ClassFile, add_records, aligned, aligned_for_io, allocate, refill
 from kvstore.tiers.ssd.recmap import entry_of
-from kvstore.tiers.ssd.record import HEADER_BYTES, Header, padded
+from kvstore.tiers.ssd.record import HEADER_BYTES, Header, padded, running_crcs
 from kvstore.tiers.ssd.zeroing import run_unlocked
 from kvstore.traffic import Busy, Lane
 from kvstore.traffic.path import PIECE_BYTES
@@ -90,7 +89,9 @@ class Writer:
         try:
             for cf, rec, key, seq, job, writer in self._submit_payloads(placed, lane, busy):
                 try:
-                    headers.append((cf, rec, Header(key[:16], key[16:], cf.payload, job.result(), seq, writer)))
+                    marks = job.result()
+                    headers.append((cf, rec, Header(key[:16], key[16:], cf.payload, marks[-1], seq, writer,
+                                                    marks=marks if len(marks) > 1 else ())))
                 except CrcMismatch:
                     self._unplace(cf, rec, key, "crc_mismatch")
                 except OSError as e:
@@ -239,24 +240,25 @@ class Writer:
         path.submit(lane, len(headers) * HEADER_BYTES, lambda: self._write_headers(headers)).result()
         path.submit(lane, 0, lambda: self._sync(cfs, "always", "batch")).result()
 
-    def _write_payload(self, cf: ClassFile, rec: int, payload: Any, writer_crc: int | None) -> int:
-        """(A path worker.) Write one payload, with the record's header zeroed; returns the CRC-32C its header
-        carries: the writer's, checked against the bytes first (CrcMismatch: nothing written), or, without one,
-        the bytes' own. Bytes written from a shared slot are checked before the write; should they change during
-        it, the record fails its check when read (a miss), since it keeps the writer's CRC."""
+    def _write_payload(self, cf: ClassFile, rec: int, payload: Any, writer_crc: int | None) -> tuple[int, ...]:
+        """(A path worker.) Write one payload, with the record's header zeroed; returns its marks (record.py), the
+        last of which is the CRC-32C its header carries: the writer's, checked against the bytes first
+        (CrcMismatch: nothing written), or, without one, the bytes' own. Bytes written from a shared slot are
+        checked before the write; should they change during it, the record fails its check when read (a miss),
+        since it keeps the writer's CRC."""
         if aligned_for_io(payload):       # a host slot or an aligned staged copy: written from where it is
-            crc = _checked(payload, writer_crc)
+            marks = _checked(payload, writer_crc)
             self._write_in_pieces(cf, rec, payload)
-            return crc
+            return marks
         buf = cf.take()
         try:
             end = HEADER_BYTES + padded(len(payload))
             buf[:HEADER_BYTES] = ZERO
             buf[HEADER_BYTES:HEADER_BYTES + len(payload)] = payload
             with memoryview(buf) as mv, mv[:end] as part, mv[HEADER_BYTES:HEADER_BYTES + len(payload)] as body:
-                crc = _checked(body, writer_crc)                    # our private copy: what is written
+                marks = _checked(body, writer_crc)                  # our private copy: what is written
                 self._pwritev(cf.fd, [part], rec * cf.record)       # zero header + payload: one write
-            return crc
+            return marks
         finally:
             cf.spare.put(buf)
 
@@ -308,9 +310,10 @@ class Writer:
                     cf.map.sync()
 
 
-def _checked(payload: Any, writer_crc: int | None) -> int:
-    """The payload's CRC-32C, which must be the writer's when there is one."""
-    crc = crc32c(payload)
-    if writer_crc is not None and crc != writer_crc:
+def _checked(payload: Any, writer_crc: int | None) -> tuple[int, ...]:
+    """The payload's marks (its CRC-32C at the end of each piece, in the same pass): the last, its CRC, must be
+    the writer's when there is one."""
+    marks = running_crcs(payload)
+    if writer_crc is not None and marks[-1] != writer_crc:
         raise CrcMismatch()
-    return crc
+    return marks
