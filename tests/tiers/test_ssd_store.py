@@ -423,8 +423,15 @@ def test_a_header_carries_its_payloads_piece_marks_and_refuses_marks_that_do_not
     import numpy as np
 
     from kvstore.checksum import crc32c
-    from kvstore.tiers.ssd.record import (MARKS_AT, PIECE_MIN, Header, parse_header, parse_marks, piece_bytes,
-                                          running_crcs)
+    from kvstore.tiers.ssd.record import (
+        MARKS_AT,
+        PIECE_MIN,
+        Header,
+        parse_header,
+        parse_marks,
+        piece_bytes,
+        running_crcs,
+    )
 
     body = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
     marks = running_crcs(body)
