@@ -36,7 +36,7 @@ from kvstore.client.copier import as_bytes
 from kvstore.client.hints import ContextLike, context_fields
 from kvstore.client.lease import Lease, StreamLease
 from kvstore.client.reservation import ANSWER_ORDER, PutResult, Reservation, merge_answers
-from kvstore.protocol import HASH_BYTES, VERSION, ReserveStatus, encode
+from kvstore.protocol import HASH_BYTES, ReserveStatus
 from kvstore.protocol.geometry import Geometry
 from kvstore.protocol.keys import NamespaceSpec, pack_keys
 
@@ -115,12 +115,13 @@ class Namespace:
         SSD. Read the stream to its end (or release the lease) before the next call on this client. `pieces`:
         the daemon also reports the next block's verified start while the rest is read (`StreamLease.on_landing`,
         `read_streamed`)."""
-        self.client.flush()
-        extra = {"pieces": True} if pieces else {}
-        self.client._sendall(encode({"v": VERSION, "op": "acquire", "id": next(self.client._ids), "ns": self.id,
-                                         "keys": self._acquire_keys(hashes), "lane": lane, "stream": True,
-                                         **extra, **context_fields(context)}))
-        return StreamLease(self)
+        fields = {"ns": self.id, "keys": self._acquire_keys(hashes), "lane": lane, "stream": True,
+                  **context_fields(context)}
+        if pieces:
+            fields["pieces"] = True
+        # the first reply read here, as any request's: a connection the daemon closed is opened again and the
+        # acquire sent again (a broken connection's pins went with it), as `acquire` does
+        return StreamLease(self, self.client._roundtrip("acquire", fields, want_fds=True))
 
     def _acquire_keys(self, hashes: Sequence[bytes]) -> bytes:
         keys = pack_keys(hashes)

@@ -82,9 +82,11 @@ class Lease:
 class StreamLease(Lease):
     """A lease that grows as a streaming acquire's replies arrive; `complete` once the last one is in."""
 
-    def __init__(self, ns: Namespace) -> None:
+    def __init__(self, ns: Namespace, first: tuple[dict[str, Any], list[int]] | None = None) -> None:
+        """`first`: the stream's first reply, read already (with the fds it passed) by the request's round trip."""
         super().__init__(ns, [], [])
         self.complete = False
+        self._first = first
         self.on_landing: Callable[[int, int, int], None] | None = None   # (position, gid, verified bytes)
         self.landings = 0                    # verified pieces reported ahead of their block
 
@@ -93,7 +95,10 @@ class StreamLease(Lease):
         last = -1
         while not self.complete:
             try:
-                reply, fds = self.ns.client._reply(*self.ns.client._recv_frame(True))
+                if self._first is not None:
+                    (reply, fds), self._first = self._first, None
+                else:
+                    reply, fds = self.ns.client._reply(*self.ns.client._recv_frame(True))
             except BaseException:
                 self.complete = True         # a refusal ends the stream: what arrived is still pinned, release it
                 raise
@@ -107,7 +112,7 @@ class StreamLease(Lease):
             self.gids += gids
             self.crcs += reply.get("crcs") or [None] * len(gids)
             self.views += self.ns.client._views(gids)
-            if len(self.gids) > last or (self.complete and last < 0):
+            if (gids and len(self.gids) > last) or (self.complete and last < 0):
                 last = len(self.gids)
                 yield last
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore import __version__
 from kvstore.daemon import admin, read_ops, write_ops
+from kvstore.daemon.reply import Reply
 from kvstore.daemon.state import State
 from kvstore.daemon.tenants import Conn, check_admin_secret, resolve, tenant_of
 from kvstore.index import Holdings
@@ -31,13 +31,6 @@ from kvstore.protocol.geometry import GeometryError
 from kvstore.protocol.keys import NamespaceSpec
 
 MAX_FDS_PER_REPLY = 200     # below the kernel's SCM_MAX_FD (253)
-
-
-@dataclass
-class Reply:
-    fields: dict[str, Any]
-    fds: list[int] = field(default_factory=list)   # duplicated under the lock; the sender closes them
-    close: bool = False
 
 
 Handler = Callable[[State, Conn, dict[str, Any]], dict[str, Any] | Reply]

@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from kvstore.daemon.reply import Reply
 from kvstore.daemon.state import State
 from kvstore.daemon.stream import Stream
 from kvstore.daemon.tenants import Conn, tenant_of
@@ -130,11 +131,12 @@ def touch_of(st: State, h: Conn, m: dict[str, Any], ns: NamespaceEntry | None = 
     return touch
 
 
-def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
+def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any] | Reply:
     """Pin the longest present prefix; blocks that only a lower tier holds are promoted into host slots first, and a
     block already being promoted (by a prefetch or another get) is waited for, never read twice. With `stream`,
-    the blocks are reported in partial replies as they land; the last reply carries the rest; with `pieces` too,
-    the next block's verified start while the rest of it is read (kvstore.daemon.stream). With `residual` (a
+    the blocks are reported in partial replies as they land; the last reply carries the rest (or is the one that
+    pinned the last block asked); with `pieces` too, the next block's verified start while the rest of it is read
+    (kvstore.daemon.stream). With `residual` (a
     pair), the residual namespace's prefix of the same keys is pinned too and answered beside (`residual`)."""
     ns = st.index.namespace(m["ns"], h)
     residual = _residual_of(st, h, m, ns)
@@ -149,10 +151,12 @@ def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any]:
     touch = touch_of(st, h, m, ns)
     st.index.asked(ns, hashes)
     stream = Stream(st.index, st.pool, h, st.lock, m.get("_emit") if m.get("stream") else None,
-                    pieces=bool(m.get("pieces")), counters=st.counters)
+                    pieces=bool(m.get("pieces")), counters=st.counters, wanted=len(hashes))
     _pin_prefix(st, h, ns, hashes, lane, touch, stream)
     if st.predictive is not None:
         st.predictive.acquired(ns, hashes, stream.gids)
+    if stream.ended:                    # the last blocks' reply ended the stream: the client has it all
+        return Reply({}, sent=True)
     part = stream.rest()
     reply = {"slots": part, "crcs": st.index.crcs_of(part), "generation": st.pool.generation}
     if residual is not None:

@@ -127,7 +127,7 @@ class Session:
             rid = msg["id"] if type(msg.get("id")) is int else 0   # echoed even when invalid; never a bool
             op, rid = check_request(msg, self._max_keys)
             if msg.get("stream"):             # partial replies, sent while the op waits without the lock
-                msg["_emit"] = lambda fields, fds, rid=rid: self._send(ok(rid, more=True, **fields), fds)
+                msg["_emit"] = lambda fields, fds, more=True, rid=rid: self._send(ok(rid, more=more, **fields), fds)
             if st.demotion is None:           # nothing to defer: no lower tier
                 with st.lock:
                     result = HANDLERS[op](st, self.holdings, msg)
@@ -145,7 +145,8 @@ class Session:
             self._fail(rid, Code.INTERNAL, f"{op}: internal error {type(e).__name__}; see the daemon log")
             return True
         if isinstance(result, Reply):
-            self._send(ok(rid, **result.fields), result.fds)
+            if not result.sent:
+                self._send(ok(rid, **result.fields), result.fds)
             return not result.close
         self.sock.sendall(encode({"v": VERSION, "id": rid, "ok": True, **result}))   # ok(): without the kwargs
         return True

@@ -17,7 +17,7 @@ from kvstore.index import Holdings, Index
 from kvstore.tiers.host import HostPool
 
 log = logging.getLogger("kvstore")
-Emit = Callable[[dict[str, Any], list[int]], None]     # send one partial reply (fields, fds to pass)
+Emit = Callable[..., None]     # send one reply (fields, fds to pass[, more=False: the last one])
 
 
 class Stream:
@@ -25,7 +25,7 @@ class Stream:
     early: the final reply carries them all."""
 
     def __init__(self, index: Index, pool: HostPool, holder: Holdings, lock: Any, emit: Emit | None,
-                 pieces: bool = False, counters: Counter[str] | None = None) -> None:
+                 pieces: bool = False, counters: Counter[str] | None = None, wanted: int = -1) -> None:
         self.index = index
         self.pool = pool
         self.holder = holder
@@ -33,6 +33,8 @@ class Stream:
         self.emit = emit
         self.pieces = pieces and emit is not None
         self.counters: Counter[str] = counters if counters is not None else Counter()
+        self.wanted = wanted                  # the blocks asked: once all are pinned, the reply ends at once
+        self.ended = False                    # ... and the op's last reply has been sent
         self.gids: list[int] = []
         self.sent = 0
         self._sending = threading.Lock()      # a landing comes from the reading thread, blocks from the handler's
@@ -41,22 +43,27 @@ class Stream:
         return self.emit is not None and len(self.gids) > self.sent
 
     def publish(self, gids: list[int]) -> None:
-        """(Under the state lock.) Blocks pinned for this acquire, sent at once when streaming."""
+        """(Under the state lock.) Blocks pinned for this acquire, sent at once when streaming: as the last reply
+        when they complete what was asked, so that the client need not wait for the op's bookkeeping after the
+        read (its caller then sends nothing more: `ended`)."""
         self.gids.extend(gids)
-        self.flush()
+        self.flush(last=0 <= self.wanted <= len(self.gids))
 
-    def flush(self) -> None:
-        """(Under the state lock.) Send the blocks not sent yet, with the lock released meanwhile. A client gone
-        mid-stream only stops the sending: the promotion finishes, and the session drops its pins."""
+    def flush(self, last: bool = False) -> None:
+        """(Under the state lock.) Send the blocks not sent yet, with the lock released meanwhile (`last`: as the
+        op's last reply). A client gone mid-stream only stops the sending: the promotion finishes, and the
+        session drops its pins."""
         if not self.unsent():
             return
         part = self.gids[self.sent:]
         self.sent = len(self.gids)
         fields: dict[str, Any] = {"slots": part, "crcs": self.index.crcs_of(part)}
+        if last:
+            fields["generation"] = self.pool.generation
         fds = self._segments_of(part, fields)
         self.lock.release()
         try:
-            self._send(fields, fds)
+            self._send(fields, fds, last)
         finally:
             self.lock.acquire()
 
@@ -79,18 +86,24 @@ class Stream:
         self.holder.segments.update(seg.id for seg in new)
         return [os.dup(seg.fd) for seg in new]
 
-    def _send(self, fields: dict[str, Any], fds: list[int]) -> None:
-        """One partial reply (its fds passed and closed). A client gone mid-stream only stops the sending: the
-        promotion finishes, and the session drops its pins."""
+    def _send(self, fields: dict[str, Any], fds: list[int], last: bool = False) -> None:
+        """One reply (its fds passed and closed); after the last, nothing more is sent. A client gone mid-stream
+        only stops the sending: the promotion finishes, and the session drops its pins."""
         with self._sending:
             if self.emit is None:
                 for fd in fds:
                     os.close(fd)
                 return
             try:
-                self.emit(fields, fds)
+                if last:
+                    self.ended = True
+                    self.emit(fields, fds, more=False)
+                else:
+                    self.emit(fields, fds)
             except OSError as e:
                 log.debug("streaming acquire: the client went away (%s); not sending more", e)
+                self.emit = None
+            if last:
                 self.emit = None
 
     def rest(self) -> list[int]:

@@ -220,3 +220,17 @@ def test_a_link_finds_a_restarted_daemon_at_its_next_use(daemons):
         assert link.outages == 1
     finally:
         link.close()
+
+
+def test_a_get_meeting_a_restarted_daemon_is_sent_again(daemons):
+    """`get` streams its acquire; like a plain acquire, its first request on a connection a restarted daemon no
+    longer has is sent again on a new one (the old connection's pins went with it), not raised to the caller."""
+    d = ssd_daemon(daemons, KVSTORE_SSD_WRITE_THROUGH="true", KVSTORE_SSD_SYNC="always")
+    hs = hashes(4)
+    with d.client() as c:
+        ns = c.namespace(spec())
+        assert ns.put(hs, [block(i) for i in range(4)], durable=True).durability == "durable"
+        restarted(d, signal.SIGTERM)
+        outs = [bytearray(GEOM.full_bytes) for _ in hs]
+        assert ns.get(hs, outs) == 4 and outs == [block(i) for i in range(4)]   # from the SSD, on a new connection
+        assert c.reconnects == 1 and c.stats()["pinned"] == 0

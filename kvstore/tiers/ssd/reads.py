@@ -8,8 +8,9 @@
   is continued as each lands, so the checksum overlaps the disk (one request where 4 x 512 KiB in turn cost
   +0.2-0.3 ms of a 2 MiB read here). Where the record's header has marks (record.py), each piece is checked
   against its mark as it lands, and `on_piece(bytes)` hands on the payload verified so far: a streaming get
-  copies it out while the rest is still on the disk. Only bytes that match the marks of the header naming the
-  key asked are ever handed on, so a record rewritten under the read, or torn, gives nothing away.
+  copies it out while the rest is still on the disk (the last mark is the payload's CRC: the whole block is
+  handed on before the read's own check and bookkeeping are done). Only bytes that match the marks of the header
+  naming the key asked are ever handed on, so a record rewritten under the read, or torn, gives nothing away.
   Any other payload goes through an aligned buffer and is copied into `out` only once checked. A record that
   fails is a miss: quarantined (its header zeroed, its space reused), counted as bad.<reason>, and `out` may then
   hold garbage that the caller must not publish.
@@ -198,7 +199,8 @@ def _read_overlapped(cf: ClassFile, rec: int, head: memoryview, out: Any, key: b
     at once, the payload's CRC-32C continued over each piece as it lands in order: only the last piece's checksum
     is left once the disk is done. Returns (bytes read, the payload's CRC-32C, None if short). Measured on this VM,
     a 2 MiB read into a host slot: 0.74x the time of a plain 2 MiB os.preadv, against 0.84x for one request with
-    the CRC after it. With `on_piece`, each piece but the last that matches its mark is handed on (module doc)."""
+    the CRC after it. With `on_piece`, each piece that matches its mark is handed on (module doc): the last one
+    too, so that the caller copies it while the read's own check and bookkeeping run."""
     at = rec * cf.record
     with memoryview(out) as o:
         size = piece_bytes(len(o))
@@ -217,8 +219,7 @@ def _read_overlapped(cf: ClassFile, rec: int, head: memoryview, out: Any, key: b
                 k = state[0]
                 state[1] = crc32c_continue(parts[k], state[1])
                 state[0] += 1
-                if k < len(parts) - 1:
-                    marks.landed(k, state[1], whole[k])
+                marks.landed(k, state[1], whole[k])
         try:
             results = uring.run_many(ops, len(ops), done)
         finally:
@@ -251,7 +252,7 @@ class _Marks:
             self.on_piece = None
             return
         try:
-            self.on_piece((k + 1) * self.size)
+            self.on_piece(min((k + 1) * self.size, self.length))
         except Exception:                  # the read must go on (uring's on_done must not raise)
             log.exception("ssd: handing on a verified piece failed; the rest of this read is handed on whole")
             self.on_piece = None
