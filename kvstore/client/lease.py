@@ -111,10 +111,15 @@ class StreamLease(Lease):
             gids = reply["slots"]
             self.gids += gids
             self.crcs += reply.get("crcs") or [None] * len(gids)
-            self.views += self.ns.client._views(gids)
-            if (gids and len(self.gids) > last) or (self.complete and last < 0):
-                last = len(self.gids)
-                yield last
+            client = self.ns.client
+            if not self.complete and {g >> 32 for g in self.gids[len(self.views):] if g} - client._segments.keys():
+                continue            # a segment this client let go of (its handle not sent again): nothing may be
+                                    # asked mid-stream, so these blocks are mapped once the stream has ended
+            self.views += client._views(self.gids[len(self.views):])
+            ready = len(self.views)
+            if ready > last and (ready or self.complete):
+                last = ready
+                yield ready
 
     def read_streamed(self, dsts: Sequence[np.ndarray], verify: bool = True) -> int:
         """Copy the blocks into `dsts` (flat uint8, one per key asked) as the stream brings them (module doc) and
@@ -139,7 +144,6 @@ class StreamLease(Lease):
     def release(self) -> None:
         self.wait()                      # the replies must be read before this client's next request
         super().release()
-
 
 
 class _StreamedCopy:

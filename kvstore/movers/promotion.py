@@ -144,8 +144,8 @@ class Promotion:
         self.lock.release()
         try:
             self.copy_evicted()                  # slots taken by eviction: their old bytes copied down first
-            n = tier.read([ns.block_id(h) for h, _ in plan], views, lane, on_ready if early else None, crcs,
-                          on_piece if landing is not None and early is not None else None)
+            pieces = {"on_piece": on_piece} if landing and early and getattr(tier, "reads_in_pieces", False) else {}
+            n = tier.read([ns.block_id(h) for h, _ in plan], views, lane, on_ready if early else None, crcs, **pieces)
         except Exception as e:                   # the tier's own failure: a miss, and no slot left reserved
             log.error("%s: promotion read failed (%s: %s); serving the host prefix only", tier.name,
                       type(e).__name__, e)

@@ -77,12 +77,12 @@ class LowerTier(Protocol):
         ...
 
     def read(self, bids: Sequence[bytes], outs: Sequence[memoryview], lane: Lane,
-             on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None,
-             on_piece: Callable[[int, int], None] | None = None) -> int:
+             on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None) -> int:
         """Read the longest prefix of `bids` this tier holds and verifies into `outs`; its length. `on_ready(n)`
         reports the prefix as it grows; `crcs` receives each block's writer's CRC-32C (None where it has none).
-        `on_piece(i, nbytes)`, where the tier can: the first nbytes of block i are in `outs[i]` and verified while
-        the rest is still being read (the SSD's records with marks); a tier that cannot never calls it."""
+        A tier whose class sets `reads_in_pieces = True` also takes `on_piece=` (i, nbytes): the first nbytes of
+        block i are in `outs[i]` and verified while the rest is still being read (the SSD tier: records with
+        marks); it is passed only to such tiers, so a tier written before it needs no change."""
         ...
 
     def read_async(self, bid: bytes, out: memoryview, lane: Lane,

@@ -119,11 +119,9 @@ class DonatedTier:
         return self.books.has(bid)
 
     def read(self, bids: Sequence[bytes], outs: Sequence[memoryview], lane: Lane = Lane.CRITICAL,
-             on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None,
-             on_piece: Callable[[int, int], None] | None = None) -> int:
+             on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None) -> int:
         """Copy the longest prefix of `bids` held here and verified into `outs` (one transfer on the path);
-        its length. `on_ready(n)` reports the prefix as it grows; `crcs` receives each block's writer's CRC.
-        Blocks are handed on whole (`on_piece` is never called: a copy from memory has no disk to overlap)."""
+        its length. `on_ready(n)` reports the prefix as it grows; `crcs` receives each block's writer's CRC."""
         return self.reads.read(bids, outs, lane, on_ready, crcs)
 
     def read_async(self, bid: bytes, out: memoryview, lane: Lane,

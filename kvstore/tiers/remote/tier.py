@@ -112,9 +112,7 @@ class RemoteTier:
 
     # ----- reads -----
     def read(self, bids: Sequence[bytes], outs: Sequence[memoryview], lane: Lane,
-             on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None,
-             on_piece: Callable[[int, int], None] | None = None) -> int:
-        """Blocks are handed on whole (`on_piece` is never called: the store's values carry one CRC each)."""
+             on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None) -> int:
         return self.reads.read(bids, outs, lane, on_ready, crcs)
 
     def read_async(self, bid: bytes, out: memoryview, lane: Lane,

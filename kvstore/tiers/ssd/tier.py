@@ -45,6 +45,7 @@ MIN_CAPACITY = 1 << 20
 
 class SsdTier:
     name = "ssd"
+    reads_in_pieces = True              # `read` takes on_piece (kvstore.tiers.LowerTier)
 
     def __init__(self, cfg: SsdConfig, path: Path | None = None, workflows: Workflows | None = None,
                  quotas: SsdQuotas | None = None) -> None:
