@@ -198,20 +198,24 @@ class Namespace:
         if len(hashes) != len(outs):
             raise ValueError(f"{len(hashes)} hashes but {len(outs)} output buffers")
         done = 0
-        leases: list[Lease] = []
+        leases: list[StreamLease] = []
+        one = len(hashes) <= batch          # one batch: the get may return before its stream's end (read_streamed)
         try:
             for i in range(0, len(hashes), batch):
                 part = hashes[i:i + batch]
                 dsts = self._check(outs[i:i + len(part)], self.block_bytes, "output block", True)
                 streamed = self.acquire_stream(part, lane, context, pieces=True)
                 leases.append(streamed)
-                n = streamed.read_streamed(dsts, verify)
+                n = streamed.read_streamed(dsts, verify, early=one)
                 done += n
                 if n < len(part):
                     break
         finally:
             for lease in reversed(leases):       # released tail first: the head stays the most recent
-                lease.release()
+                if lease.complete:
+                    lease.release()
+                else:                            # read to its end and released before the client's next request
+                    self.client._open_stream = lease
         return done
 
     def prefetch(self, hashes: Sequence[bytes], wait: bool = False) -> dict[str, int]:

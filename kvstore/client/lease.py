@@ -87,13 +87,17 @@ class StreamLease(Lease):
         super().__init__(ns, [], [])
         self.complete = False
         self._first = first
-        self.on_landing: Callable[[int, int, int], None] | None = None   # (position, gid, verified bytes)
+        self.on_landing: Callable[[int, int, int, int | None], None] | None = None  # (position, gid, verified
+                                             # bytes, the writer's CRC-32C once they are the whole block)
         self.landings = 0                    # verified pieces reported ahead of their block
+        self.until: Callable[[], bool] | None = None     # `arrivals` stops (the stream left open) once it is true
 
     def arrivals(self) -> Iterator[int]:
         """Read the daemon's replies as they come; after each, yield how many leading blocks are ready."""
         last = -1
         while not self.complete:
+            if self.until is not None and self.until():
+                return
             try:
                 if self._first is not None:
                     (reply, fds), self._first = self._first, None
@@ -107,7 +111,8 @@ class StreamLease(Lease):
             if reply.get("landing"):
                 self.landings += 1
                 if self.on_landing is not None:
-                    self.on_landing(*reply["landing"])
+                    pos, gid, nbytes = reply["landing"]
+                    self.on_landing(pos, gid, nbytes, reply.get("crc"))
             gids = reply["slots"]
             self.gids += gids
             self.crcs += reply.get("crcs") or [None] * len(gids)
@@ -121,18 +126,24 @@ class StreamLease(Lease):
                 last = ready
                 yield ready
 
-    def read_streamed(self, dsts: Sequence[np.ndarray], verify: bool = True) -> int:
+    def read_streamed(self, dsts: Sequence[np.ndarray], verify: bool = True, early: bool = False) -> int:
         """Copy the blocks into `dsts` (flat uint8, one per key asked) as the stream brings them (module doc) and
         read it to its end; how many leading copies are the bytes committed: with `verify`, checked against each
         writer's CRC-32C as `read_verified` does (a copy that fails, or a block without a CRC, ends the prefix),
-        else every block pinned."""
+        else every block pinned. `early` (with `verify`): return as soon as every block asked is copied and
+        checked — the last one, say, from its verified pieces and the writer's CRC-32C that came with them —
+        leaving the rest of the stream unread (`complete` false): the caller reads it and releases the lease
+        before its client's next request (`Client._open_stream`)."""
         copy = _StreamedCopy(self, dsts, verify)
         self.on_landing = copy.landed
+        if early and verify:
+            self.until = lambda: copy.good == len(dsts)
         try:
             for n in self.arrivals():
                 copy.arrived(n)
         finally:
             self.on_landing = None
+            self.until = None
         return copy.good
 
     def wait(self) -> int:
@@ -156,25 +167,34 @@ class _StreamedCopy:
         self.good = 0                                        # ... of which the leading ones are the bytes committed
         self.failed = False
 
-    def landed(self, pos: int, gid: int, nbytes: int) -> None:
+    def landed(self, pos: int, gid: int, nbytes: int, crc: int | None = None) -> None:
         """The verified start of the next block: copy what is new of it (a block already in, or a segment not
-        mapped yet, is left to its whole reply: nothing is asked of the daemon mid-stream)."""
+        mapped yet, is left to its whole reply: nothing is asked of the daemon mid-stream). With the writer's
+        CRC-32C (`crc`: the bytes are the whole block), the copy is checked against it and the block done."""
         client = self.lease.ns.client
         if self.failed or pos != len(self.lease.gids) or pos >= len(self.dsts) or \
                 (gid >> 32) not in client._segments:
             return
-        at, have, crc = self.started.get(pos, (gid, 0, 0))
+        at, have, got_so_far = self.started.get(pos, (gid, 0, 0))
         if at != gid:                                       # read again into another slot: start over
-            have, crc = 0, 0
+            have, got_so_far = 0, 0
         dst = self.dsts[pos]
         if not have < nbytes <= dst.nbytes:
             return
         src = client.slot(gid)[have:nbytes]
         if self.verify:
-            crc = copy_crc32c(dst[have:nbytes], src, crc=crc)
+            got = copy_crc32c(dst[have:nbytes], src, crc=got_so_far)
         else:
             np.copyto(dst[have:nbytes], src)
-        self.started[pos] = (gid, nbytes, crc)
+            got = 0
+        self.started[pos] = (gid, nbytes, got)
+        if crc is not None and self.verify and nbytes == dst.nbytes and pos == self.copied:
+            del self.started[pos]             # done without its block reply: checked against the writer's CRC
+            if got != crc:
+                self.failed = True
+                return
+            self.copied += 1
+            self.good += 1
 
     def arrived(self, n: int) -> None:
         """The first `n` blocks are pinned: copy the ones not copied yet (the rest of a started one), check them."""

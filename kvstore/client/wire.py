@@ -109,6 +109,8 @@ class Wire:
         self._frames = FrameReader()          # replies: no limit (the daemon is trusted to frame them)
         self._packer = msgpack.Packer(use_bin_type=True)   # one per client: a Client is used by one thread
         self._unanswered = 0
+        self._open_stream: Any = None         # a get's stream it returned before the end of (lease.StreamLease):
+                                              # read to its end and released before anything else is sent
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -144,6 +146,8 @@ class Wire:
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request, wait for its reply's fields (without the protocol envelope); raise KVStoreError on a
         refusal."""
+        if self._open_stream is not None:
+            self._settle()
         reply = self._quick_call(op, fields)
         if reply is None:
             reply, _ = self._roundtrip(op, fields, want_fds=False)
@@ -193,6 +197,8 @@ class Wire:
     def send(self, op: str, **fields: Any) -> None:
         """Send a request without waiting: its reply is read (and a refusal raised) by the next `call` or `flush`.
         The daemon answers in order, so a client can keep the daemon busy while it copies."""
+        if self._open_stream is not None:
+            self._settle()
         since = self._epoch
         if not self._unanswered:
             self._reopen_if_closed()
@@ -206,6 +212,8 @@ class Wire:
     def flush(self) -> None:
         """Read the replies of every request sent with `send`; raise the first refusal among them. Then, nothing
         being in flight, connect again if the daemon closed this connection while it was quiet."""
+        if self._open_stream is not None:
+            self._settle()
         if self._broken:
             self._unanswered = 0      # their replies went with the connection (a ConnectionError said so)
         first: KVStoreError | None = None
@@ -218,6 +226,20 @@ class Wire:
         if first is not None:
             raise first
         self._reopen_if_closed()
+
+    def _settle(self) -> None:
+        """Read the stream a get left open to its end and release what it pinned: the get had its bytes (checked)
+        from the stream's verified pieces; what the stream still says changes nothing it returned."""
+        lease, self._open_stream = self._open_stream, None
+        for _ in range(2):               # a refusal ends the stream: the second release only sends the release
+            try:
+                lease.release()
+                return
+            except KVStoreError:
+                continue
+            except ConnectionError:
+                self._broken = True      # the next request connects again; the pins went with the connection
+                return
 
     def _roundtrip(self, op: str, fields: dict[str, Any], want_fds: bool) -> tuple[dict[str, Any], list[int]]:
         since = self._epoch                               # the connection the fields' namespace id belongs to
@@ -326,6 +348,7 @@ class Wire:
             self._broken = False
             self._frames = FrameReader()
             self._unanswered = 0
+            self._open_stream = None          # its pins went with the connection
             pid = self.call("hello", **self._credentials())["pid"]
             renamed = self._rejoin(pid)
             self._epoch += 1

@@ -192,7 +192,8 @@ def _pin_prefix(st: State, h: Conn, ns: NamespaceEntry, hashes: list[bytes], lan
                 break                                   # still in flight: the prefix so far
             continue
         before = len(gids)
-        landing = None if not stream.pieces else (lambda i, gid, nb, at=before: stream.landing(at + i, gid, nb))
+        landing = None if not stream.pieces else \
+            (lambda i, gid, nb, crc, at=before: stream.landing(at + i, gid, nb, crc))
         gids += st.promotion.promote(ns, rest, h, lane, stream.publish if stream.emit else None, touch,
                                      landing=landing)
         lower += len(gids) - before

@@ -1,9 +1,11 @@
 """A streaming acquire's partial replies: blocks are sent as they land, in key order, so the client can start
 copying the first ones while later ones are still being read from a lower tier. With `pieces` (the request's
 field), the next block's verified start is sent too while the rest of it is still on the disk — {"slots": [],
-"landing": [position in the keys, gid, bytes]} — so that a one-block get copies most of its block during the read:
-those bytes are checked against the record's marks (kvstore.tiers.ssd.record), and the block's own reply follows
-once it is whole and verified (a block that fails never gets one: the client drops what it copied)."""
+"landing": [position in the keys, gid, bytes]}, with "crc" (the writer's CRC-32C) once the bytes are the whole
+block — so that a one-block get copies most of its block during the read: those bytes are checked against the
+record's marks (kvstore.tiers.ssd.record), and the block's own reply follows once it is whole and verified (a block
+that fails never gets one: the client drops what it copied). The reply that pins the last block asked is the
+stream's last (`ended`): the op's bookkeeping after the read is not waited for."""
 from __future__ import annotations
 
 import logging
@@ -67,12 +69,16 @@ class Stream:
         finally:
             self.lock.acquire()
 
-    def landing(self, pos: int, gid: int, nbytes: int) -> None:
+    def landing(self, pos: int, gid: int, nbytes: int, crc: int | None = None) -> None:
         """(The reading thread, without the state lock.) The first `nbytes` of the block at `pos` of the keys, in
-        slot `gid` (reserved for this acquire), are read and verified: sent, for the client to copy now."""
+        slot `gid` (reserved for this acquire), are read and verified: sent, for the client to copy now; with the
+        writer's CRC-32C (`crc`) once they are the whole block, which the client may then use without waiting
+        for the block's own reply."""
         if self.emit is None:
             return
         fields: dict[str, Any] = {"slots": [], "landing": [pos, gid, nbytes]}
+        if crc is not None:
+            fields["crc"] = crc
         with self.lock:
             fds = self._segments_of([gid], fields)
             self.counters["landings"] += 1          # stats: verified pieces sent ahead of their block

@@ -27,7 +27,8 @@ log = logging.getLogger("kvstore")
 PROMOTION_WAIT_S = 5.0      # a get waiting for a promotion in flight gives up (a miss) after this long
 
 Early = Callable[[list[int]], None]     # blocks published before the whole read is done (under the state lock)
-Landing = Callable[[int, int, int], None]   # (i, gid, nbytes): block i's slot holds its first nbytes, verified
+Landing = Callable[[int, int, int, "int | None"], None]   # (i, gid, nbytes, crc): block i's slot holds its first
+                                                          # nbytes, verified (crc: its writer's, once it is whole)
 
 
 class Promotion:
@@ -137,9 +138,9 @@ class Promotion:
                 assert early is not None
                 early(part)
 
-        def on_piece(i: int, nbytes: int) -> None:           # the reading thread, without the state lock
+        def on_piece(i: int, nbytes: int, crc: int | None) -> None:     # the reading thread, without the lock
             if landing is not None and i == done[0] and not done[1]:    # the next block out: worth copying now
-                landing(i, plan[i][1], nbytes)
+                landing(i, plan[i][1], nbytes, crc)
 
         self.lock.release()
         try:

@@ -6,6 +6,7 @@ request and reports none; the bytes are the same either way. A piece that fails 
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -109,3 +110,25 @@ def test_a_piece_that_fails_its_mark_is_never_reported_and_the_get_is_a_miss(dae
         assert ns.lookup([key(0)]) == 0                               # quarantined: never served
         outs = [bytearray(BLOCK)]
         assert ns.get([key(1)], outs) == 1 and bytes(outs[0]) == content(1)    # everyone else still served
+
+
+def test_a_one_block_ssd_hit_get_returns_on_its_last_verified_piece(daemon: DaemonProc) -> None:
+    """The last piece comes with the writer's CRC-32C: the get checks its copy against it and returns without
+    waiting for the block's own reply, which the client's next request reads first (and releases the pin)."""
+    uring = daemon.env.get("KVSTORE_NO_URING") != "1"
+    outs = [bytearray(BLOCK)]
+    with daemon.client() as c:
+        ns = c.namespace(SPEC)
+        assert ns.get([key(5)], outs) == 1 and bytes(outs[0]) == content(5)
+        assert (c._open_stream is not None) == uring                 # returned before its stream's end
+        assert c.stats()["pinned"] == 0 and c._open_stream is None   # the next request read it and released
+        assert ns.get([key(4)], outs) == 1 and bytes(outs[0]) == content(4)
+        assert ns.get([key(4)], outs) == 1 and bytes(outs[0]) == content(4)    # a host hit after an open stream
+        assert ns.get([key(3)], outs) == 1                            # and closed with its stream open:
+    with daemon.client() as other:                                    # the daemon drops the pin
+        for _ in range(200):
+            if other.stats()["pinned"] == 0:
+                break
+            time.sleep(0.01)
+        assert other.stats()["pinned"] == 0
+        assert other.namespace(SPEC).get([key(3)], outs) == 1 and bytes(outs[0]) == content(3)

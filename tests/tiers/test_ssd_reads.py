@@ -134,22 +134,29 @@ def test_a_critical_read_waits_its_turn_when_critical_reads_are_queued(tmp_path:
 PIECE = BLOCK // 4                    # record.piece_bytes of a 2 MiB payload
 
 
-def _pieces_of(s: SsdStore, i: int, out: mmap.mmap, want: bytes) -> tuple[int, list[tuple[int, int, bool]]]:
+def _pieces_of(s: SsdStore, i: int, out: mmap.mmap, want: bytes,
+               crcs: list[int | None] | None = None) -> tuple[int, list[tuple[int, int, bool]]]:
     """A one-block critical get of block i, and each piece handed on: (block, bytes, whether `out` then held
-    exactly the block's first bytes)."""
+    exactly the block's first bytes); the CRC handed with each goes to `crcs`."""
     seen: list[tuple[int, int, bool]] = []
-    n = s.get_many(NS, [h(i)], [memoryview(out)], Lane.CRITICAL,
-                   on_piece=lambda k, nbytes: seen.append((k, nbytes, out[:nbytes] == want[:nbytes])))
+
+    def on_piece(k: int, nbytes: int, crc: int | None) -> None:
+        seen.append((k, nbytes, out[:nbytes] == want[:nbytes]))
+        if crcs is not None:
+            crcs.append(crc)
+    n = s.get_many(NS, [h(i)], [memoryview(out)], Lane.CRITICAL, on_piece=on_piece)
     return n, seen
 
 
 def test_a_critical_read_hands_on_each_verified_piece_before_the_block_is_whole(store) -> None:  # type: ignore[no-untyped-def]
     s, _, blocks = store
     out = mmap.mmap(-1, BLOCK)
-    n, seen = _pieces_of(s, 1, out, blocks[1][:])
+    crcs: list[int | None] = []
+    n, seen = _pieces_of(s, 1, out, blocks[1][:], crcs)
     assert n == 1 and out[:] == blocks[1][:]
     if s.io == "io_uring":            # every piece, each already the block's bytes when handed on
         assert seen == [(0, PIECE * k, True) for k in (1, 2, 3, 4)]
+        assert crcs == [None, None, None, crc32c(blocks[1])]          # the writer's CRC once it is whole
     else:                             # the threads backend reads a critical block in one request: nothing early
         assert seen == []
 

@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore")
 Out = memoryview | bytearray
-Pieces = Callable[[int], None]          # the payload bytes verified so far, as a read's pieces land
+Pieces = Callable[[int, "int | None"], None]   # (payload bytes verified so far, the writer's CRC-32C once they
+                                                # are all of it: None before, or where the writer gave none)
 
 
 class Reader:
@@ -63,10 +64,11 @@ class Reader:
 
     def get_many(self, ns: bytes, hashes: Sequence[bytes], outs: Sequence[Out], lane: Lane,
                  on_ready: Callable[[int], None] | None, crcs: list[int | None] | None,
-                 on_piece: Callable[[int, int], None] | None = None) -> int:
+                 on_piece: Callable[[int, int, int | None], None] | None = None) -> int:
         """Read blocks into `outs`, all in flight at once; the length of the prefix read and verified. A full lane
         ends the prefix where it refused a read (a miss this time, never an error), once the reads before it
-        finish. `on_piece(i, bytes)`: block i's payload verified so far, while its read is in flight."""
+        finish. `on_piece(i, bytes, crc)`: block i's payload verified so far, while its read is in flight (`crc`:
+        see Pieces)."""
         jobs: list[Future[Any]] = []
         here = len(hashes) == 1                 # the caller would only wait: it reads the block itself
         for h, out in zip(hashes, outs):
@@ -241,32 +243,34 @@ class _Marks:
         self.head, self.key, self.length, self.on_piece = head, key, length, on_piece
         self.size = piece_bytes(length)
         self.marks: tuple[int, ...] = ()
+        self.writer_crc: int | None = None
 
     def landed(self, k: int, crc: int, whole: bool) -> None:
         """Piece k is in whole (or not), the payload's CRC-32C continued through it is `crc`."""
         if self.on_piece is None:
             return
         if k == 0:
-            self.marks = _marks_of(bytes(self.head), self.key, self.length)
+            self.marks, self.writer_crc = _marks_of(bytes(self.head), self.key, self.length)
         if not whole or k >= len(self.marks) or self.marks[k] != crc:
             self.on_piece = None
             return
+        nbytes = min((k + 1) * self.size, self.length)
         try:
-            self.on_piece(min((k + 1) * self.size, self.length))
+            self.on_piece(nbytes, self.writer_crc if nbytes == self.length else None)
         except Exception:                  # the read must go on (uring's on_done must not raise)
             log.exception("ssd: handing on a verified piece failed; the rest of this read is handed on whole")
             self.on_piece = None
 
 
-def _marks_of(raw: bytes, key: bytes, length: int) -> tuple[int, ...]:
-    """The marks of a header that names `key` and `length`; () for any other (or none)."""
+def _marks_of(raw: bytes, key: bytes, length: int) -> tuple[tuple[int, ...], int | None]:
+    """The marks of a header that names `key` and `length`, and its writer's CRC-32C; ((), None) for any other."""
     try:
         header = parse_header(raw)
     except BadRecord:
-        return ()
+        return (), None
     if header is None or header.ns + header.hash != key or header.length != length:
-        return ()
-    return parse_marks(raw, header)
+        return (), None
+    return parse_marks(raw, header), header.writer_crc
 
 
 def _check_on_disk(key: bytes, cf: ClassFile, rec: int) -> str | None:

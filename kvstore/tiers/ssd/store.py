@@ -168,11 +168,12 @@ class SsdStore:
 
     def get_many(self, ns: bytes, hashes: Sequence[bytes], outs: Sequence[Out],
                  lane: Lane = Lane.CRITICAL, on_ready: Callable[[int], None] | None = None,
-                 crcs: list[int | None] | None = None, on_piece: Callable[[int, int], None] | None = None) -> int:
+                 crcs: list[int | None] | None = None,
+                 on_piece: Callable[[int, int, int | None], None] | None = None) -> int:
         """Read blocks into `outs`, all in flight at once; returns the length of the prefix read and verified.
         The first miss or bad record ends the prefix (a bad one is quarantined): never a partial hit past it.
         `on_ready(n)` is called as the verified prefix grows, so a caller can hand out the first blocks while
-        later ones are still on the disk; `crcs` receives each verified block's CRC-32; `on_piece(i, nbytes)`
+        later ones are still on the disk; `crcs` receives each verified block's CRC-32; `on_piece(i, nbytes, crc)`
         the verified start of block i while its read is in flight (reads.py)."""
         return self.reader.get_many(ns, hashes, outs, lane, on_ready, crcs, on_piece)
 

@@ -134,11 +134,11 @@ class SsdTier:
 
     def read(self, keys: Sequence[bytes], outs: Sequence[memoryview], lane: Lane = Lane.CRITICAL,
              on_ready: Callable[[int], None] | None = None, crcs: list[int | None] | None = None,
-             on_piece: Callable[[int, int], None] | None = None) -> int:
+             on_piece: Callable[[int, int, int | None], None] | None = None) -> int:
         """Copy the longest prefix of `keys` that this tier holds and verifies into `outs`; returns its length.
         `on_ready(n)` reports the prefix as it grows (streaming gets); `crcs` receives each block's writer's
-        CRC-32C (None where the writer gave none); `on_piece(i, nbytes)` the verified start of block i while its
-        critical read is still in flight (reads.py)."""
+        CRC-32C (None where the writer gave none); `on_piece(i, nbytes, crc)` the verified start of block i
+        while its critical read is still in flight, with its writer's CRC-32C once it is whole (reads.py)."""
         area = self.staging
         n = 0
         while n < len(keys):
@@ -162,7 +162,7 @@ class SsdTier:
                     on_ready(n)
                 continue
             report = None if on_ready is None else (lambda k, base=n: on_ready(base + k))
-            pieces = None if on_piece is None else (lambda k, nb, base=n: on_piece(base + k, nb))
+            pieces = None if on_piece is None else (lambda k, nb, crc, base=n: on_piece(base + k, nb, crc))
             got = self.store.get_many(keys[n][:16], [k[16:] for k in keys[n:end]], outs[n:end], lane, report,
                                       crcs, pieces)
             if got < end - n:
