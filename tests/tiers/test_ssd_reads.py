@@ -85,16 +85,21 @@ def test_batches_and_lower_lanes_go_through_the_workers(store) -> None:  # type:
 ])
 def test_a_bad_byte_in_any_piece_is_a_quarantined_miss(store, where: int, reason: str) -> None:  # type: ignore[no-untyped-def]
     s, seen, blocks = store
-    rec = s.index[NS + h(1)][1]
+    _flip(s, 1, where)
+    out = mmap.mmap(-1, BLOCK)
+    assert s.get_many(NS, [h(1)], [memoryview(out)], Lane.CRITICAL) == 0      # never the wrong bytes
+    assert s.counters[f"bad.{reason}"] == 1 and not s.has(NS + h(1))          # quarantined
+    assert s.get_many(NS, [h(2)], [memoryview(out)], Lane.CRITICAL) == 1 and out[:] == blocks[2][:]
+
+
+def _flip(s: SsdStore, i: int, where: int) -> None:
+    """Flip one byte of block i's record, `where` bytes into it."""
+    rec = s.index[NS + h(i)][1]
     with open(s.files[BLOCK].path, "r+b") as f:
         f.seek(rec * RECORD + where)
         byte = f.read(1)
         f.seek(rec * RECORD + where)
         f.write(bytes([byte[0] ^ 0xFF]))
-    out = mmap.mmap(-1, BLOCK)
-    assert s.get_many(NS, [h(1)], [memoryview(out)], Lane.CRITICAL) == 0      # never the wrong bytes
-    assert s.counters[f"bad.{reason}"] == 1 and not s.has(NS + h(1))          # quarantined
-    assert s.get_many(NS, [h(2)], [memoryview(out)], Lane.CRITICAL) == 1 and out[:] == blocks[2][:]
 
 
 def test_a_critical_read_waits_its_turn_when_critical_reads_are_queued(tmp_path: str) -> None:
@@ -168,12 +173,7 @@ def test_a_critical_read_hands_on_each_verified_piece_before_the_block_is_whole(
 ])
 def test_a_piece_that_fails_its_mark_is_never_handed_on(store, where: int, handed: int) -> None:  # type: ignore[no-untyped-def]
     s, _, blocks = store
-    rec = s.index[NS + h(1)][1]
-    with open(s.files[BLOCK].path, "r+b") as f:
-        f.seek(rec * RECORD + where)
-        byte = f.read(1)
-        f.seek(rec * RECORD + where)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip(s, 1, where)
     out = mmap.mmap(-1, BLOCK)
     n, seen = _pieces_of(s, 1, out, blocks[1][:])
     assert n == 0 and not s.has(NS + h(1))                         # a quarantined miss, as before
@@ -208,11 +208,7 @@ def test_a_record_without_marks_is_read_and_checked_whole(store) -> None:  # typ
         assert header is not None and header.marked and len(parse_marks(raw, header)) == 4
         f.seek(rec * RECORD)
         f.write(replace(header, marks=()).pack())                      # as an older daemon wrote it
-        rec2 = s.index[NS + h(2)][1]
-        f.seek(rec2 * RECORD + MARKS_AT + 20)                          # block 2: a mark damaged
-        byte = f.read(1)
-        f.seek(rec2 * RECORD + MARKS_AT + 20)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip(s, 2, MARKS_AT + 20)                                         # block 2: a mark damaged
     for i in (1, 2):
         out = mmap.mmap(-1, BLOCK)
         n, seen = _pieces_of(s, i, out, blocks[i][:])
