@@ -15,6 +15,7 @@ import os
 import socket
 import struct
 import time
+from functools import partial
 from typing import Any
 
 from kvstore.daemon.ops import HANDLERS, Reply
@@ -122,12 +123,13 @@ class Session:
     def _handle(self, body: bytes | memoryview) -> bool:
         t0 = time.perf_counter()
         st, op, rid = self.state, "?", 0
+        replied: list[bool] = []              # a streaming op sent its last reply itself
         try:
             msg = decode(body, self._limits)
             rid = msg["id"] if type(msg.get("id")) is int else 0   # echoed even when invalid; never a bool
             op, rid = check_request(msg, self._max_keys)
             if msg.get("stream"):             # partial replies, sent while the op waits without the lock
-                msg["_emit"] = lambda fields, fds, more=True, rid=rid: self._send(ok(rid, more=more, **fields), fds)
+                msg["_emit"] = partial(self._emit, rid, replied)
             if st.demotion is None:           # nothing to defer: no lower tier
                 with st.lock:
                     result = HANDLERS[op](st, self.holdings, msg)
@@ -135,14 +137,17 @@ class Session:
             else:
                 result = self._run_deferring(op, msg, t0)
         except ProtocolError as e:
-            self._fail(rid, e.code, e.message)
+            if not replied:
+                self._fail(rid, e.code, e.message)
             return e.code != Code.BAD_FRAME
         except Refused as e:
-            self._fail(rid, REFUSALS.get(type(e), Code.BAD_REQUEST), str(e))
+            if not replied:
+                self._fail(rid, REFUSALS.get(type(e), Code.BAD_REQUEST), str(e))
             return True
         except Exception as e:  # a bug must cost one request, not the daemon
             log.exception("op %s from %s failed", op, self.peer)
-            self._fail(rid, Code.INTERNAL, f"{op}: internal error {type(e).__name__}; see the daemon log")
+            if not replied:                   # (after its last reply, a second one would answer the next request)
+                self._fail(rid, Code.INTERNAL, f"{op}: internal error {type(e).__name__}; see the daemon log")
             return True
         if isinstance(result, Reply):
             if not result.sent:
@@ -167,6 +172,12 @@ class Session:
             self.state.metrics.errors[code] += 1
         log.debug("error %s to %s: %s", code, self.peer, message)
         self._send(error(rid, code, message))
+
+    def _emit(self, rid: int, replied: list[bool], fields: dict[str, Any], fds: list[int], more: bool = True) -> None:
+        """A streaming op's reply: partial (`more`), or its last, after which the op's own reply is not sent."""
+        if not more:
+            replied.append(True)
+        self._send(ok(rid, more=more, **fields), fds)
 
     def _send(self, msg: dict[str, Any], fds: list[int] | None = None) -> None:
         data = encode(msg)
