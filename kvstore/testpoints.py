@@ -6,7 +6,8 @@ Crash points, for the durability tests: `KVSTORE_CRASH_AT=<name>` makes the daem
 would: no clean-up, no flush) the `KVSTORE_CRASH_AFTER`-th time (default 1) it passes that point.
 
 Fault points, for the supervision tests: `KVSTORE_FAULT_AT=<name>` raises InjectedFault the first
-`KVSTORE_FAULT_TIMES` times (default 1) a worker passes that point.
+`KVSTORE_FAULT_TIMES` times (default 1) a worker passes that point (`acquire_after_pin`: an acquire that has
+pinned its prefix, before its reply: a streaming one may have sent its last reply already).
 
 Pause points, for tests that must order events across the daemon's threads without timing them: with
 `KVSTORE_PAUSE_AT=<name>` and `KVSTORE_PAUSE_DIR=<dir>`, the thread that passes that point, the first
@@ -28,7 +29,7 @@ import time
 
 log = logging.getLogger("kvstore")
 CRASH_POINTS = ("after_payload", "mid_header", "mid_eviction")
-FAULT_POINTS = ("demote_loop", "write_through_loop")
+FAULT_POINTS = ("demote_loop", "write_through_loop", "acquire_after_pin")
 PAUSE_POINTS = ("between_chunks", "draining_copy", "slot_write")
 PAUSE_LIMIT_S = 120.0
 

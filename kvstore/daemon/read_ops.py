@@ -15,6 +15,7 @@ from kvstore.daemon.tenants import Conn, tenant_of
 from kvstore.index import Holdings, NamespaceEntry
 from kvstore.movers.prefetch import LaneFull
 from kvstore.protocol import HASH_BYTES, Code, ProtocolError, split_keys
+from kvstore.testpoints import fault_point
 from kvstore.traffic import Lane, parse_lane
 from kvstore.workflows import Touch
 
@@ -153,6 +154,7 @@ def op_acquire(st: State, h: Conn, m: dict[str, Any]) -> dict[str, Any] | Reply:
     stream = Stream(st.index, st.pool, h, st.lock, m.get("_emit") if m.get("stream") else None,
                     pieces=bool(m.get("pieces")), counters=st.counters, wanted=len(hashes))
     _pin_prefix(st, h, ns, hashes, lane, touch, stream)
+    fault_point("acquire_after_pin")
     if st.predictive is not None:
         st.predictive.acquired(ns, hashes, stream.gids)
     if stream.ended:                    # the last blocks' reply ended the stream: the client has it all

@@ -132,3 +132,23 @@ def test_a_one_block_ssd_hit_get_returns_on_its_last_verified_piece(daemon: Daem
             time.sleep(0.01)
         assert other.stats()["pinned"] == 0
         assert other.namespace(SPEC).get([key(3)], outs) == 1 and bytes(outs[0]) == content(3)
+
+
+def test_an_acquire_failing_after_its_stream_ended_sends_no_second_reply(tmp_path, daemons) -> None:  # type: ignore[no-untyped-def]
+    """The reply that pins the last block asked ends a streaming acquire; a failure in the op after it (injected:
+    KVSTORE_FAULT_AT) is logged, not answered, for that answer would be read as the reply to the next request."""
+    d = DaemonProc(capacity="8MiB", segment="4MiB", env={
+        "KVSTORE_SSD_DIR": str(tmp_path / "ssd"), "KVSTORE_SSD_CAPACITY": "64MiB",
+        "KVSTORE_FAULT_AT": "acquire_after_pin"})
+    daemons.append(d)
+    d.start()
+    outs = [bytearray(BLOCK)]
+    with d.client() as c:
+        ns = c.namespace(SPEC)
+        assert ns.put([key(0)], [content(0)]).stored == 1
+        c.evict(everything=True)
+        assert ssd_settled(c)["tiers"][1]["blocks"] == 1
+        assert ns.get([key(0)], outs) == 1 and bytes(outs[0]) == content(0)     # the op failed after its end
+        assert ns.lookup([key(0)]) == 1                     # answered by its own reply, not the stray error
+        stats = c.stats()
+        assert stats["pinned"] == 0 and stats["errors"].get("internal", 0) == 0

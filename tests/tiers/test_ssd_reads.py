@@ -214,3 +214,27 @@ def test_a_record_without_marks_is_read_and_checked_whole(store) -> None:  # typ
         n, seen = _pieces_of(s, i, out, blocks[i][:])
         assert n == 1 and out[:] == blocks[i][:] and seen == []
     assert not any(k.startswith("bad.") for k in s.counters)
+
+
+@pytest.mark.parametrize("size", [256 << 10, 300 << 10, 768 << 10, 5 << 20])
+def test_pieces_follow_the_blocks_size(tmp_path: str, size: int) -> None:
+    """Another block size, another piece plan (record.piece_bytes): every piece is handed on in order, each a
+    prefix of the block, the writer's CRC only with the last; a block of one piece (256 KiB) hands on nothing."""
+    from kvstore.tiers.ssd.record import piece_bytes
+
+    s = SsdStore(os.path.join(str(tmp_path), "ssd"), 4 * record_bytes(size), io="auto").open()
+    try:
+        b = mmap.mmap(-1, size)
+        b[:] = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+        assert s.put_many([(NS, h(9), b, crc32c(b))]) == 1
+        out = mmap.mmap(-1, size)
+        seen: list[tuple[int, bool, int | None]] = []
+        assert s.get_many(NS, [h(9)], [memoryview(out)], Lane.CRITICAL,
+                          on_piece=lambda k, nbytes, crc: seen.append((nbytes, out[:nbytes] == b[:nbytes], crc))) == 1
+        assert out[:] == b[:]
+        piece = piece_bytes(size)
+        want = [(min(end, size), True, None) for end in range(piece, size + piece, piece)]
+        want[-1] = (size, True, crc32c(b))
+        assert seen == (want if s.io == "io_uring" and size > piece else [])
+    finally:
+        s.close()
