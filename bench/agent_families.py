@@ -31,11 +31,21 @@ Families (the gap between two calls of one workflow: the engine's decode plus wh
   starts from the plan again. Gaps: a test suite's run (exponential, 8 s) between coder and tester, a decode
   between attempts. Reuse: the system prompt and popular files across workflows, the plan by every attempt, an
   attempt by its test.
+- `factcheck` (session 26, held out) a claim checked by branching sub-queries: a decomposer splits the claim, then
+  2..5 sub-queries run side by side, each a searcher's call branching from the claim and a verifier's over the
+  evidence (the evidence's leading document shared across workflows, Zipf), retried with a refined search when the
+  evidence is thin (up to 2 retries, each extending the sub-query's own chain); an aggregator extends the
+  decomposer's chain with every verdict. Search waits are Pareto (α = 1.5: heavy-tailed, unlike the lognormal).
+- `chat` (session 26, held out) multi-turn chat sessions: a system prompt, sometimes a shared document, then turns
+  (geometric, mean 5, up to 30); between turns the user reads and types (exponential, 6 s) or leaves and comes back
+  (uniform, 2 to 6 minutes, one turn in four). Reuse: the conversation, by its next turn; the document across
+  sessions.
 
 Hints are what a framework knows at call time only (`Event.hint()`): a workflow's begin, each call with its
 workflow, type, agent, step and the family's possible next agents (`GRAPH`, the static call graph — never which
 one comes), and its end once its last call returned (after the last request, never announced with it); never
-timing. HELD_OUT names the family kept aside while the workflow policy was designed (judged only at the end).
+timing. HELD_OUT names the families kept aside while the workflow policy was designed (judged only at the end):
+debate until session 24 (it has been in the design loop since), factcheck and chat since session 26.
 
     from agent_families import trace
     events = trace("toolloop", workflows=60, seed=3)     # begin / call / end events in time order
@@ -50,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CHUNK = 256                                  # tokens a block
-HELD_OUT = "debate"                          # kept aside while the policy was designed (issue 34 part 2)
+HELD_OUT = ("factcheck", "chat")             # kept aside while the policy was designed (issue 34 part 2)
 END = "<end>"
 GRAPH: dict[str, dict[str, tuple[str, ...]]] = {      # family → agent → the agents that may come next (or END)
     "toolloop": {"assistant": ("assistant", "summarizer", END), "summarizer": (END,)},
@@ -60,6 +70,9 @@ GRAPH: dict[str, dict[str, tuple[str, ...]]] = {      # family → agent → the
     "retrieval": {"retriever": ("reader",), "reader": ("retriever", END)},
     "pipeline": {"extract": ("classify",), "classify": ("summarize",), "summarize": ("format",), "format": (END,)},
     "coding": {"planner": ("coder",), "coder": ("tester",), "tester": ("coder", END)},
+    "factcheck": {"decomposer": ("searcher",), "searcher": ("verifier",), "verifier": ("searcher", "aggregator"),
+                  "aggregator": (END,)},
+    "chat": {"assistant": ("assistant", END)},
 }
 PIPELINE = ("extract", "classify", "summarize", "format")
 FAMILIES = tuple(GRAPH)
@@ -261,10 +274,57 @@ def coding(c: Ctx) -> Iterator[Step]:
             break
 
 
+def factcheck(c: Ctx) -> Iterator[Step]:
+    r = c.rng
+    claim = Prompt().add("factcheck/system", 4).add(*c.new(r.randint(1, 2)))
+    yield 0.0, "decomposer", claim.chain
+    claim.add(*c.new(1))                                        # the sub-queries
+    start = DECODE_S * r.uniform(0.5, 1.5)
+    calls: list[tuple[float, str, list[int]]] = []
+    verdicts = []
+    for _ in range(r.randint(2, 5)):
+        sub = c.new(1)
+        q = claim.fork().add(*sub)                              # a sub-query branches from the claim
+        d = c.doc()
+        verify = Prompt().add("factcheck/verifier", 2).add(("doc", d), c.corpus[d]).add(*sub)
+        t = start + r.uniform(0.0, 1.0)
+        for _ in range(1 + (r.random() < 0.35) + (r.random() < 0.15)):
+            calls.append((t, "searcher", q.fork().chain))
+            q.add(*c.new(1))                                    # the search call
+            t += DECODE_S + r.paretovariate(1.5)               # the search engine answers (heavy-tailed)
+            evidence = c.new(r.randint(1, 2))
+            q.add(*evidence)
+            calls.append((t, "verifier", verify.add(*evidence).fork().chain))
+            t += DECODE_S * r.uniform(0.5, 1.5)
+        verdicts.append((t, c.new(1)))
+    at = 0.0
+    for when, agent, chain in sorted(calls, key=lambda x: x[0]):
+        yield when - at, agent, chain
+        at = when
+    for _, piece in sorted(verdicts):
+        claim.add(*piece)
+    yield max(t for t, _ in verdicts) + DECODE_S - at, "aggregator", claim.add("factcheck/aggregate", 1).chain
+
+
+def chat(c: Ctx) -> Iterator[Step]:
+    r = c.rng
+    p = Prompt().add("chat/system", 5)
+    if r.random() < 0.5:
+        d = c.doc()
+        p.add(("doc", d), c.corpus[d])                          # a shared document the session is about
+    p.add(*c.new(r.randint(1, 3)))
+    delay = 0.0
+    for _ in range(1 + min(int(r.expovariate(1 / 4)), 29)):
+        yield delay, "assistant", p.fork().chain
+        p.add(*c.new(1)).add(*c.new(r.randint(1, 2)))          # the reply, the user's next message
+        delay = DECODE_S + (r.expovariate(1 / 6.0) if r.random() < 0.75 else r.uniform(120, 360))
+
+
 FAMILY: dict[str, Callable[[Ctx], Iterator[Step]]] = {
     "toolloop": toolloop, "mapreduce": mapreduce, "debate": debate, "retrieval": retrieval, "pipeline": pipeline,
-    "coding": coding}
-CONCURRENCY = {"toolloop": 12, "mapreduce": 6, "debate": 10, "retrieval": 10, "pipeline": 12, "coding": 8}
+    "coding": coding, "factcheck": factcheck, "chat": chat}
+CONCURRENCY = {"toolloop": 12, "mapreduce": 6, "debate": 10, "retrieval": 10, "pipeline": 12, "coding": 8,
+               "factcheck": 6, "chat": 16}
 
 
 def trace(family: str, workflows: int, seed: int = 1, concurrency: int | None = None) -> list[Event]:

@@ -118,7 +118,7 @@ def run_families(quick: bool, only: list[str] | None, policies: list[str] | None
                     r["cost_vs_lru"] = r["busy_s"] / base["busy_s"] if base and base["busy_s"] else None
                 out["cells"].append(cell)
                 d = cell["daemon"]
-                row = [fam + (" (held out)" if fam == af.HELD_OUT else ""), f"{frac:.0%} ({cap})", save,
+                row = [fam + (" (held out)" if fam in af.HELD_OUT else ""), f"{frac:.0%} ({cap})", save,
                        f"{cell['belady']:.1%}", f"{cell['offline_lru']:.1%}",
                        *[f"{d[p]['hit_rate']:.1%} ({d[p]['gap_closed']:+.0%})" for p in policies],
                        " / ".join(str(d[p]["recomputed_tokens"]) for p in policies),

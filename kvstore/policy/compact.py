@@ -43,6 +43,7 @@ from kvstore.policy.compact_scores import Group, GroupScores
 from kvstore.policy.current_calls import CurrentCalls
 from kvstore.policy.evicted import EvictedTouches
 from kvstore.policy.rows import ABSENT, MAX_BUDGET, NIL, PINNED, SLOT_MASK, Chunk, Rows
+from kvstore.policy.turnover import Turnover
 from kvstore.policy.workflow import shared_value
 from kvstore.workflows import Touch, Workflow, Workflows
 from kvstore.workflows.popularity import Popularity, level_of, levels
@@ -85,6 +86,7 @@ class CompactWorkflowPolicy(GroupScores):
         self.init_scores(pick_s)
         self.pop = Popularity(levels(tag_budget), workflows.clock)
         self.calls = CurrentCalls(workflows)
+        self.turnover = Turnover(workflows.clock)
         self.evicted = EvictedTouches(workflows)
 
     # ----- the EvictionPolicy hooks -----
@@ -96,6 +98,7 @@ class CompactWorkflowPolicy(GroupScores):
         if ch.group[i] != ABSENT:                # a row left behind (a missed `removed`): it goes first ...
             self._drop(ch, i, gid)
             ch, i = self.rows.occupy(gid)       # ... and may have taken the segment's chunk with it
+        self.turnover.stored(len(self.table))
         kept = self.evicted.restore(key, touch)
         if kept:
             ch.touched[i] = kept
@@ -218,7 +221,8 @@ class CompactWorkflowPolicy(GroupScores):
         g = self.groups[ch.group[i]]
         worth = shared_value(self.pop, self.flows, g.level) if isinstance(g.sig, int) else self._score(g)
         level = self.evicted.coming_level(key, touch, self.budget)
-        return worth <= self.flows.value(touch.workflow) + shared_value(self.pop, self.flows, level)
+        return worth <= self.flows.value(touch.workflow, self.turnover.horizon()) + shared_value(self.pop, self.flows,
+                                                                                             level)
 
     def refused(self, keys: list[bytes], cls: int, touch: Touch) -> None:
         """As WorkflowPolicy.refused: blocks a put of `touch` left out are remembered as touched by it."""

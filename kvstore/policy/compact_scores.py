@@ -20,6 +20,7 @@ from kvstore.policy.rows import NIL, Rows
 from kvstore.policy.workflow import shared_value
 
 if TYPE_CHECKING:
+    from kvstore.policy.turnover import Turnover
     from kvstore.workflows import Workflow, Workflows
     from kvstore.workflows.popularity import Popularity
 
@@ -42,6 +43,7 @@ class GroupScores:
     """The ranking half of CompactWorkflowPolicy (module docstring)."""
     flows: Workflows
     pop: Popularity
+    turnover: Turnover
     rows: Rows
     inherit: bool
     groups: dict[int, Group]
@@ -69,14 +71,15 @@ class GroupScores:
         return best
 
     def _score(self, g: Group) -> float:
-        flows = self.flows
+        flows, horizon = self.flows, self.turnover.horizon()
         assert isinstance(g.sig, frozenset)
         if self.inherit:
             key = self.key_at(g.head) if g.dead else None
             if key is not None:
-                return (math.fsum(flows.value(flows.nums[n].wid) * flows.block_worth(flows.nums[n].wid, key)
+                return (math.fsum(flows.value(flows.nums[n].wid, horizon) * flows.block_worth(flows.nums[n].wid, key)
                                   for n in g.sig) + shared_value(self.pop, flows, g.level))
-            return math.fsum(flows.value(flows.nums[n].wid) for n in g.sig) + shared_value(self.pop, flows, g.level)
+            return (math.fsum(flows.value(flows.nums[n].wid, horizon) for n in g.sig)
+                    + shared_value(self.pop, flows, g.level))
         ch, i = self.rows.linked_row(g.head)
         masks = self.rows.masks_of(ch, i)
         return (math.fsum(flows.agent_value(flows.nums[n].wid, masks.get(n, 0)) for n in g.sig)

@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.policy.current_calls import CurrentCalls
 from kvstore.policy.evicted import EvictedTouches
+from kvstore.policy.turnover import Turnover
 from kvstore.workflows import Touch, Workflow, Workflows, agent_names
 from kvstore.workflows.popularity import Popularity, level_of, levels
 
@@ -124,12 +125,14 @@ class WorkflowPolicy:
         self.pop = Popularity(levels(tag_budget), workflows.clock)
         self.calls = CurrentCalls(workflows)
         self.evicted = EvictedTouches(workflows)
+        self.turnover = Turnover(workflows.clock)
 
     # ----- the TierPolicy hooks -----
     def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
         if key in self.where:
             self.removed(key)
         self.where[key] = (cls, 0)
+        self.turnover.stored(len(self.where))
         kept = self.evicted.restore(key, touch)
         if kept:
             self.touched[key] = kept
@@ -217,7 +220,7 @@ class WorkflowPolicy:
         group = self.where[victim][1]
         worth = self._score(group, victim) if isinstance(group, tuple) else self._shared(group)
         level = self.evicted.coming_level(key, touch, self.budget)
-        return worth <= self.flows.value(touch.workflow) + self._shared(level)
+        return worth <= self.flows.value(touch.workflow, self.turnover.horizon()) + self._shared(level)
 
     def refused(self, keys: list[bytes], cls: int, touch: Touch) -> None:
         """A put of `touch` left these blocks out (kvstore.policy's `Refusing`): remembered as touched by it."""
@@ -242,10 +245,11 @@ class WorkflowPolicy:
     def _score(self, group: Active, key: bytes) -> float:
         sig, level, dead = group
         if self.inherit:                 # fsum: exact, so the same in any order (the compact form sums by number)
+            flows, horizon = self.flows, self.turnover.horizon()
             if dead:
-                flows = self.flows
-                return math.fsum(flows.value(w) * flows.block_worth(w, key) for w in sig) + self._shared(level)
-            return math.fsum(self.flows.value(w) for w in sig) + self._shared(level)
+                return (math.fsum(flows.value(w, horizon) * flows.block_worth(w, key) for w in sig)
+                        + self._shared(level))
+            return math.fsum(flows.value(w, horizon) for w in sig) + self._shared(level)
         masks = self.tags.get(key, {})
         return math.fsum(self.flows.agent_value(w, masks.get(w, 0)) for w in sig) + self._shared(level)
 

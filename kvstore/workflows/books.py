@@ -184,11 +184,15 @@ class Workflows:
         for hook in self.retire_hooks:
             hook(w)
 
-    def value(self, wid: str) -> float:
+    def value(self, wid: str, horizon: float | None = None) -> float:
         """The workflow's reuse value for a block every later agent reuses (0 when not active): its K-step lookahead
-        Σ γ^(k-1)·P(running at step k); timed (the default), scaled by how soon its next call is expected — the
-        mean gap over the expected residual wait (`Gaps`), so Belady's farthest next use is what goes first. A
-        workflow whose type has no gaps learned yet counts as due within one mean gap."""
+        Σ γ^(k-1)·P(running at step k); timed (the default), scaled by how soon its next call is expected. With the
+        cache's `horizon` (how long it keeps an unused block: kvstore.policy.turnover), by the workflow's hit
+        density — P(next call within the horizon) / E[min(wait, horizon)] (`Gaps.density`), times the mean gap —
+        so a workflow likely back soon outranks one surely back later than the cache would keep its blocks
+        (bimodal waits: a user who replies at once or leaves for minutes); without it, by the mean gap over the
+        expected residual wait (the density's limit for a horizon beyond every gap). A workflow whose type has
+        no gaps learned yet counts as due within one mean gap."""
         got = self._value.get(wid)
         if got is None:
             w = self.active.get(wid)
@@ -205,7 +209,11 @@ class Workflows:
         mean = gaps.mean
         if mean is None:
             return got
-        due = gaps.residual(w.wtype, w.agent, self.clock() - w.seen)
+        waited = self.clock() - w.seen
+        if horizon is not None:
+            density = gaps.density(w.wtype, w.agent, waited, horizon)
+            return got if density is None else got * mean * density
+        due = gaps.residual(w.wtype, w.agent, waited)
         return got if due is None else got * mean / (due + 0.05 * mean)
 
     def touched(self, w: Workflow, again: bool) -> None:

@@ -253,6 +253,14 @@ class Gaps:
     def mean(self) -> float | None:
         return self.total / self.count if self.count else None
 
+    def density(self, wtype: str, agent: str, elapsed: float, horizon: float) -> float | None:
+        """Hit density (LHD, Beckmann et al., NSDI 2018) of a block of a workflow of `wtype` whose last call (by
+        `agent`) was `elapsed` seconds ago, in a cache that keeps an unused block about `horizon` seconds: the
+        probability that the next call comes within the horizon over the expected time the block occupies the
+        cache until then (min(wait, horizon)), per second; None while nothing is learned for the type."""
+        h = self._hist.get((wtype, agent)) or self._hist.get((wtype, ANY))
+        return None if h is None else h.density(elapsed, horizon)
+
     def residual(self, wtype: str, agent: str, elapsed: float) -> float | None:
         """Expected seconds until the next call of a workflow of `wtype` whose last call (by `agent`) was `elapsed`
         seconds ago; None while nothing is learned for the type."""
@@ -294,6 +302,24 @@ class _Hist:
             self.weight /= 1.0 - 1.0 / max(2, keep)
         self.largest = max(self.largest, gap)
         self._suffix = None
+
+    def density(self, elapsed: float, horizon: float) -> float:
+        """Gaps.density for this key: the buckets past `elapsed` (the bucket of `elapsed` by its gaps' mean, as in
+        `residual`), those whose gaps end within the horizon counted as hits."""
+        b, end = _bucket(elapsed), elapsed + horizon
+        waiting = hits = hit_s = 0.0
+        for i in range(b, min(BUCKETS, _bucket(end) + 1)):
+            n = self.n[i]
+            if n and not (i == b and self.s[i] / n <= elapsed):
+                waiting += n
+                if self.s[i] / n <= end:
+                    hits, hit_s = hits + n, hit_s + self.s[i]
+        self.residual(elapsed)                                  # the suffix sums, for the buckets past the horizon
+        sn = self._suffix[0] if self._suffix else None
+        waiting += sn[min(BUCKETS, _bucket(end) + 1)] if sn else 0.0
+        if waiting <= 0.0:                                      # past every gap seen: as `residual` says
+            return 1.0 / max(self.residual(elapsed), 1e-9)
+        return hits / max(hit_s - elapsed * hits + horizon * (waiting - hits), 1e-9)
 
     def residual(self, elapsed: float) -> float:
         if self._suffix is None:
