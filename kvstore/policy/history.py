@@ -84,6 +84,9 @@ class HistoryPolicy(LevelsBase):
         super().__init__(by_chain=True)
         self.table = table
 
+    def _holds(self, key: bytes) -> bool:
+        return self.table.get(key) is not None
+
     def added(self, key: bytes, cls: int, touch: Touch | None = None) -> None:
         c = self._classes.get(cls) or self._cls(cls)
         c.held += 1
@@ -202,7 +205,7 @@ class NativeHistoryPolicy(HistoryPolicy):
             return                                  # a class that never held a block (as the Python form)
         c = self._known(cls)
         duel = c.duel
-        duel.asked(keys, c.held)
+        duel.asked(keys, c.held, self._holds)
         if hooks.refusing(cls):
             duel.refuse()
         way = duel.choose()

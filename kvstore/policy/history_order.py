@@ -65,7 +65,11 @@ class LevelsBase:
         self._carry = -1
         c = self._classes.get(cls)
         if c is not None:
-            c.duel.asked(keys, c.held)
+            c.duel.asked(keys, c.held, self._holds)
+
+    def _holds(self, key: bytes) -> bool:
+        """Whether the real cache holds `key` (the duel weighs it against the lru shadow)."""
+        raise NotImplementedError
 
     def _histories(self) -> dict[str, Any]:
         return {"history_records": sum(c.history.remembered for c in self._classes.values()),
@@ -186,6 +190,9 @@ class HistoryOrder(LevelsBase):
             self._pinned.discard(key)
             self._tick += 1
             self._lists[where[0]][where[1]][key] = self._tick
+
+    def _holds(self, key: bytes) -> bool:
+        return key in self._where
 
     def level_of(self, key: bytes) -> int:
         """The level (0-based) of a held key; KeyError if not held."""

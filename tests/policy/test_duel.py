@@ -1,0 +1,42 @@
+"""The history policy's duel of shadows (kvstore.policy.shadow) weighs the real cache too: where following the
+shadows' lead costs the real cache more than it wins (each switch pays a turnover of the pool, which no shadow
+pays), the class settles on lru — the no-hint default must never fall below LRU (issue 34) — and leaves it only
+when another way's shadow leads lru over the long window."""
+from __future__ import annotations
+
+from kvstore.policy.shadow import WAYS, Duel
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def test_a_real_cache_behind_the_lru_shadow_settles_on_lru_until_another_way_leads() -> None:
+    duel = Duel(lambda key: 0)
+    hot = [k(i) for i in range(8)]
+    for _ in range(100):                               # every shadow hits the chain; the real cache never does
+        duel.asked(hot, 16, holds=lambda key: False)
+        duel.choose()
+        duel.asked([], 16)                             # (a new request: the next ask is served again)
+    assert duel.settled and duel.way == "lru"
+    fresh = 1000
+    for _ in range(400):                               # a hot chain between scans beyond the pool: levels keep it
+        duel.asked(hot[:4], 16, holds=lambda key: True)
+        duel.choose()
+        for _ in range(3):
+            duel.asked([k(fresh + i) for i in range(8)], 16, holds=lambda key: False)
+            duel.choose()
+            fresh += 8
+    hits = {s.way: s.long for s in duel.shadows}
+    assert hits["remember"] > 1.5 * hits["lru"]        # the shadows show it
+    assert not duel.settled and duel.way != "lru"
+
+
+def test_without_the_real_cache_counted_the_duel_never_settles() -> None:
+    duel = Duel(lambda key: 0)                         # a lower tier: scored by reads, no chain, no `holds`
+    hot = [k(i) for i in range(8)]
+    for _ in range(100):
+        duel.asked(hot, 16)
+        duel.choose()
+        duel.asked([], 16)
+    assert not duel.settled and duel.way in WAYS
