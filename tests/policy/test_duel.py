@@ -40,3 +40,17 @@ def test_without_the_real_cache_counted_the_duel_never_settles() -> None:
         duel.choose()
         duel.asked([], 16)
     assert not duel.settled and duel.way in WAYS
+
+
+def test_a_shadow_stores_a_chain_as_the_index_does_head_first_never_evicting_its_own_blocks() -> None:
+    from kvstore.policy.shadow import Shadow
+
+    s = Shadow("lru")
+    chain = [(i, k(i)) for i in range(6)]
+    s.serve(chain, 4, lambda key: 0)                  # a chain longer than the pool: its head is kept, not its tail
+    assert sorted(s.where) == [0, 1, 2, 3]
+    s.serve(chain, 4, lambda key: 0)
+    assert s.hits == 4                                # the next ask hits the head (a tail without it hits nothing)
+    other = [(10 + i, k(10 + i)) for i in range(2)]
+    s.serve(other, 4, lambda key: 0)                  # two new blocks evict the chain's tail, never its head first
+    assert sorted(s.where) == [0, 1, 10, 11]
