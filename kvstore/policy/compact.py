@@ -98,7 +98,6 @@ class CompactWorkflowPolicy(GroupScores):
         if ch.group[i] != ABSENT:                # a row left behind (a missed `removed`): it goes first ...
             self._drop(ch, i, gid)
             ch, i = self.rows.occupy(gid)       # ... and may have taken the segment's chunk with it
-        self.turnover.stored(len(self.table))
         kept = self.evicted.restore(key, touch)
         if kept:
             ch.touched[i] = kept
@@ -107,6 +106,7 @@ class CompactWorkflowPolicy(GroupScores):
         self.flows.seen(touch, key)
         self.calls.stored(key, touch)
         self.pop.enter(level_of(ch.touched[i], self.budget))
+        self.turnover.stored(sum(self.pop.held))     # the blocks this policy holds (its tenants', where per tenant)
         self._link(ch, i, gid, cls)
 
     def accessed(self, key: bytes, touch: Touch | None = None) -> None:

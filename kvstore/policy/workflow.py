@@ -132,13 +132,13 @@ class WorkflowPolicy:
         if key in self.where:
             self.removed(key)
         self.where[key] = (cls, 0)
-        self.turnover.stored(len(self.where))
         kept = self.evicted.restore(key, touch)
         if kept:
             self.touched[key] = kept
         self._tag(key, touch)
         self.calls.stored(key, touch)
         self.pop.enter(self._level(key))
+        self.turnover.stored(sum(self.pop.held))     # the blocks this policy holds (a tenant's, where per tenant)
         self._link(key)
 
     def accessed(self, key: bytes, touch: Touch | None = None) -> None:
