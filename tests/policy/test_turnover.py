@@ -50,3 +50,33 @@ def test_a_horizon_beyond_every_gap_is_the_residual_wait_order() -> None:
         assert density == pytest.approx(1.0 / g.residual("chat", "assistant", waited), rel=1e-6)
     assert g.density("chat", "assistant", 150.0, 10_000.0) > g.density("chat", "assistant", 0.5, 10_000.0)
     assert Gaps().density("chat", "assistant", 1.0, 10.0) is None          # nothing learned yet
+
+
+def test_in_a_pool_that_keeps_blocks_seconds_the_workflow_away_for_minutes_goes_first() -> None:
+    """Two chat sessions of one type, gaps learned bimodal: one called half a second ago (three times in four back
+    within 5 s), one has been away 160 s (back at 200 s, surely). A pool whose horizon is 17 s evicts the one away
+    first; priced by the expected residual wait (no horizon) it would keep it (40 s against ~50 s)."""
+    from kvstore.policy.workflow import WorkflowPolicy
+    from kvstore.workflows import Touch, Workflows
+
+    now = [0.0]
+    flows = Workflows(clock=lambda: now[0])
+    pol = WorkflowPolicy(flows)
+    for i in range(40):                                  # teach the gaps: 5, 5, 5, 200 s ...
+        flows.call("teach", "assistant", "chat")
+        now[0] += 200.0 if i % 4 == 3 else 5.0
+    flows.end("teach")
+    flows.call("away", "assistant", "chat")
+    pol.added((1).to_bytes(4, "big"), 0, Touch("away", "assistant"))
+    now[0] += 159.5
+    flows.call("back", "assistant", "chat")
+    pol.added((2).to_bytes(4, "big"), 0, Touch("back", "assistant"))
+    now[0] += 0.5
+    assert flows.value("away") > flows.value("back")            # the residual-wait order
+    assert flows.value("away", 17.0) < flows.value("back", 17.0)  # the hit density within the horizon
+    turnover = pol.turnover                                      # as if 17 s: 17 / REACH blocks, one a second
+    turnover.stores, turnover.held, turnover.gap = MIN_STORES, int(17 / REACH), 1.0
+    assert turnover.horizon() == pytest.approx(17.0, abs=1.0)
+    assert pol.victim(0) == (1).to_bytes(4, "big")
+    turnover.stores = 0                                          # no horizon yet: the residual-wait order
+    assert pol.victim(0) == (2).to_bytes(4, "big")
