@@ -304,30 +304,35 @@ class _Hist:
         self._suffix = None
 
     def density(self, elapsed: float, horizon: float) -> float:
-        """Gaps.density for this key: the buckets past `elapsed` (the bucket of `elapsed` by its gaps' mean, as in
-        `residual`), those whose gaps end within the horizon counted as hits."""
-        b, end = _bucket(elapsed), elapsed + horizon
-        waiting = hits = hit_s = 0.0
-        for i in range(b, min(BUCKETS, _bucket(end) + 1)):
-            n = self.n[i]
-            if n and not (i == b and self.s[i] / n <= elapsed):
-                waiting += n
-                if self.s[i] / n <= end:
-                    hits, hit_s = hits + n, hit_s + self.s[i]
-        self.residual(elapsed)                                  # the suffix sums, for the buckets past the horizon
-        sn = self._suffix[0] if self._suffix else None
-        waiting += sn[min(BUCKETS, _bucket(end) + 1)] if sn else 0.0
+        """Gaps.density for this key, O(1) as `residual`: the gaps past `elapsed` wait (the bucket of `elapsed` by
+        its gaps' mean), those that end within the horizon are hits (the bucket of the horizon's end, likewise)."""
+        sn, ss = self._sums()
+        b, e, end = _bucket(elapsed), _bucket(elapsed + horizon), elapsed + horizon
+        nb = self.n[b]
+        mean_b = self.s[b] / nb if nb else 0.0
+        waiting = sn[b + 1] + (nb if mean_b > elapsed else 0.0)
         if waiting <= 0.0:                                      # past every gap seen: as `residual` says
             return 1.0 / max(self.residual(elapsed), 1e-9)
+        hits = hit_s = 0.0
+        if e > b:                                               # the buckets between, whole; the last, by its mean
+            hits, hit_s = sn[b + 1] - sn[e], ss[b + 1] - ss[e]
+            if self.n[e] and self.s[e] / self.n[e] <= end:
+                hits, hit_s = hits + self.n[e], hit_s + self.s[e]
+        if nb and elapsed < mean_b <= end:
+            hits, hit_s = hits + nb, hit_s + self.s[b]
         return hits / max(hit_s - elapsed * hits + horizon * (waiting - hits), 1e-9)
 
-    def residual(self, elapsed: float) -> float:
+    def _sums(self) -> tuple[list[float], list[float]]:
+        """Suffix sums of the counts and the gaps, rebuilt after a change."""
         if self._suffix is None:
             sn, ss = [0.0] * (BUCKETS + 1), [0.0] * (BUCKETS + 1)
             for i in range(BUCKETS - 1, -1, -1):
                 sn[i], ss[i] = sn[i + 1] + self.n[i], ss[i + 1] + self.s[i]
             self._suffix = (sn, ss)
-        sn, ss = self._suffix
+        return self._suffix
+
+    def residual(self, elapsed: float) -> float:
+        sn, ss = self._sums()
         b = _bucket(elapsed)
         n, s = sn[b + 1], ss[b + 1]
         if self.n[b] and self.s[b] / self.n[b] > elapsed:    # the bucket of `elapsed`: by its gaps' mean
