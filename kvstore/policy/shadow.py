@@ -135,9 +135,12 @@ class Shadow:
             self.use(fp, False)                 # the read
         if self.staged:
             self.settle()
-        kept = []
+        kept: list[int] = []
+        placed: set[int] = set()
         lists, where = self.lists, self.where
         for fp, key in chain:                   # the put
+            if fp in placed:
+                continue                        # a key the chain names twice is stored once
             level = where.get(fp)
             if level is not None:               # held: refreshed one level up, no candidate until published
                 del lists[level][fp]
@@ -148,6 +151,7 @@ class Shadow:
                     break
             where[fp] = level
             kept.append(fp)
+            placed.add(fp)
         for fp in reversed(kept):
             self.tick += 1
             lists[where[fp]][fp] = self.tick

@@ -54,3 +54,14 @@ def test_a_shadow_stores_a_chain_as_the_index_does_head_first_never_evicting_its
     other = [(10 + i, k(10 + i)) for i in range(2)]
     s.serve(other, 4, lambda key: 0)                  # two new blocks evict the chain's tail, never its head first
     assert sorted(s.where) == [0, 1, 10, 11]
+
+
+def test_a_chain_that_names_a_key_twice_is_served_once_per_key() -> None:
+    from kvstore.policy.shadow import Shadow
+
+    for way in WAYS:
+        s = Shadow(way)
+        chain = [(i, k(i)) for i in (1, 5, 9, 13, 9)]    # a client's malformed chain (the fuzz test sends these)
+        s.serve(chain, 8, lambda key: 0)
+        s.serve(chain, 8, lambda key: 0)
+        assert sorted(s.where) == [1, 5, 9, 13] and sum(len(lst) for lst in s.lists) == 4
