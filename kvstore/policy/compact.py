@@ -221,8 +221,8 @@ class CompactWorkflowPolicy(GroupScores):
         g = self.groups[ch.group[i]]
         worth = shared_value(self.pop, self.flows, g.level) if isinstance(g.sig, int) else self._score(g)
         level = self.evicted.coming_level(key, touch, self.budget)
-        return worth <= self.flows.value(touch.workflow, self.turnover.horizon()) + shared_value(self.pop, self.flows,
-                                                                                             level)
+        coming = self.flows.value(touch.workflow, self.turnover.horizon()) + shared_value(self.pop, self.flows, level)
+        return worth <= coming
 
     def refused(self, keys: list[bytes], cls: int, touch: Touch) -> None:
         """As WorkflowPolicy.refused: blocks a put of `touch` left out are remembered as touched by it."""

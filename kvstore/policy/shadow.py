@@ -147,7 +147,7 @@ class Shadow:
                 level = min(level + 1, LEVELS - 1)
             else:
                 level = 0 if self.way in ANEW else min(remembered(key), LEVELS - 1)
-                if not self._room(size - 1):
+                if not self.trim(size - 1, put=True):
                     break
             where[fp] = level
             kept.append(fp)
@@ -155,20 +155,6 @@ class Shadow:
         for fp in reversed(kept):
             self.tick += 1
             lists[where[fp]][fp] = self.tick
-
-    def _room(self, target: int) -> bool:
-        """Evict candidates until at most `target` keys are held; False where none is left, or where `bypass`
-        would evict a block used more than once (the index's `admits` refuses: the put stops)."""
-        while len(self.where) > target:
-            fp = pick(self.lists, self.aging, self.tick)
-            if fp is None:
-                return False
-            level = self.where[fp]
-            if level and self.way == "bypass":
-                return False
-            del self.lists[level][fp]
-            del self.where[fp]
-        return True
 
     def settle(self) -> None:
         """The staged keys become candidates, in the order they came (a put publishes tail first)."""
@@ -179,13 +165,20 @@ class Shadow:
                 self.lists[level][fp] = self.tick
         self.staged.clear()
 
-    def trim(self, size: int) -> None:
-        """Evict candidates until at most `size` keys are held (staged keys count, but are not candidates)."""
+    def trim(self, size: int, put: bool = False) -> bool:
+        """Evict candidates until at most `size` keys are held (staged keys count, but are not candidates); False
+        where none is left, or, for a `put`'s block under `bypass`, where the victim was used more than once (the
+        index's `admits` refuses it: the put stops there)."""
         while len(self.where) > size:
             fp = pick(self.lists, self.aging, self.tick)
             if fp is None:
-                return
-            del self.lists[self.where.pop(fp)][fp]
+                return False
+            level = self.where[fp]
+            if put and level and self.way == "bypass":
+                return False
+            del self.lists[level][fp]
+            del self.where[fp]
+        return True
 
     def resample(self, rate: int) -> None:
         """Keep only the keys of the sample at `rate` (the rate doubled)."""
