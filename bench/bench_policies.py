@@ -187,11 +187,18 @@ def main() -> None:
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--families", action="store_true", help="replay the agent-trace families instead")
     ap.add_argument("--only", default=None, help="with --families: these families only")
+    ap.add_argument("--seeds", default="1", help="with --families: the traces' seeds (several: a summary over them)")
+    ap.add_argument("--saves", default=None, help="with --families: whole,missed,named (all three by default)")
     args = ap.parse_args()
     if args.families:
         from family_replay import run_families
+        from family_offline import SAVES
+        saves = tuple(args.saves.split(",")) if args.saves else SAVES
+        if not set(saves) <= set(SAVES):
+            ap.error(f"--saves: each of {', '.join(SAVES)}, got {args.saves}")
         run_families(args.quick, args.only.split(",") if args.only else None,
-                     args.policies.split(",") if args.policies else None)
+                     args.policies.split(",") if args.policies else None,
+                     tuple(int(x) for x in args.seeds.split(",")), saves)
         return
     load_before = warn_if_busy()
     started = time.perf_counter()

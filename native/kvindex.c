@@ -1005,14 +1005,15 @@ static PyTypeObject HistoryType = {
  *                                   `bypass`: taken up at the next block the history does not remember);
  *                                   bypass: admits() may refuse
  *     history(cls) -> History       the class's (made if new; shadows ask it); held(cls) -> int, refusing(cls)
- *                                   -> bool (0 / False for a class it has no books of: none are made)
+ *                                   -> bool, pressed(cls) -> bool: victim() was asked (0 / False for a class
+ *                                   it has no books of: none are made)
  *     admitting_anew(cls) -> bool; classes() -> [cls, ...]
  *   `carry`, the level of the block placed just before, is reset by every hook but added and accessed. */
 typedef struct {
     History *hist;
     uint32_t held, grow_at, shrink_at;
     double aging;                   /* < 0: none */
-    uint8_t anew, want_anew, bypass, refusing;
+    uint8_t anew, want_anew, bypass, refusing, pressed;
 } HookClass;
 
 typedef struct {
@@ -1165,6 +1166,7 @@ static PyObject *hk_victim(Hooks *k, PyObject *clsobj) {
     k->carry = -1;
     if (get_cls(clsobj, &cls) < 0) return NULL;
     HookClass *c = hk_known(k, cls);
+    if (c) c->pressed = 1;
     int64_t s = c ? pick_slot(k->table, cls, c->aging) : -1;
     if (s < 0) Py_RETURN_NONE;
     return PyBytes_FromStringAndSize((const char *)k->table->recs[s].key, KEY_BYTES);
@@ -1234,6 +1236,12 @@ static PyObject *hk_refusing(Hooks *k, PyObject *clsobj) {
     return PyBool_FromLong(c && c->refusing);
 }
 
+static PyObject *hk_pressed(Hooks *k, PyObject *clsobj) {
+    HookClass *c;
+    if (hk_peek(k, clsobj, &c) < 0) return NULL;
+    return PyBool_FromLong(c && c->pressed);
+}
+
 static PyObject *hk_admitting_anew(Hooks *k, PyObject *clsobj) {
     HookClass *c;
     if (hk_peek(k, clsobj, &c) < 0) return NULL;
@@ -1294,6 +1302,7 @@ static PyMethodDef hk_methods[] = {
     {"history", (PyCFunction)hk_history, METH_O, "history(cls, /) -> History"},
     {"held", (PyCFunction)hk_held, METH_O, "held(cls, /) -> int"},
     {"refusing", (PyCFunction)hk_refusing, METH_O, "refusing(cls, /) -> bool: admits() was asked"},
+    {"pressed", (PyCFunction)hk_pressed, METH_O, "pressed(cls, /) -> bool: victim() was asked"},
     {"admitting_anew", (PyCFunction)hk_admitting_anew, METH_O, "admitting_anew(cls, /) -> bool"},
     {"classes", (PyCFunction)hk_classes, METH_NOARGS, "classes() -> list of the classes it has books of"},
     {"reset_carry", (PyCFunction)hk_reset_carry, METH_NOARGS, "reset_carry(): the next block starts a row"},

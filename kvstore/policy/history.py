@@ -140,6 +140,8 @@ class HistoryPolicy(LevelsBase):
     def victim(self, cls: int) -> bytes | None:
         self._carry = -1
         c = self._classes.get(cls)
+        if c is not None:
+            c.duel.press()
         got = None if c is None else self.table.pick(cls, AGING[c.duel.way])
         return None if got is None else got[0]
 
@@ -205,6 +207,8 @@ class NativeHistoryPolicy(HistoryPolicy):
             return                                  # a class that never held a block (as the Python form)
         c = self._known(cls)
         duel = c.duel
+        if hooks.pressed(cls):                      # (before the request is scored: as the Python form's victim)
+            duel.press()
         duel.asked(keys, c.held, self._holds)
         if hooks.refusing(cls):
             duel.refuse()

@@ -201,7 +201,10 @@ class HistoryOrder(LevelsBase):
     def victim(self, cls: int) -> bytes | None:
         self._carry = -1
         c = self._classes.get(cls)
-        return None if c is None else pick(self._lists[cls], AGING[c.duel.choose()], self._tick)
+        if c is None:
+            return None
+        c.duel.press()
+        return pick(self._lists[cls], AGING[c.duel.choose()], self._tick)
 
     def oldest_tick(self, cls: int) -> int | None:
         """When the class's next victim was last used, on this policy's clock (one for all classes), None if the

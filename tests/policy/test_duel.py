@@ -4,7 +4,7 @@ pays), the class settles on lru — the no-hint default must never fall below LR
 when another way's shadow leads lru over the long window."""
 from __future__ import annotations
 
-from kvstore.policy.shadow import WAYS, Duel
+from kvstore.policy.shadow import INITIAL, WAYS, Duel
 
 
 def k(i: int) -> bytes:
@@ -13,6 +13,7 @@ def k(i: int) -> bytes:
 
 def test_a_real_cache_behind_the_lru_shadow_settles_on_lru_until_another_way_leads() -> None:
     duel = Duel(lambda key: 0)
+    duel.press()                                       # the real class evicts: the shadows' hits are evidence
     hot = [k(i) for i in range(8)]
     for _ in range(100):                               # every shadow hits the chain; the real cache never does
         duel.asked(hot, 16, holds=lambda key: False)
@@ -34,12 +35,33 @@ def test_a_real_cache_behind_the_lru_shadow_settles_on_lru_until_another_way_lea
 
 def test_without_the_real_cache_counted_the_duel_never_settles() -> None:
     duel = Duel(lambda key: 0)                         # a lower tier: scored by reads, no chain, no `holds`
+    duel.press()
     hot = [k(i) for i in range(8)]
     for _ in range(100):
         duel.asked(hot, 16)
         duel.choose()
         duel.asked([], 16)
     assert not duel.settled and duel.way in WAYS
+
+
+def test_before_the_real_class_evicts_the_shadows_leads_choose_nothing() -> None:
+    """The shadows, sized to the class's occupancy, evict while the real class grows into free memory: their hits
+    differ then in a contest the real cache is not in, and the way a full pool begins with must not come from it."""
+    duel = Duel(lambda key: 0)
+    hot = [k(i) for i in range(8)]
+
+    def traffic() -> None:                             # every shadow hits the chain; the real cache never does
+        for _ in range(100):
+            duel.asked(hot, 16, holds=lambda key: False)
+            duel.choose()
+            duel.asked([], 16)
+
+    traffic()
+    assert not duel.settled and duel.way == INITIAL and duel.switches == 0
+    assert all(s.hits == s.long == 0 for s in duel.shadows) and duel.real == 0
+    duel.press()                                       # the first victim asked: the same traffic is evidence now
+    traffic()
+    assert duel.settled and duel.way == "lru"
 
 
 def test_a_shadow_stores_a_chain_as_the_index_does_head_first_never_evicting_its_own_blocks() -> None:
