@@ -191,8 +191,8 @@ def main() -> None:
     ap.add_argument("--saves", default=None, help="with --families: whole,missed,named (all three by default)")
     args = ap.parse_args()
     if args.families:
-        from family_replay import run_families
         from family_offline import SAVES
+        from family_replay import run_families
         saves = tuple(args.saves.split(",")) if args.saves else SAVES
         if not set(saves) <= set(SAVES):
             ap.error(f"--saves: each of {', '.join(SAVES)}, got {args.saves}")
