@@ -36,6 +36,11 @@ every shadow but two stayed within 1.5). So the duel also counts, on the same sa
 shadow's hits, the class settles on lru, and leaves it only when another way's shadow leads lru by 2 × SLACK over
 the long window (`_settle`). Where no request tells its chain (a lower tier) the real cache is not counted.
 
+**Evidence starts with pressure.** A shadow is sized to the class's occupancy, so while the real class still grows
+into free memory the shadows evict and the real cache does not: the ways differ there in a contest the real cache is
+not in. Their hits count from the first victim the real class is asked for (`Duel.press`; the native hooks'
+`pressed`), so the way a full pool starts with is chosen on what eviction there does.
+
 Cost: the shadows see a sample of the keys (SHARDS, Waldspurger et al., FAST 2015: keys whose fingerprint is 0
 modulo `rate`, each shadow sized to the class's occupancy / `rate`), the rate doubling whenever a shadow would hold
 more than SHADOW_BLOCKS keys: a class of up to SHADOW_BLOCKS blocks is simulated exactly, a larger one at about
