@@ -186,6 +186,20 @@ def test_a_round_robin_of_sessions_larger_than_the_pool_keeps_the_resident_ones(
     assert p.levels()["classes"]["0"]["way"] == "forget"
 
 
+@pytest.mark.parametrize("form", ["host", "tier"])
+def test_the_shadows_score_only_once_the_pool_has_evicted(form):
+    """Until the class is asked for a victim the shadows' hits are no evidence (they evict in a contest the real
+    cache, growing into free memory, is not in): the host pool's native hooks and the tier's Python books alike."""
+    reqs = sessions_round_robin(sessions=8, turns=30)[:60]
+    for cap, evicts in ((10 ** 6, False), (distinct(reqs) // 4, True)):     # larger than every block asked, or not
+        p = host() if form == "host" else HistoryOrder()
+        index_replay(p, reqs, cap)
+        books = p.levels()["classes"]["0"]
+        assert (max(books["shadow_hits"].values()) > 0) == evicts, books
+        if not evicts:
+            assert books["switches"] == 0 and set(books["shadow_hits"].values()) == {0.0}
+
+
 def test_a_moving_working_set_is_not_kept_for_its_past_uses():
     """Blocks used often in a phase that is over must not stay for ever: a way where uses protect a block only for a
     while (aging, or none: lru) wins, and the policy stays within half a point of LRU (remembering alone falls 18
