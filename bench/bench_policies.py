@@ -196,6 +196,8 @@ def main() -> None:
         saves = tuple(args.saves.split(",")) if args.saves else SAVES
         if not set(saves) <= set(SAVES):
             ap.error(f"--saves: each of {', '.join(SAVES)}, got {args.saves}")
+        if not all(x.strip().isdigit() for x in args.seeds.split(",")):
+            ap.error(f"--seeds: whole numbers separated by commas, got {args.seeds}")
         run_families(args.quick, args.only.split(",") if args.only else None,
                      args.policies.split(",") if args.policies else None,
                      tuple(int(x) for x in args.seeds.split(",")), saves)

@@ -140,9 +140,10 @@ class HistoryPolicy(LevelsBase):
     def victim(self, cls: int) -> bytes | None:
         self._carry = -1
         c = self._classes.get(cls)
-        if c is not None:
-            c.duel.press()
-        got = None if c is None else self.table.pick(cls, AGING[c.duel.way])
+        if c is None:
+            return None
+        c.duel.press()
+        got = self.table.pick(cls, AGING[c.duel.way])
         return None if got is None else got[0]
 
     def admits(self, victim: bytes, touch: Touch | None, key: bytes | None = None) -> bool:
